@@ -1,0 +1,3 @@
+"""plait: a distributed training engine for PyTorch."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [section.key=value ...]`
+
+Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
+fix, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+from plait.config import AXES, Config, ConfigError, load_config, validate
+
+RECIPES = Path(__file__).resolve().parent.parent / "configs"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, status 2, like every other bad input
+        print(f"plait: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="plait", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="train a model on N local workers, or under torchrun")
+    train.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    train.add_argument("--nproc", type=int, help="local workers (default: the config's degrees)")
+    train.add_argument("--metrics", help="write one JSON object per step here (rank 0)")
+    train.add_argument("overrides", nargs="*", metavar="section.key=value")
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def recipe_path(name: str | None) -> Path | None:
+    """A path as given, or a recipe name from configs/; none given means the default recipe."""
+    if name is None:
+        default = RECIPES / "default.toml"
+        return default if default.is_file() else None
+    path = Path(name)
+    if not path.exists() and (RECIPES / f"{name}.toml").is_file():
+        return RECIPES / f"{name}.toml"
+    return path
+
+
+def default_world(cfg: Config) -> int:
+    """World size implied by the degrees: their product, with an unset dp counting as 1."""
+    return math.prod(getattr(cfg.parallel, a) or 1 for a in AXES)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from plait.launch import ChildFailedError, in_torchrun, launch
+
+    cfg = load_config(recipe_path(args.config), args.overrides)
+    if in_torchrun():  # we are one of torchrun's workers
+        if args.nproc is not None:
+            raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
+        validate(cfg, int(os.environ["WORLD_SIZE"]))
+        from plait.train.run import run_training
+
+        run_training(cfg, args.metrics)
+        return
+    nproc = default_world(cfg) if args.nproc is None else args.nproc
+    validate(cfg, nproc)
+    from plait.train.run import run_training
+
+    try:
+        launch(nproc, run_training, cfg, args.metrics, threads=cfg.train.threads)
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ConfigError as e:
+        print(f"plait: error: {e}", file=sys.stderr)
+        sys.exit(2)

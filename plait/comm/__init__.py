@@ -1,0 +1,31 @@
+"""Communication: every collective plait issues, accounted (see `collectives`)."""
+
+from plait.comm.collectives import (
+    LEDGER,
+    CommLedger,
+    Op,
+    Pending,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    broadcast,
+    bus_bytes,
+    recv,
+    reduce_scatter,
+    send,
+)
+
+__all__ = [
+    "LEDGER",
+    "CommLedger",
+    "Op",
+    "Pending",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "bus_bytes",
+    "recv",
+    "reduce_scatter",
+    "send",
+]

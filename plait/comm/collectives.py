@@ -1,0 +1,207 @@
+"""Accounted collectives over an explicit process group.
+
+Every collective plait issues goes through these wrappers. Each one adds to the process's ledger
+the bytes it moves per rank by the ring convention (nccl-tests' "bus bytes"), for a group of n
+ranks and a tensor of D bytes:
+
+    all-reduce                      2 (n - 1) / n * D
+    all-gather, reduce-scatter      (n - 1) / n * D   (D = the full, unsharded tensor)
+    all-to-all                      (n - 1) / n * D   (D = this rank's input)
+    broadcast, send                 D                 (recv moves nothing of its own)
+
+The count is the logical algorithm's, whatever the backend does underneath, so it is exact and
+the same on gloo and NCCL; tests assert it against these formulas. The ledger is process-wide (like
+a profiler) so that collectives deep inside autograd functions are counted without threading a
+counter through every call; it holds numbers, never process groups.
+
+A collective on a group of one is a no-op and is not recorded.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Op(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
+    SEND = "send"
+    RECV = "recv"
+
+
+def bus_bytes(op: Op, n: int, nbytes: int) -> Fraction:
+    """Bytes one rank moves for `op` on n ranks and a D-byte tensor (see the module docstring)."""
+    if n == 1 or op is Op.RECV:
+        return Fraction(0)
+    if op is Op.ALL_REDUCE:
+        return Fraction(2 * (n - 1) * nbytes, n)
+    if op in (Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL):
+        return Fraction((n - 1) * nbytes, n)
+    return Fraction(nbytes)  # broadcast, send
+
+
+@dataclass
+class CommLedger:
+    """What this process's collectives moved since the last `reset`."""
+
+    bytes: Fraction = Fraction(0)
+    bytes_by_op: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+    wait_s: float = 0.0
+
+    def record(self, op: Op, n: int, nbytes: int) -> None:
+        moved = bus_bytes(op, n, nbytes)
+        self.bytes += moved
+        self.bytes_by_op[op] += moved
+        self.calls[op] += 1
+
+    def reset(self) -> None:
+        self.bytes, self.wait_s = Fraction(0), 0.0
+        self.bytes_by_op.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict:
+        return {
+            "bytes": float(self.bytes),
+            "bytes_by_op": {op.value: float(b) for op, b in self.bytes_by_op.items()},
+            "calls": {op.value: c for op, c in self.calls.items()},
+            "wait_s": self.wait_s,
+        }
+
+
+LEDGER = CommLedger()
+
+
+class Pending:
+    """An asynchronous collective in flight; `wait()` blocks and books the time blocked."""
+
+    def __init__(self, work: dist.Work | None):
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            start = time.perf_counter()
+            self._work.wait()
+            LEDGER.wait_s += time.perf_counter() - start
+            self._work = None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _run(op: Op, group: ProcessGroup, nbytes: int, call, async_op: bool) -> Pending | None:
+    n = dist.get_world_size(group)
+    LEDGER.record(op, n, nbytes)
+    if not async_op:
+        start = time.perf_counter()
+        call(False)
+        LEDGER.wait_s += time.perf_counter() - start
+        return None
+    return Pending(call(True))
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+) -> Pending | None:
+    """In place: every rank ends with the reduction of all ranks' `tensor`."""
+    if dist.get_world_size(group) == 1:
+        return Pending(None) if async_op else None
+    return _run(
+        Op.ALL_REDUCE, group, _nbytes(tensor),
+        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op,
+    )
+
+
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> Pending | None:
+    """`output` (n * shard.numel() elements, rank-major along dim 0) <- every rank's `shard`."""
+    if dist.get_world_size(group) == 1:
+        output.copy_(shard.reshape(output.shape))
+        return Pending(None) if async_op else None
+    return _run(
+        Op.ALL_GATHER, group, _nbytes(output),
+        lambda a: _all_gather_flat(output, shard, group=group, async_op=a), async_op,
+    )
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: ProcessGroup,
+    op: ReduceOp = ReduceOp.SUM,
+    async_op: bool = False,
+) -> Pending | None:
+    """`output` <- this rank's 1/n chunk (along dim 0) of the reduction of every rank's `full`."""
+    if dist.get_world_size(group) == 1:
+        output.copy_(full.reshape(output.shape))
+        return Pending(None) if async_op else None
+    return _run(
+        Op.REDUCE_SCATTER, group, _nbytes(full),
+        lambda a: _reduce_scatter_flat(output, full, op=op, group=group, async_op=a), async_op,
+    )
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False
+) -> Pending | None:
+    """In place, from `src`, the source's rank *within* `group`."""
+    if dist.get_world_size(group) == 1:
+        return Pending(None) if async_op else None
+    src_global = dist.get_global_rank(group, src)
+    return _run(
+        Op.BROADCAST, group, _nbytes(tensor),
+        lambda a: dist.broadcast(tensor, src=src_global, group=group, async_op=a), async_op,
+    )
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup,
+    output_splits: list[int] | None = None,
+    input_splits: list[int] | None = None,
+    async_op: bool = False,
+) -> Pending | None:
+    """Chunk i of this rank's `input` (along dim 0) goes to rank i; `output` holds, rank-major, what
+    every rank sent here. Splits give uneven chunk sizes in rows."""
+    if dist.get_world_size(group) == 1:
+        output.copy_(input)
+        return Pending(None) if async_op else None
+    return _run(
+        Op.ALL_TO_ALL, group, _nbytes(input),
+        lambda a: dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=group, async_op=a
+        ),
+        async_op,
+    )
+
+
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup, async_op: bool = False):
+    """To `dst`, a rank within `group`."""
+    dst_global = dist.get_global_rank(group, dst)
+    call = lambda a: (dist.isend if a else dist.send)(tensor, dst=dst_global, group=group)
+    return _run(Op.SEND, group, _nbytes(tensor), call, async_op)
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False):
+    """Into `tensor`, from `src`, a rank within `group`."""
+    src_global = dist.get_global_rank(group, src)
+    call = lambda a: (dist.irecv if a else dist.recv)(tensor, src=src_global, group=group)
+    return _run(Op.RECV, group, _nbytes(tensor), call, async_op)

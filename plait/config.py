@@ -1,0 +1,267 @@
+"""Configuration: one typed dataclass per component, TOML files, `section.key=value` overrides.
+
+Every check that can be made before a worker starts is made here, in `validate`, and raises
+`ConfigError(field, fix)`; the CLI turns it into exit status 2 and one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from plait.mesh import AXES, ParallelDims  # noqa: F401 - AXES is re-exported
+from plait.model.llama import PRESETS, ModelArgs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Bad input, found before any worker starts. `field` is the dotted key at fault."""
+
+    def __init__(self, field: str, fix: str):
+        super().__init__(f"{field}: {fix}")
+        self.field = field
+
+
+@dataclass
+class ModelConfig:
+    """`preset` names a size in `plait.model.PRESETS`; any other key overrides one of its fields."""
+
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def args(self) -> ModelArgs:
+        return dataclasses.replace(PRESETS[self.preset], **self.overrides)
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of the mesh axes. `dp = 0` means: whatever the world size leaves."""
+
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 32  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 0  # sequences per rank per forward; 0 = global_batch / dp (no accumulation)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    lr_scaling: str = "none"  # "linear": lr * global_batch / base_batch (Goyal et al. 2017)
+    base_batch: int = 32
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    seed: int = 0
+    precision: str = "fp32"  # "fp32" | "bf16" (autocast; fp32 weights and optimizer state)
+    eval_every: int = 0  # steps between validation passes; 0 = only after the last step
+    eval_batches: int = 4
+    threads: int = 1  # intra-op threads per worker: oversubscribed cores are ruinous
+    peak_tflops: float = 0.0  # per device, for MFU; 0 = known GPU table, or measured on CPU
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" (Python's own .py files), a text file or folder, a .bin
+    seq_len: int = 64
+    val_fraction: float = 0.05
+    max_bytes: int = 4_000_000  # of text read from `source`
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        model = out.pop("model")
+        out["model"] = {"preset": model["preset"], **model["overrides"]}
+        return out
+
+
+SECTIONS = ("model", "parallel", "train", "data")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value`; the value is read as a TOML value, else kept as a plain string."""
+    key, sep, raw = text.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(text, "overrides are written section.key=value, e.g. train.steps=20")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then the command-line overrides, each key type-checked."""
+    raw: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("--config", f"no file {path}; pass an existing TOML file")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", f"{path} is not valid TOML ({e})") from None
+    for name, value in raw.items():
+        if name not in SECTIONS or not isinstance(value, dict):
+            raise ConfigError(name, f"unknown section; sections are {', '.join(SECTIONS)}")
+    for text in overrides:
+        key, value = parse_override(text)
+        section, _, name = key.partition(".")
+        if section not in SECTIONS:
+            known = ", ".join(SECTIONS)
+            raise ConfigError(key, f"unknown section '{section}'; sections are {known}")
+        raw.setdefault(section, {})[name] = value
+    return Config(
+        model=_model_section(raw.get("model", {})),
+        **{s: _section(s, raw.get(s, {})) for s in SECTIONS if s != "model"},
+    )
+
+
+def _section(name: str, values: dict[str, Any]):
+    cls = get_type_hints(Config)[name]
+    return cls(**{k: _typed(f"{name}.{k}", v, _hints(cls), cls) for k, v in values.items()})
+
+
+def _model_section(values: dict[str, Any]) -> ModelConfig:
+    preset = values.get("preset", ModelConfig.preset)
+    if preset not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset '{preset}'; one of {', '.join(PRESETS)}")
+    hints = _hints(ModelArgs)
+    overrides = {
+        k: _typed(f"model.{k}", v, hints, ModelArgs) for k, v in values.items() if k != "preset"
+    }
+    return ModelConfig(preset=preset, overrides=overrides)
+
+
+def _hints(cls) -> dict[str, type]:
+    return {f.name: get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
+    name = key.split(".", 1)[1]
+    if name not in hints:
+        known = ", ".join(n for n in hints if n != "overrides")
+        raise ConfigError(key, f"unknown key; {key.split('.')[0]} keys are {known}")
+    want = hints[name]
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(key, f"expected {want.__name__}, got {value!r}")
+    return value
+
+
+def validate(cfg: Config, world_size: int) -> ParallelDims:
+    """Check everything that can be checked before launch; return the resolved mesh degrees."""
+    if world_size < 1:
+        raise ConfigError("--nproc", f"need at least one process, got {world_size}")
+    dims = _resolve_dims(cfg.parallel, world_size)
+    args = _check_model(cfg.model.args())
+    if args.n_heads % dims.tp or args.n_kv_heads % dims.tp:
+        raise ConfigError(
+            "parallel.tp",
+            f"tp={dims.tp} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}",
+        )
+    if args.n_layers % dims.pp:
+        raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
+    for axis in ("tp", "pp", "cp", "ep"):
+        if getattr(dims, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", "not implemented yet in plait; set it to 1")
+    _check_train(cfg.train, dims)
+    _check_data(cfg.data, args)
+    return dims
+
+
+def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
+    for axis in AXES:
+        degree = getattr(par, axis)
+        if degree < (0 if axis == "dp" else 1):
+            raise ConfigError(f"parallel.{axis}", f"degree must be >= 1, got {degree}")
+    others = math.prod(getattr(par, a) for a in AXES if a != "dp")
+    dp = par.dp or world_size // others
+    if dp < 1 or dp * others != world_size:
+        text = " * ".join(f"{a}={getattr(par, a) if a != 'dp' else dp}" for a in AXES)
+        raise ConfigError(
+            "parallel",
+            f"{text} must equal the world size {world_size}; change the degrees or --nproc",
+        )
+    return ParallelDims(**{a: getattr(par, a) for a in AXES if a != "dp"}, dp=dp)
+
+
+def _check_model(args: ModelArgs) -> ModelArgs:
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"model.{name}", f"must be >= 1, got {getattr(args, name)}")
+    if args.dim % args.n_heads:
+        raise ConfigError(
+            "model.dim", f"dim={args.dim} must be divisible by n_heads={args.n_heads}"
+        )
+    if args.head_dim % 2:
+        raise ConfigError("model.dim", "dim / n_heads must be even for rotary embeddings")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(
+            "model.n_kv_heads", f"must divide n_heads={args.n_heads}, got {args.n_kv_heads}"
+        )
+    return args
+
+
+def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
+    if train.steps < 1:
+        raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
+    if not 0 <= train.warmup_steps <= train.steps:
+        raise ConfigError("train.warmup_steps", f"must be in [0, train.steps={train.steps}]")
+    if train.lr <= 0:
+        raise ConfigError("train.lr", f"must be > 0, got {train.lr}")
+    if train.precision not in ("fp32", "bf16"):
+        raise ConfigError("train.precision", f"'fp32' or 'bf16', got '{train.precision}'")
+    if train.lr_scaling not in ("none", "linear"):
+        raise ConfigError("train.lr_scaling", f"'none' or 'linear', got '{train.lr_scaling}'")
+    if train.threads < 1:
+        raise ConfigError("train.threads", f"must be >= 1, got {train.threads}")
+    if train.global_batch < 1 or train.global_batch % dims.dp:
+        raise ConfigError(
+            "train.global_batch",
+            f"{train.global_batch} must be a positive multiple of dp={dims.dp}",
+        )
+    per_rank = train.global_batch // dims.dp
+    if train.micro_batch < 0 or (train.micro_batch and per_rank % train.micro_batch):
+        raise ConfigError(
+            "train.micro_batch",
+            f"{train.micro_batch} must divide global_batch / dp = {per_rank} (or be 0)",
+        )
+
+
+def _check_data(data: DataConfig, args: ModelArgs) -> None:
+    if not 1 <= data.seq_len <= args.max_seq_len:
+        raise ConfigError(
+            "data.seq_len",
+            f"must be in [1, model.max_seq_len={args.max_seq_len}], got {data.seq_len}",
+        )
+    if not 0 < data.val_fraction < 1:
+        raise ConfigError("data.val_fraction", f"must be in (0, 1), got {data.val_fraction}")
+    if data.source != "stdlib" and not Path(data.source).exists():
+        raise ConfigError("data.source", f"no such file or folder '{data.source}'; or use 'stdlib'")
+    if data.source.endswith(".bin") and args.vocab_size > 65536:
+        raise ConfigError("model.vocab_size", "uint16 .bin data holds token ids below 65536")
+    elif not data.source.endswith(".bin") and args.vocab_size < 256:
+        raise ConfigError("model.vocab_size", "byte-level text needs vocab_size >= 256")

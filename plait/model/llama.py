@@ -1,0 +1,213 @@
+"""A plain single-device Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Nothing here is distributed. Parallelisms in `plait.parallel` transform this model in place, so the
+module and parameter names below are a contract: a pipeline stage that keeps `layers.4` or a
+tensor-parallel shard of `layers.0.attention.wq` finds its weights under the same name.
+
+Weights are initialised per parameter from a generator seeded by (seed, parameter name)
+(`init_weights`), so they do not depend on construction order, on the device the model was built
+on, or on how the model will later be split.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 256
+    # SwiGLU hidden size: 2/3 * 4 * dim * ffn_multiplier, rounded up to `multiple_of`
+    # (the Llama recipe keeps the parameter count of a 4*dim GELU MLP).
+    ffn_multiplier: float = 1.0
+    multiple_of: int = 32
+    max_seq_len: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3 * self.ffn_multiplier)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+# Named sizes. The small ones train on a laptop; the large ones are built on the `meta` device by
+# the planner for their shapes (Llama-2 7B / Llama-3 70B dimensions).
+PRESETS: dict[str, ModelArgs] = {
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, multiple_of=16),
+    "small": ModelArgs(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256),
+    "125m": ModelArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000,
+                      max_seq_len=2048, multiple_of=256),
+    "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                    ffn_multiplier=1.5, max_seq_len=4096, multiple_of=256, rope_theta=500000.0),
+    "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                    max_seq_len=4096, multiple_of=256),
+    "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                     ffn_multiplier=1.3, max_seq_len=8192, multiple_of=1024, rope_theta=500000.0),
+}
+
+
+def model_args(preset: str, **overrides) -> ModelArgs:
+    """The preset's sizes with the given fields replaced."""
+    return replace(PRESETS[preset], **overrides)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019): x / rms(x) * weight, no bias."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much in bf16.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
+    """cos and sin of the rotary angles (Su et al. 2021), each (seq, head_dim / 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, head_dim) by position; pairs are (even, odd) features."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (b, s, h, head_dim / 2)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention (Ainslie et al. 2023): n_kv_heads key/value heads shared by
+    n_heads / n_kv_heads query heads each."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the weight shapes, not the config, so the same code runs on a
+        # tensor-parallel shard that holds a subset of the heads.
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim))  # (b, s, heads, head_dim)
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim))  # (b, s, kv_heads, head_dim)
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (b, heads, s, head_dim)
+        return self.wo(out.transpose(1, 2).flatten(-2))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(.))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) -> logits (batch, seq, vocab). Untied input and output embeddings, so a
+    pipeline's first and last stages own their tables outright."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by the global layer index keeps names stable when a pipeline stage
+        # keeps only some of the layers.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)  # (b, s, dim)
+        cos, sin = rope_tables(tokens.shape[1], self.args.head_dim, self.args.rope_theta, h.device)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
+    """Deterministic init keyed by parameter name: N(0, 0.02) for embeddings and projections into
+    the residual stream's inputs, N(0, 0.02 / sqrt(2 * n_layers)) for the two projections that
+    write into the residual stream (GPT-2's scaled init), ones for norms.
+
+    Each tensor is drawn on the CPU in full and copied in, so the same name gets the same values
+    whatever device or dtype the model lives on.
+    """
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        std = 0.02
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std = 0.02 / math.sqrt(2 * n_layers)
+        g = torch.Generator().manual_seed(_param_seed(seed, name))
+        p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def build_model(args: ModelArgs, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """Build and initialise. On `meta`, only shapes exist and init is skipped."""
+    with torch.device(device):
+        model = Transformer(args)
+    if torch.device(device).type != "meta":
+        init_weights(model, seed, args.n_layers)
+    return model
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding and hasattr(model, "tok_embeddings"):
+        n -= model.tok_embeddings.weight.numel()
+    return n

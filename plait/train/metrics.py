@@ -1,0 +1,83 @@
+"""What a step cost: FLOPs and MFU, model-state bytes, and the JSONL metrics file."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plait.model import ModelArgs
+
+# Dense bf16 peak per device, FLOP/s, from the vendors' datasheets (no sparsity).
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls of forward + backward (Kaplan et al. 2020), N
+    counting every parameter but the input embedding (a lookup, not a matmul), plus
+    12 * layers * seq * dim for the attention scores and their weighted sum (PaLM, Chowdhery et al.
+    2022, appendix B)."""
+    n = n_params - args.vocab_size * args.dim
+    return 6 * n + 12 * args.n_layers * seq_len * args.dim
+
+
+def measure_cpu_flops(size: int = 512, seconds: float = 0.3) -> float:
+    """FLOP/s of one thread on fp32 matmuls: the ceiling a CPU rank can reach, since CPUs publish
+    no single peak."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    return 2 * size**3 * n / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, configured_tflops: float) -> float:
+    """Peak FLOP/s of one device: the configured value, else the GPU table, else measured."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return value
+    return measure_cpu_flops()
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state. Optimizer state counts
+    per-element tensors (Adam's two moments); the 0-dim step counters are bookkeeping, not model
+    state in the sense of ZeRO's 2 + 2 + K bytes per parameter."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                if p.grad is not None)
+    opt = sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+class MetricsWriter:
+    """One JSON object per line; only the rank that owns it writes."""
+
+    def __init__(self, path: str | None):
+        self._file = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w")  # noqa: SIM115 - held for the run
+
+    def write(self, record: dict) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()

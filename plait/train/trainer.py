@@ -1,0 +1,166 @@
+"""The training loop: micro-batches with gradient accumulation, gradient sync, clipping, AdamW with
+warm-up + cosine, validation, metrics.
+
+The trainer owns no process group: it is handed the mesh, so tests can drive it from any harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plait.comm import LEDGER, all_reduce, broadcast
+from plait.config import Config
+from plait.mesh import ParallelDims
+from plait.model import build_model, count_params
+from plait.parallel import parallelize
+from plait.train.data import TokenData
+from plait.train.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    model_state_bytes,
+    peak_flops,
+)
+from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.train.progress import Progress
+
+
+@dataclass
+class Summary:
+    losses: list[float] = field(default_factory=list)
+    val_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    comm_bytes_per_step: float = 0.0
+    model_state_bytes: dict[str, int] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, dims: ParallelDims, mesh, device: torch.device):
+        self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
+        args = cfg.model.args()
+        self.model = build_model(args, cfg.train.seed, device)
+        self.parallel = parallelize(self.model, mesh)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.data = TokenData(cfg.data, cfg.train.seed)
+        self.dp_group = mesh["dp"].get_group()
+        self.dp_rank, self.dp = mesh["dp"].get_local_rank(), dims.dp
+        per_rank = cfg.train.global_batch // dims.dp
+        self.micro_batch = cfg.train.micro_batch or per_rank
+        self.accumulation = per_rank // self.micro_batch
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.flops_per_step = self.tokens_per_step * flops_per_token(
+            args, count_params(self.model), cfg.data.seq_len
+        )
+        self.is_logger = dist.get_rank() == 0
+
+    def _autocast(self):
+        if self.train_cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            logits = self.parallel(inputs.to(self.device))  # (b, s, vocab)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+
+    def _global_mean(self, value: float) -> float:
+        """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens)."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        all_reduce(t, self.dp_group)
+        return t.item() / self.dp
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step over the global batch; returns this rank's local results."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = lr_at(step, self.train_cfg)
+        set_lr(self.optimizer, lr)
+        inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.dp_rank, self.dp)
+        loss_sum = 0.0
+        for micro in range(self.accumulation):
+            rows = slice(micro * self.micro_batch, (micro + 1) * self.micro_batch)
+            loss = self._loss(inputs[rows], targets[rows]) / self.accumulation
+            loss.backward()
+            loss_sum += loss.item()
+        self.parallel.finish_gradients()
+        if self.train_cfg.grad_clip > 0:
+            # Gradients are whole and equal on every rank here, so the local norm is the global
+            # one; sharded strategies must reduce the squared norm over their axes instead.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        self.optimizer.step()
+        return {"loss": loss_sum, "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total = 0.0
+        for i in range(self.train_cfg.eval_batches):
+            inputs, targets = self.data.val_batch(
+                i, self.train_cfg.global_batch, self.dp_rank, self.dp
+            )
+            for rows in torch.arange(len(inputs)).split(self.micro_batch):
+                total += self._loss(inputs[rows], targets[rows]).item() * len(rows) / len(inputs)
+        return self._global_mean(total / self.train_cfg.eval_batches)
+
+    def _peak_flops(self) -> float:
+        """One device's peak, found by rank 0 (measuring a CPU while the other ranks compute on the
+        same cores would measure the contention) and broadcast to all."""
+        world = dist.group.WORLD
+        value = peak_flops(self.device, self.train_cfg.peak_tflops) if self.is_logger else 0.0
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        broadcast(t, src=0, group=world)
+        return t.item()
+
+    def fit(self, metrics_path: str | None = None, show_progress: bool = False) -> Summary:
+        cfg, summary = self.train_cfg, Summary()
+        peak = self._peak_flops() * dist.get_world_size()
+        writer = MetricsWriter(metrics_path if self.is_logger else None)
+        progress = Progress(cfg.steps, enabled=show_progress and self.is_logger)
+        times, comm = [], []
+        for step in range(cfg.steps):
+            LEDGER.reset()
+            start = time.perf_counter()
+            result = self.train_step(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - start
+            # comm_bytes is the step's training traffic; the logging reduction below is not in it.
+            ledger = LEDGER.snapshot()
+            loss = self._global_mean(result["loss"])
+            summary.losses.append(loss)
+            times.append(elapsed)
+            comm.append(ledger["bytes"])
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": result["lr"],
+                "tokens": self.tokens_per_step * (step + 1),
+                "step_time_s": elapsed,
+                "tokens_per_s": self.tokens_per_step / elapsed,
+                "mfu": self.flops_per_step / elapsed / peak,
+                "comm_bytes": ledger["bytes"],
+                "comm_calls": ledger["calls"],
+                "model_state_bytes": model_state_bytes(self.model, self.optimizer),
+            }
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                record["val_loss"] = self.evaluate()
+            if step + 1 == cfg.steps:
+                record["val_loss"] = summary.val_loss = self.evaluate()
+            writer.write(record)
+            progress.update(step, loss, record["tokens_per_s"], record.get("val_loss"))
+        progress.close()
+        writer.close()
+        # The first step pays one-off costs (allocations, warm caches): leave it out of rates.
+        steady = statistics.median(times[1:] or times)
+        summary.tokens_per_s = self.tokens_per_step / steady
+        summary.mfu = self.flops_per_step / steady / peak
+        summary.comm_bytes_per_step = statistics.mean(comm)
+        summary.model_state_bytes = model_state_bytes(self.model, self.optimizer)
+        return summary

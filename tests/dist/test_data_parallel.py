@@ -1,0 +1,93 @@
+"""Data-parallel training equals single-process training on the same global batch.
+
+Tolerances. Ranks sum gradients in a different order than one process does, so results differ in
+the last float32 bits (~1e-7 relative):
+- losses: relative 1e-5 (DESIGN.md);
+- gradients of the first step (same weights on both sides): relative 1e-5, absolute 1e-8. This is
+  the check that catches a wrong scale (summing instead of averaging), to which Adam is blind;
+- parameters after 5 steps: absolute 1e-5. Adam's update g / (sqrt(v) + eps) is close to +-lr for
+  any element, so an element whose gradient is at noise level can move differently by a few 1e-6
+  (we see one such element in ~10^4); a missed or doubled update moves it by ~lr = 3e-3.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_world
+
+from plait.comm import LEDGER, Op
+from plait.config import load_config, validate
+from plait.mesh import build_mesh
+from plait.train.trainer import Trainer
+
+STEPS = 5
+
+
+def tiny_config(*overrides):
+    return load_config(None, [
+        "model.preset='tiny'", f"train.steps={STEPS}", "train.warmup_steps=2",
+        "train.global_batch=8", "train.peak_tflops=1.0", "train.eval_batches=1",
+        "data.seq_len=32", "data.max_bytes=200000", *overrides,
+    ])
+
+
+def train_here(cfg):
+    """Train on the current world: losses, validation loss, parameters after STEPS steps, the
+    ledger of one more step, gradient bytes, and the averaged gradients of step 0."""
+    dims = validate(cfg, dist.get_world_size())
+    mesh = build_mesh(dims)
+    # Unclipped: clipping rescales any gradient to the same norm and would hide a wrong scale.
+    unclipped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_clip=0.0))
+    first = Trainer(unclipped, dims, mesh, torch.device("cpu"))
+    first.train_step(0)
+    grads = {n: p.grad.clone() for n, p in first.model.named_parameters()}
+    trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
+    summary = trainer.fit()
+    LEDGER.reset()
+    trainer.train_step(STEPS)  # one more step, to read its communication alone
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    grad_bytes = sum(p.numel() * 4 for p in trainer.model.parameters())
+    ledger = (LEDGER.bytes, dict(LEDGER.calls))
+    return summary.losses, summary.val_loss, params, ledger, grad_bytes, grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {mb: run_world(train_here, 1, tiny_config(f"train.micro_batch={mb}"))[0]
+            for mb in (0, 1)}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("micro_batch", [0, 1], ids=["no-accumulation", "accumulation"])
+def test_dp_matches_single_process(reference, n, micro_batch):
+    cfg = tiny_config(f"train.micro_batch={micro_batch}")
+    ref_losses, ref_val, ref_params, _, grad_bytes, ref_grads = reference[micro_batch]
+    results = run_world(train_here, n, cfg)
+    for losses, val, params, (moved, calls), _, grads in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0)
+        assert val == pytest.approx(ref_val, rel=1e-5)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-8, msg=name)
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref_params[name], rtol=0, atol=1e-5, msg=name)
+        # One flat all-reduce of every gradient per step: 2 (n - 1) / n of the gradient bytes.
+        assert calls == {Op.ALL_REDUCE: 1}
+        assert moved == 2 * (n - 1) * grad_bytes / n
+    # Replicas stay identical to the bit.
+    for _, _, params, *_ in results[1:]:
+        for name, p in params.items():
+            assert torch.equal(p, results[0][2][name]), name
+
+
+def test_accumulation_equals_one_big_batch(reference):
+    """Splitting each rank's rows into micro-batches changes the summation order only."""
+    torch.testing.assert_close(torch.tensor(reference[1][0]), torch.tensor(reference[0][0]),
+                               rtol=1e-5, atol=0)
+
+
+def test_loss_falls():
+    losses = run_world(train_here, 2, tiny_config("train.steps=30", "train.warmup_steps=3"))[0][0]
+    assert losses[-1] < losses[0] - 1.0, losses
