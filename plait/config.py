@@ -173,8 +173,6 @@ def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
 
 def validate(cfg: Config, world_size: int) -> ParallelDims:
     """Check everything that can be checked before launch; return the resolved mesh degrees."""
-    if world_size < 1:
-        raise ConfigError("--nproc", f"need at least one process, got {world_size}")
     dims = _resolve_dims(cfg.parallel, world_size)
     args = _check_model(cfg.model.args())
     if args.n_heads % dims.tp or args.n_kv_heads % dims.tp:
@@ -197,6 +195,8 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
         degree = getattr(par, axis)
         if degree < (0 if axis == "dp" else 1):
             raise ConfigError(f"parallel.{axis}", f"degree must be >= 1, got {degree}")
+    if world_size < 1:
+        raise ConfigError("--nproc", f"need at least one process, got {world_size}")
     others = math.prod(getattr(par, a) for a in AXES if a != "dp")
     dp = par.dp or world_size // others
     if dp < 1 or dp * others != world_size:

@@ -1,0 +1,79 @@
+"""The real thing: `plait train` launching workers through the elastic launcher, and torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import workers
+
+from plait.launch import ChildFailedError, launch
+
+TINY = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000", "train.eval_batches=1",
+        "train.global_batch=8", "train.steps=4", "train.warmup_steps=1"]
+FIELDS = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "mfu", "comm_bytes",
+          "model_state_bytes"}
+
+
+def plait(*args, timeout=240, **kwargs):
+    return subprocess.run([sys.executable, "-m", "plait", *args], capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_default_recipe_trains_on_4_workers(tmp_path):
+    """The default recipe, cut to 40 steps: 4 workers, the loss clearly falling, metrics exact."""
+    metrics = tmp_path / "m.jsonl"
+    proc = plait("train", "--metrics", str(metrics), "train.steps=40", "train.eval_every=20")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plait train: 4 rank(s)" in proc.stdout + proc.stderr  # the summary table
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(40))
+    assert all(FIELDS <= r.keys() for r in records)
+    assert records[-1]["loss"] < records[0]["loss"] - 2.0
+    assert records[-1]["val_loss"] < records[19]["val_loss"]
+    state = records[-1]["model_state_bytes"]
+    assert state["grads"] == state["params"] and state["optimizer"] == 2 * state["params"]
+    # Plain data parallelism: one all-reduce of all gradients, 2 (n - 1) / n of their bytes.
+    assert all(r["comm_bytes"] == 2 * 3 / 4 * state["params"] for r in records)
+    assert records[-1]["tokens"] == 40 * 32 * 128
+
+
+def test_torchrun_runs_plait_as_its_workers(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "plait", "train", "--metrics", str(metrics), "parallel.dp=0", *TINY],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(metrics)
+    assert len(records) == 4
+    assert records[-1]["comm_bytes"] == records[-1]["model_state_bytes"]["params"]  # n = 2
+
+
+def test_launcher_returns_results_by_rank():
+    assert launch(3, workers.world_sum) == [6.0, 6.0, 6.0]
+
+
+def test_a_failing_worker_brings_the_job_down_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(ChildFailedError) as failed:
+        launch(2, workers.rank_one_fails)
+    assert time.monotonic() - start < 60  # not a hang
+    message = failed.value.format_msg()
+    assert "rank one fails on purpose" in message and "Traceback" in message
+
+
+def test_cli_reports_a_worker_failure_with_status_1(tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("too little text " * 4)
+    proc = plait("train", "--nproc", "2", "parallel.dp=0", f"data.source={small}", *TINY)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "data.source" in proc.stderr

@@ -1,0 +1,88 @@
+"""Configuration loading, and bad input: status 2 and one line naming the field, before any worker
+starts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from plait import cli
+from plait.config import ConfigError, load_config, validate
+
+
+def test_overrides_are_typed_and_layered(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[train]\nsteps = 7\nlr = 1\n[model]\npreset = "small"\nn_layers = 2\n')
+    cfg = load_config(recipe, ["train.steps=9", "data.source=/some/where.txt", "model.dim=96"])
+    assert cfg.train.steps == 9 and cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.data.source == "/some/where.txt"
+    args = cfg.model.args()
+    assert (args.dim, args.n_layers, args.n_heads) == (96, 2, 6)  # preset, then file, then CLI
+
+
+def test_dp_takes_what_the_world_leaves():
+    assert validate(load_config(None, []), 4).dp == 4
+    assert validate(load_config(None, ["parallel.dp=2"]), 2).dp == 2
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Bad input must be refused before any worker starts: starting one fails the test."""
+    import plait.launch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a worker was launched for bad input")
+
+    monkeypatch.setattr(plait.launch, "launch", forbidden)
+
+
+BAD_INPUT = [
+    # (arguments, the field the one-line message must name)
+    (["model.nonsense=1"], "model.nonsense"),
+    (["train.stepz=3"], "train.stepz"),
+    (["optimizer.lr=1"], "optimizer.lr"),
+    (["train.steps=many"], "train.steps"),
+    (["train.steps"], "train.steps"),
+    (["--nproc", "3"], "parallel"),
+    (["parallel.dp=2", "--nproc", "4"], "parallel"),
+    (["parallel.tp=3", "parallel.dp=1", "--nproc", "3"], "parallel.tp"),
+    (["parallel.pp=3", "parallel.dp=1", "--nproc", "3"], "parallel.pp"),
+    (["parallel.dp=-1"], "parallel.dp"),
+    (["train.global_batch=30"], "train.global_batch"),
+    (["train.micro_batch=3"], "train.micro_batch"),
+    (["model.preset=huge"], "model.preset"),
+    (["model.n_kv_heads=4"], "model.n_kv_heads"),
+    (["train.precision=fp8"], "train.precision"),
+    (["data.seq_len=100000"], "data.seq_len"),
+    (["data.source=/no/such/file.txt"], "data.source"),
+    (["train.warmup_steps=1000"], "train.warmup_steps"),
+    (["--config", "/no/such/recipe.toml"], "--config"),
+    (["--nproc", "zero"], "--nproc"),
+]
+
+
+@pytest.mark.parametrize("argv,field", BAD_INPUT, ids=[f for _, f in BAD_INPUT])
+def test_bad_input_exits_2_with_one_line(argv, field, no_launch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"plait: error: {field}") or f"argument {field}" in err, err
+
+
+def test_bad_input_from_a_real_process():
+    """The same through the installed entry point: status 2, one line on stderr, nothing else."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "plait", "train", "parallel.tp=5", "parallel.dp=1", "--nproc", "5"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "plait: error: parallel.tp: tp=5 must divide n_heads=6 and n_kv_heads=2"
+    ]
+
+
+def test_unimplemented_axes_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match="parallel.tp: not implemented"):
+        validate(load_config(None, ["parallel.tp=2"]), 2)

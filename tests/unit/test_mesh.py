@@ -1,0 +1,28 @@
+import itertools
+
+from plait.mesh import AXES, ParallelDims
+
+
+def test_coords_roundtrip_and_tp_innermost():
+    dims = ParallelDims(pp=2, dp=3, cp=1, ep=1, tp=2)
+    assert dims.world_size == 12
+    seen = set()
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        assert dims.rank(**c) == rank
+        seen.add(tuple(c[a] for a in AXES))
+    assert seen == set(itertools.product(range(2), range(3), [0], [0], range(2)))
+    assert dims.coords(1) == {"pp": 0, "dp": 0, "cp": 0, "ep": 0, "tp": 1}  # tp fastest
+    assert dims.coords(6)["pp"] == 1  # pp slowest: the second half of the ranks
+
+
+def test_group_ranks_partition_the_world():
+    dims = ParallelDims(pp=2, dp=2, tp=2)
+    for axis in AXES:
+        groups = {tuple(dims.group_ranks(axis, r)) for r in range(dims.world_size)}
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(dims.world_size)), axis
+        assert all(len(g) == getattr(dims, axis) for g in groups)
+    assert dims.group_ranks("tp", 5) == [4, 5]
+    assert dims.group_ranks("dp", 5) == [5, 7]
+    assert dims.group_ranks("pp", 5) == [1, 5]
