@@ -43,13 +43,16 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of the mesh axes. `dp = 0` means: whatever the world size leaves."""
+    """Degrees of the mesh axes (`dp = 0` means: whatever the world size leaves), and how the data
+    parallelism communicates."""
 
     dp: int = 0
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    bucket_mb: float = 25.0  # gradient bucket size
+    allreduce: str = "backend"  # "backend" | "ring" | "naive"
 
 
 @dataclass
@@ -185,6 +188,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     for axis in ("tp", "pp", "cp", "ep"):
         if getattr(dims, axis) > 1:
             raise ConfigError(f"parallel.{axis}", "not implemented yet in plait; set it to 1")
+    _check_parallel(cfg.parallel)
     _check_train(cfg.train, dims)
     _check_data(cfg.data, args)
     return dims
@@ -206,6 +210,15 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
             f"{text} must equal the world size {world_size}; change the degrees or --nproc",
         )
     return ParallelDims(**{a: getattr(par, a) for a in AXES if a != "dp"}, dp=dp)
+
+
+def _check_parallel(par: ParallelConfig) -> None:
+    if par.bucket_mb <= 0:
+        raise ConfigError("parallel.bucket_mb", f"must be > 0, got {par.bucket_mb}")
+    if par.allreduce not in ("backend", "ring", "naive"):
+        raise ConfigError(
+            "parallel.allreduce", f"'backend', 'ring' or 'naive', got '{par.allreduce}'"
+        )
 
 
 def _check_model(args: ModelArgs) -> ModelArgs:

@@ -10,13 +10,20 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.parallel.data_parallel import NaiveDataParallel
+from plait.comm.allreduce import AllReduceAlgorithm
+from plait.config import ParallelConfig
+from plait.parallel.data_parallel import DataParallel, NaiveDataParallel
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> NaiveDataParallel:
+def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> DataParallel:
     """Apply every configured parallelism to `model`; returns the outermost wrapper, whose
-    `finish_gradients()` the trainer calls after the step's last backward."""
-    return NaiveDataParallel(model, mesh["dp"].get_group())
+    `no_sync()` and `finish_gradients()` the trainer uses around backward."""
+    return DataParallel(
+        model,
+        mesh["dp"].get_group(),
+        bucket_mb=cfg.bucket_mb,
+        algorithm=AllReduceAlgorithm(cfg.allreduce),
+    )
 
 
-__all__ = ["NaiveDataParallel", "parallelize"]
+__all__ = ["DataParallel", "NaiveDataParallel", "parallelize"]

@@ -1,43 +1,68 @@
-"""Data parallelism, the simple version: replicas start equal, and after the last backward of a
-step one all-reduce of all gradients, flattened into one buffer, averages them.
+"""Data parallelism: replicas of the model on the ranks of the `dp` axis, gradients averaged.
 
-It overlaps nothing and buckets nothing; it is the reference the bucketed engine is tested against.
+Two engines with one interface (`no_sync()`, `finish_gradients()`), tested against each other:
+
+- `NaiveDataParallel`: after the step's last backward, one all-reduce of all gradients flattened
+  together. Nothing overlaps; it is the simple reference.
+- `DataParallel`: gradients are copied into buckets as backward produces them
+  (post-accumulate-grad hooks); a full bucket's all-reduce starts at once, asynchronously, while
+  backward goes on, and `finish_gradients` waits for the ones still in flight. Under `no_sync()`
+  (the micro-batches of gradient accumulation before the last) nothing is communicated.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from plait.comm import all_reduce, broadcast
+from plait.comm import Pending, all_reduce, broadcast
+from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
+from plait.comm.buckets import Bucket, build_buckets
+from plait.comm.compression import Compressor, NoCompression
+
+
+def _broadcast_replicas(module: nn.Module, group: ProcessGroup) -> None:
+    """Replicas start equal: parameters and buffers from the group's first rank."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            broadcast(t.data, src=0, group=group)
+
+
+def _check_all_have_grads(module: nn.Module) -> None:
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        raise RuntimeError(
+            f"parameters got no gradient this step: {', '.join(missing)}; every parameter must "
+            "take part in the loss (or set requires_grad=False on the unused ones)"
+        )
 
 
 class NaiveDataParallel(nn.Module):
-    """Wraps a module whose replicas live on the ranks of `group` (the `dp` axis)."""
+    """One flat all-reduce of every gradient after backward."""
 
     def __init__(self, module: nn.Module, group: ProcessGroup):
         super().__init__()
         self.module, self.group = module, group
-        self.size = torch.distributed.get_world_size(group)
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                broadcast(t.data, src=0, group=group)
+        self.size = dist.get_world_size(group)
+        _broadcast_replicas(module, group)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def no_sync(self):
+        return contextlib.nullcontext()  # it only ever communicates in finish_gradients
+
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Average the gradients over the group; call once after the step's last backward."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        missing = [
-            n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None
-        ]
-        if missing:
-            raise RuntimeError(f"parameters got no gradient this step: {', '.join(missing)}")
+        _check_all_have_grads(self.module)
         if self.size == 1:
             return
+        params = [p for p in self.module.parameters() if p.requires_grad]
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         all_reduce(flat, self.group)
         flat /= self.size
@@ -45,3 +70,84 @@ class NaiveDataParallel(nn.Module):
         for p in params:
             p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
             offset += p.numel()
+
+
+class DataParallel(nn.Module):
+    """Bucketed gradient all-reduce overlapped with backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ProcessGroup,
+        bucket_mb: float = 25.0,
+        algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND,
+        compressor: Compressor | None = None,
+    ):
+        super().__init__()
+        self.module, self.group, self.algorithm = module, group, algorithm
+        self.compressor = compressor or NoCompression()
+        self.size = dist.get_world_size(group)
+        _broadcast_replicas(module, group)
+        self.buckets: list[Bucket] = build_buckets(module, int(bucket_mb * 2**20))
+        self._sync = True
+        self._next = 0  # buckets are launched in index order, the same on every rank
+        self._in_flight: list[tuple[Bucket, torch.Tensor, Pending]] = []
+        if self.size > 1:
+            for bucket in self.buckets:
+                for position, p in enumerate(bucket.params):
+                    p.register_post_accumulate_grad_hook(self._hook(bucket, position))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates gradients locally and communicates nothing."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _hook(self, bucket: Bucket, position: int):
+        def on_gradient(p: nn.Parameter) -> None:
+            if not self._sync:
+                return
+            bucket.view(position).copy_(p.grad)
+            bucket.ready.add(position)
+            # A bucket may fill before an earlier one (backward order is only roughly reversed
+            # registration order); launching strictly in index order keeps ranks in step.
+            while self._next < len(self.buckets) and len(
+                self.buckets[self._next].ready
+            ) == len(self.buckets[self._next].params):
+                self._launch(self.buckets[self._next])
+                self._next += 1
+
+        return on_gradient
+
+    def _launch(self, bucket: Bucket) -> None:
+        payload = self.compressor.compress(bucket.index, bucket.buffer)
+        pending = all_reduce_by(self.algorithm, payload, self.group)
+        self._in_flight.append((bucket, payload, pending))
+
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        """Wait for every bucket's all-reduce and hand the averaged gradients to the parameters.
+        Call once after the step's last backward (outside `no_sync`)."""
+        _check_all_have_grads(self.module)
+        if self.size == 1:
+            return
+        if self._next != len(self.buckets):  # every gradient exists, but some bucket never filled
+            late = [n for b in self.buckets[self._next :] for i, n in enumerate(b.names)
+                    if i not in b.ready]
+            raise RuntimeError(f"gradients arrived outside the last backward for: {late}; "
+                               "call finish_gradients after a backward run outside no_sync()")
+        for bucket, payload, pending in self._in_flight:
+            pending.wait()
+            self.compressor.decompress(bucket.index, payload, bucket.buffer)
+            bucket.buffer /= self.size
+            for position, p in enumerate(bucket.params):
+                p.grad = bucket.view(position)  # the optimizer reads the bucket in place
+            bucket.ready.clear()
+        self._in_flight.clear()
+        self._next = 0

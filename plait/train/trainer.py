@@ -46,7 +46,7 @@ class Trainer:
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
         self.model = build_model(args, cfg.train.seed, device)
-        self.parallel = parallelize(self.model, mesh)
+        self.parallel = parallelize(self.model, mesh, cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
         self.dp_group = mesh["dp"].get_group()
@@ -86,8 +86,11 @@ class Trainer:
         loss_sum = 0.0
         for micro in range(self.accumulation):
             rows = slice(micro * self.micro_batch, (micro + 1) * self.micro_batch)
-            loss = self._loss(inputs[rows], targets[rows]) / self.accumulation
-            loss.backward()
+            last = micro == self.accumulation - 1
+            # Micro-batches before the last accumulate locally; only the last communicates.
+            with contextlib.nullcontext() if last else self.parallel.no_sync():
+                loss = self._loss(inputs[rows], targets[rows]) / self.accumulation
+                loss.backward()
             loss_sum += loss.item()
         self.parallel.finish_gradients()
         if self.train_cfg.grad_clip > 0:
