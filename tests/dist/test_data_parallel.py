@@ -49,7 +49,7 @@ def train_here(cfg):
     trainer.train_step(STEPS)  # one more step, to read its communication alone
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     grad_bytes = sum(p.numel() * 4 for p in trainer.model.parameters())
-    ledger = (LEDGER.bytes, dict(LEDGER.calls))
+    ledger = (LEDGER.bytes, dict(LEDGER.calls), len(trainer.parallel.buckets), dist.get_rank())
     return summary.losses, summary.val_loss, params, ledger, grad_bytes, grads
 
 
@@ -59,13 +59,28 @@ def reference():
             for mb in (0, 1)}
 
 
+def expected_traffic(algorithm, n, rank, grad_bytes, buckets):
+    """(bytes, calls) of one step's gradient reduction, from each algorithm's definition."""
+    if algorithm == "backend":  # one all-reduce per bucket, 2 (n - 1) / n of its bytes
+        return 2 * (n - 1) * grad_bytes / n, {Op.ALL_REDUCE: buckets}
+    if algorithm == "ring":  # 2 (n - 1) sends of D / n per bucket
+        steps = 2 * (n - 1) * buckets
+        return 2 * (n - 1) * grad_bytes / n, {Op.SEND: steps, Op.RECV: steps}
+    if rank == 0:  # naive: the root receives n - 1 buckets and sends the sum n - 1 times
+        return (n - 1) * grad_bytes, {Op.SEND: (n - 1) * buckets, Op.RECV: (n - 1) * buckets}
+    return grad_bytes, {Op.SEND: buckets, Op.RECV: buckets}
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("micro_batch", [0, 1], ids=["no-accumulation", "accumulation"])
-def test_dp_matches_single_process(reference, n, micro_batch):
-    cfg = tiny_config(f"train.micro_batch={micro_batch}")
+@pytest.mark.parametrize("algorithm", ["backend", "ring", "naive"])
+def test_dp_matches_single_process(reference, n, micro_batch, algorithm):
+    # 64 KiB buckets: the tiny model's ~490 KiB of gradients travel in several of them.
+    cfg = tiny_config(f"train.micro_batch={micro_batch}", f"parallel.allreduce='{algorithm}'",
+                      "parallel.bucket_mb=0.0625")
     ref_losses, ref_val, ref_params, _, grad_bytes, ref_grads = reference[micro_batch]
     results = run_world(train_here, n, cfg)
-    for losses, val, params, (moved, calls), _, grads in results:
+    for losses, val, params, (moved, calls, buckets, rank), _, grads in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                    rtol=1e-5, atol=0)
         assert val == pytest.approx(ref_val, rel=1e-5)
@@ -73,9 +88,8 @@ def test_dp_matches_single_process(reference, n, micro_batch):
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-8, msg=name)
         for name, p in params.items():
             torch.testing.assert_close(p, ref_params[name], rtol=0, atol=1e-5, msg=name)
-        # One flat all-reduce of every gradient per step: 2 (n - 1) / n of the gradient bytes.
-        assert calls == {Op.ALL_REDUCE: 1}
-        assert moved == 2 * (n - 1) * grad_bytes / n
+        assert buckets > 4
+        assert (moved, calls) == expected_traffic(algorithm, n, rank, grad_bytes, buckets)
     # Replicas stay identical to the bit.
     for _, _, params, *_ in results[1:]:
         for name, p in params.items():
