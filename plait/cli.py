@@ -1,4 +1,5 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [section.key=value ...]`
+`plait bench comm --nproc N`, `plait bench step --nproc N [--config FILE] [section.key=value ...]`
 
 Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
 fix, before any worker starts.
@@ -32,6 +33,19 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics", help="write one JSON object per step here (rank 0)")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(func=cmd_train)
+
+    bench = sub.add_parser("bench", help="benchmarks against the PyTorch-native peers")
+    suites = bench.add_subparsers(dest="suite", required=True, parser_class=_Parser)
+    comm = suites.add_parser("comm", help="bandwidth of each collective and all-reduce algorithm")
+    comm.add_argument("--nproc", type=int, default=4)
+    comm.add_argument("--min-seconds", type=float, default=0.2, help="time per size and collective")
+    comm.set_defaults(func=cmd_bench_comm)
+    step = suites.add_parser("step", help="plait's DDP against torch DDP, 1 to N ranks")
+    step.add_argument("--nproc", type=int, default=4)
+    step.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    step.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    step.add_argument("overrides", nargs="*", metavar="section.key=value")
+    step.set_defaults(func=cmd_bench_step)
     return parser
 
 
@@ -72,6 +86,24 @@ def cmd_train(args: argparse.Namespace) -> None:
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)
+
+
+def cmd_bench_comm(args: argparse.Namespace) -> None:
+    if args.nproc < 2:
+        raise ConfigError("--nproc", f"a collective needs at least 2 ranks, got {args.nproc}")
+    from plait.bench import run_comm
+
+    run_comm(args.nproc, args.min_seconds)
+
+
+def cmd_bench_step(args: argparse.Namespace) -> None:
+    if args.nproc < 1:
+        raise ConfigError("--nproc", f"need at least one process, got {args.nproc}")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    from plait.bench import run_step
+
+    run_step(args.nproc, load_config(recipe_path(args.config), args.overrides), args.steps)
 
 
 def main(argv: list[str] | None = None) -> None:

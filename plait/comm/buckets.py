@@ -3,7 +3,9 @@ small gradients travel in a few large messages (latency is paid per message).
 
 Parameters go in reverse registration order, roughly the order backward produces their gradients,
 so the first bucket fills first and its all-reduce can start while backward goes on (Li et al.
-2020, "PyTorch Distributed", section 3.2.3).
+2020, "PyTorch Distributed", section 3.2.3). The first bucket is capped smaller (1 MiB by default,
+as in torch's DDP) so that communication starts early in backward even when the whole model would
+fit in one bucket.
 """
 
 from __future__ import annotations
@@ -22,26 +24,31 @@ class Bucket:
     offsets: list[int]  # where each parameter's gradient starts in `buffer`
     buffer: torch.Tensor  # (sum of numels,) in the gradients' dtype
     ready: set[int] = field(default_factory=set)  # positions whose gradient has arrived
+    views: list[torch.Tensor] = field(init=False)  # each parameter's slice, shaped like it
+
+    def __post_init__(self):
+        self.views = [
+            self.buffer[start : start + p.numel()].view_as(p)
+            for p, start in zip(self.params, self.offsets, strict=True)
+        ]
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
-    def view(self, position: int) -> torch.Tensor:
-        p, start = self.params[position], self.offsets[position]
-        return self.buffer[start : start + p.numel()].view_as(p)
-
 
 def assign_buckets(
-    named_params: list[tuple[str, nn.Parameter]], cap_bytes: int
+    named_params: list[tuple[str, nn.Parameter]], cap_bytes: int, first_cap_bytes: int | None = None
 ) -> list[list[tuple[str, nn.Parameter]]]:
-    """Greedy, in reverse order: a bucket is closed when the next parameter would take it past
-    `cap_bytes` or has another dtype. A parameter larger than the cap gets a bucket of its own."""
+    """Greedy, in reverse order: a bucket is closed when the next parameter would take it past its
+    cap (`first_cap_bytes` for the first bucket, `cap_bytes` after) or has another dtype. A
+    parameter larger than the cap gets a bucket of its own."""
     buckets: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
     for name, p in reversed(named_params):
         nbytes = p.numel() * p.element_size()
-        if buckets and size + nbytes <= cap_bytes and buckets[-1][-1][1].dtype == p.dtype:
+        cap = first_cap_bytes if len(buckets) == 1 and first_cap_bytes is not None else cap_bytes
+        if buckets and size + nbytes <= cap and buckets[-1][-1][1].dtype == p.dtype:
             buckets[-1].append((name, p))
             size += nbytes
         else:
@@ -50,10 +57,12 @@ def assign_buckets(
     return buckets
 
 
-def build_buckets(model: nn.Module, cap_bytes: int) -> list[Bucket]:
+def build_buckets(
+    model: nn.Module, cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[Bucket]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     out = []
-    for index, members in enumerate(assign_buckets(named, cap_bytes)):
+    for index, members in enumerate(assign_buckets(named, cap_bytes, first_cap_bytes)):
         offsets, total = [], 0
         for _, p in members:
             offsets.append(total)

@@ -5,9 +5,11 @@ Two engines with one interface (`no_sync()`, `finish_gradients()`), tested again
 - `NaiveDataParallel`: after the step's last backward, one all-reduce of all gradients flattened
   together. Nothing overlaps; it is the simple reference.
 - `DataParallel`: gradients are copied into buckets as backward produces them
-  (post-accumulate-grad hooks); a full bucket's all-reduce starts at once, asynchronously, while
-  backward goes on, and `finish_gradients` waits for the ones still in flight. Under `no_sync()`
-  (the micro-batches of gradient accumulation before the last) nothing is communicated.
+  (post-accumulate-grad hooks), and the parameter lets go of its own copy, so gradients are held
+  once; a full bucket's all-reduce starts at once, asynchronously, while backward goes on, and
+  `finish_gradients` waits for the ones still in flight and hands each parameter its slice of the
+  bucket as `.grad`. Under `no_sync()` (the micro-batches of gradient accumulation before the
+  last) gradients accumulate in `.grad` as usual and nothing is communicated.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ def _broadcast_replicas(module: nn.Module, group: ProcessGroup) -> None:
             broadcast(t.data, src=0, group=group)
 
 
-def _check_all_have_grads(module: nn.Module) -> None:
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+def _check_all_have_grads(module: nn.Module, also_present: set[str] = frozenset()) -> None:
+    missing = [
+        n for n, p in module.named_parameters()
+        if p.requires_grad and p.grad is None and n not in also_present
+    ]
     if missing:
         raise RuntimeError(
             f"parameters got no gradient this step: {', '.join(missing)}; every parameter must "
@@ -80,6 +85,7 @@ class DataParallel(nn.Module):
         module: nn.Module,
         group: ProcessGroup,
         bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
         algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND,
         compressor: Compressor | None = None,
     ):
@@ -88,7 +94,9 @@ class DataParallel(nn.Module):
         self.compressor = compressor or NoCompression()
         self.size = dist.get_world_size(group)
         _broadcast_replicas(module, group)
-        self.buckets: list[Bucket] = build_buckets(module, int(bucket_mb * 2**20))
+        self.buckets: list[Bucket] = build_buckets(
+            module, int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
+        )
         self._sync = True
         self._next = 0  # buckets are launched in index order, the same on every rank
         self._in_flight: list[tuple[Bucket, torch.Tensor, Pending]] = []
@@ -113,7 +121,10 @@ class DataParallel(nn.Module):
         def on_gradient(p: nn.Parameter) -> None:
             if not self._sync:
                 return
-            bucket.view(position).copy_(p.grad)
+            # Average on the way in (g / n, summed by the all-reduce), during backward, rather
+            # than dividing the whole bucket after the wait, on the critical path.
+            torch.div(p.grad, self.size, out=bucket.views[position])
+            p.grad = None  # the bucket holds it now; backward can reuse the memory
             bucket.ready.add(position)
             # A bucket may fill before an earlier one (backward order is only roughly reversed
             # registration order); launching strictly in index order keeps ranks in step.
@@ -134,9 +145,10 @@ class DataParallel(nn.Module):
     def finish_gradients(self) -> None:
         """Wait for every bucket's all-reduce and hand the averaged gradients to the parameters.
         Call once after the step's last backward (outside `no_sync`)."""
-        _check_all_have_grads(self.module)
         if self.size == 1:
+            _check_all_have_grads(self.module)
             return
+        _check_all_have_grads(self.module, {b.names[i] for b in self.buckets for i in b.ready})
         if self._next != len(self.buckets):  # every gradient exists, but some bucket never filled
             late = [n for b in self.buckets[self._next :] for i, n in enumerate(b.names)
                     if i not in b.ready]
@@ -145,9 +157,8 @@ class DataParallel(nn.Module):
         for bucket, payload, pending in self._in_flight:
             pending.wait()
             self.compressor.decompress(bucket.index, payload, bucket.buffer)
-            bucket.buffer /= self.size
-            for position, p in enumerate(bucket.params):
-                p.grad = bucket.view(position)  # the optimizer reads the bucket in place
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                p.grad = view  # the optimizer reads the bucket in place
             bucket.ready.clear()
         self._in_flight.clear()
         self._next = 0

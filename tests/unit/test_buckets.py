@@ -31,7 +31,7 @@ def test_buckets_partition_the_model_and_views_alias_the_buffer():
     for b in buckets:
         assert b.nbytes <= 64 * 1024 or len(b.params) == 1
         for i, p in enumerate(b.params):
-            v = b.view(i)
+            v = b.views[i]
             assert v.shape == p.shape and v.data_ptr() == b.buffer[b.offsets[i]:].data_ptr()
     # Each closed bucket was full: the next parameter would not have fitted.
     for b, nxt in zip(buckets, buckets[1:], strict=False):

@@ -1,0 +1,62 @@
+"""`plait bench ...`: each suite launches its own workers and prints a table from rank 0's results.
+Timings live here, never in tests."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.bench.comm import SIZES, bench_comm
+from plait.bench.step import bench_step, with_free_dp, world_sizes
+from plait.config import Config, validate
+from plait.launch import launch
+
+
+def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
+    rows = launch(nproc, bench_comm, SIZES, min_seconds)[0]
+    table = Table(title=f"plait bench comm: {nproc} ranks, gloo on loopback "
+                        "(nccl-tests definitions: algbw = S/t, busbw = algbw x bus factor)")
+    for col in ("collective", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
+        table.add_column(col, justify="left" if col == "collective" else "right")
+    for r in rows:
+        table.add_row(r["collective"], _size(r["bytes"]), f"{r['time_us']:,.0f}",
+                      f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}")
+    Console().print(table)
+    return rows
+
+
+def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+    cfg = with_free_dp(cfg)
+    for n in world_sizes(nproc):
+        validate(cfg, n)  # every world size is checked before any worker starts
+    rows = []
+    for n in world_sizes(nproc):
+        t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads)[0]
+        rows.append({"ranks": n, **t})
+    t1 = {k: rows[0][k] for k in ("plait", "torch")}
+    args = cfg.model.args()
+    table = Table(title=(
+        f"plait bench step: model dim {args.dim} x {args.n_layers} layers, global batch "
+        f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens, bucket {cfg.parallel.bucket_mb} "
+        f"MB, all-reduce {cfg.parallel.allreduce}; median of {steps} steps"))
+    for col in ("ranks", "plait (ms)", "torch DDP (ms)", "plait / torch", "exposed comm",
+                "scaling plait", "scaling torch"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        n = r["ranks"]
+        r["ratio"] = r["plait"] / r["torch"]
+        r["exposed"] = max(0.0, r["plait"] - r["no_comm"]) / r["plait"]
+        r["scaling_plait"] = t1["plait"] / (n * r["plait"])
+        r["scaling_torch"] = t1["torch"] / (n * r["torch"])
+        table.add_row(str(n), f"{r['plait'] * 1e3:,.1f}", f"{r['torch'] * 1e3:,.1f}",
+                      f"{r['ratio']:.3f}", f"{r['exposed']:.1%}" if n > 1 else "-",
+                      f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}")
+    Console().print(table)
+    return rows
+
+
+def _size(n: int) -> str:
+    return f"{n // 2**20} MiB" if n >= 2**20 else f"{n // 2**10} KiB"
+
+
+__all__ = ["run_comm", "run_step"]
