@@ -77,3 +77,20 @@ def test_cli_reports_a_worker_failure_with_status_1(tmp_path):
     proc = plait("train", "--nproc", "2", "parallel.dp=0", f"data.source={small}", *TINY)
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "data.source" in proc.stderr
+
+
+def test_bench_comm_prints_every_collective():
+    """Runs, and covers every row; no timing is asserted (timings live in the bench)."""
+    proc = plait("bench", "comm", "--nproc", "2", "--min-seconds", "0.001")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("all_reduce (backend)", "all_reduce (ring)", "all_reduce (naive)", "all_gather",
+                 "reduce_scatter", "all_to_all", "broadcast"):
+        assert proc.stdout.count(name) == 6, name  # one row per size
+
+
+def test_bench_step_compares_with_torch_ddp_at_each_world_size():
+    proc = plait("bench", "step", "--nproc", "2", "--steps", "1", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch DDP" in proc.stdout and "exposed" in proc.stdout and "scaling" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == ["1", "2"]
