@@ -1,9 +1,11 @@
 """Gradient compression: the hook point of the data-parallel engine.
 
-A `Compressor` turns a gradient bucket into the payload that is all-reduced, and the reduced
-payload back into the bucket. The engine calls `compress` when the bucket is full, all-reduces
-what it returns, and calls `decompress` before the optimizer reads the gradients. Methods that need
-per-bucket memory (error feedback) key it by `bucket`.
+A `Compressor` turns a gradient bucket into the payload that is all-reduced (summed over the
+ranks), and the reduced payload back into the bucket. The engine calls `compress` when the bucket
+is full, all-reduces what it returns, and calls `decompress` before the optimizer reads the
+gradients. The bucket holds this rank's gradient already divided by the number of ranks, so the
+sum that comes back is the mean. Methods that need per-bucket memory (error feedback) key it by
+`bucket`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import torch
 
 class Compressor(Protocol):
     def compress(self, bucket: int, flat: torch.Tensor) -> torch.Tensor:
-        """The payload to all-reduce for bucket `bucket` (sum over ranks)."""
+        """The payload to all-reduce (sum over ranks) for bucket number `bucket`."""
         ...
 
     def decompress(self, bucket: int, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the reduced gradient (still a sum over ranks) into `out`."""
+        """Write the reduced gradient (the mean over ranks) into `out`."""
         ...
 
 
