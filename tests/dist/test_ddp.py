@@ -158,3 +158,19 @@ def test_allreduce_algorithm_traffic(n):
         assert moved[AllReduceAlgorithm.RING] == 2 * (n - 1) * D / n
         assert moved[AllReduceAlgorithm.BACKEND] == 2 * (n - 1) * D / n
         assert moved[AllReduceAlgorithm.NAIVE] == ((n - 1) * D if rank == 0 else D)
+
+
+@pytest.mark.parametrize("engine", ["bucketed", "naive"])
+def test_replicas_start_from_the_first_ranks_weights(engine):
+    from plait.parallel import NaiveDataParallel
+
+    def body():
+        model = build_model(PRESETS["tiny"], seed=dist.get_rank())  # deliberately different
+        wrap = DataParallel if engine == "bucketed" else NaiveDataParallel
+        wrap(model, dist.group.WORLD)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    rank0_weights = build_model(PRESETS["tiny"], seed=0).state_dict()
+    for params in run_world(body, 3):
+        for name, p in params.items():
+            assert torch.equal(p, rank0_weights[name]), name
