@@ -51,6 +51,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    sequence_parallel: bool = False  # with tp > 1: norms and residual on sequence shards
     bucket_mb: float = 25.0  # gradient bucket size
     allreduce: str = "backend"  # "backend" | "ring" | "naive"
 
@@ -183,9 +184,17 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
             "parallel.tp",
             f"tp={dims.tp} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}",
         )
+    for name, size in (("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
+        if size % dims.tp:
+            raise ConfigError("parallel.tp", f"tp={dims.tp} must divide model {name}={size}")
+    if cfg.parallel.sequence_parallel and cfg.data.seq_len % dims.tp:
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            f"tp={dims.tp} must divide data.seq_len={cfg.data.seq_len} to split the sequence",
+        )
     if args.n_layers % dims.pp:
         raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
-    for axis in ("tp", "pp", "cp", "ep"):
+    for axis in ("pp", "cp", "ep"):
         if getattr(dims, axis) > 1:
             raise ConfigError(f"parallel.{axis}", "not implemented yet in plait; set it to 1")
     _check_parallel(cfg.parallel)

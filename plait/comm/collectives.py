@@ -128,6 +128,16 @@ def all_reduce(
     )
 
 
+def all_reduced(
+    tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM
+) -> torch.Tensor:
+    """A reduced copy, `tensor` left as it was: for autograd functions and gradient hooks, which
+    must not modify their inputs."""
+    out = tensor.contiguous().clone()
+    all_reduce(out, group, op)
+    return out
+
+
 def all_gather(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
 ) -> Pending | None:

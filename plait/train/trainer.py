@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import Config
@@ -27,7 +26,7 @@ from plait.train.metrics import (
     model_state_bytes,
     peak_flops,
 )
-from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from plait.train.progress import Progress
 
 
@@ -46,7 +45,8 @@ class Trainer:
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
         self.model = build_model(args, cfg.train.seed, device)
-        self.parallel = parallelize(self.model, mesh, cfg.parallel)
+        self.parallelized = parallelize(self.model, mesh, cfg.parallel)
+        self.parallel = self.parallelized.model
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
         self.dp_group = mesh["dp"].get_group()
@@ -67,8 +67,8 @@ class Trainer:
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            logits = self.parallel(inputs.to(self.device))  # (b, s, vocab)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten())
+            logits = self.parallel(inputs.to(self.device))  # (b, s, vocab / tp)
+        return self.parallelized.loss_fn(logits, targets.to(self.device))
 
     def _global_mean(self, value: float) -> float:
         """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens)."""
@@ -94,9 +94,8 @@ class Trainer:
             loss_sum += loss.item()
         self.parallel.finish_gradients()
         if self.train_cfg.grad_clip > 0:
-            # Gradients are whole and equal on every rank here, so the local norm is the global
-            # one; sharded strategies must reduce the squared norm over their axes instead.
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+            norm_sq = self.parallelized.grad_norm_sq()
+            clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip, norm_sq)
         self.optimizer.step()
         return {"loss": loss_sum, "lr": lr}
 

@@ -84,5 +84,5 @@ def test_bad_input_from_a_real_process():
 
 
 def test_unimplemented_axes_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="parallel.tp: not implemented"):
-        validate(load_config(None, ["parallel.tp=2"]), 2)
+    with pytest.raises(ConfigError, match="parallel.pp: not implemented"):
+        validate(load_config(None, ["parallel.pp=2"]), 2)

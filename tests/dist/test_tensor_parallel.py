@@ -1,0 +1,169 @@
+"""Tensor (and sequence) parallelism equals the unsharded model built from the same weights.
+
+Tolerances: a row-parallel layer sums T partial products where one device sums one long dot
+product, so float32 results differ by reordering only: relative 1e-5 on outputs and losses. For
+gradients we allow rtol 1e-4 and atol 1e-6 (gradients near zero have no relative precision to
+speak of; 1e-6 is four orders below their typical size here, ~1e-2).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_world
+from test_data_parallel import STEPS, tiny_config, train_here
+
+from plait.comm import LEDGER, Op
+from plait.model import build_model, model_args
+from plait.parallel import apply_tp
+from plait.parallel.tensor_parallel import BLOCK_SPLITS, _verify
+from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
+
+# 8 query heads sharing 4 key/value heads: grouped-query attention that tp = 2 and 4 both divide.
+ARGS = model_args("tiny", n_heads=8, n_kv_heads=4)
+
+
+def split_dim(name: str) -> int | None:
+    """Along which dim `name` is split by apply_tp; None if it is replicated."""
+    if name in ("tok_embeddings.weight", "output.weight"):
+        return 0
+    for path, dim in BLOCK_SPLITS.items():
+        if name.endswith(f"{path}.weight"):
+            return dim
+    return None
+
+
+def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    dim = split_dim(name)
+    return full if dim is None else full.chunk(size, dim=dim)[rank]
+
+
+def _forward_backward(sequence_parallel):
+    group, rank, size = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(tokens, -1, dims=1)
+
+    full = build_model(ARGS, seed=0)
+    ref_logits = full(tokens)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+
+    model = build_model(ARGS, seed=0)
+    plan = apply_tp(model, group, sequence_parallel)
+    LEDGER.reset()
+    logits = model(tokens)  # (b, s, V / T)
+    loss = vocab_parallel_cross_entropy(logits, targets, group, ARGS.vocab_size)
+    loss.backward()
+    calls = dict(LEDGER.calls)
+    vocab = slice(rank * 256 // size, (rank + 1) * 256 // size)
+    return {
+        "logits": (logits.detach(), ref_logits.detach()[..., vocab]),
+        "loss": (loss.item(), ref_loss.item()),
+        "grads": {n: (p.grad, shard(n, dict(full.named_parameters())[n].grad, rank, size))
+                  for n, p in model.named_parameters()},
+        "plan": plan,
+        "calls": calls,
+        "bytes": LEDGER.bytes,
+    }
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_outputs_and_every_gradient_equal_the_unsharded_model(tp, sequence_parallel):
+    L, b, s, h = ARGS.n_layers, 2, 16, ARGS.dim
+    act = b * s * h * 4  # bytes of one (b, s, h) float32 activation
+    per_token = b * s * 4  # one float per token: the cross-entropy's reductions
+    for r in run_world(_forward_backward, tp, sequence_parallel):
+        torch.testing.assert_close(*r["logits"], rtol=1e-5, atol=1e-6)
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5)
+        assert len(r["grads"]) == len(dict(build_model(ARGS, 0).named_parameters()))
+        for name, (got, want) in r["grads"].items():
+            assert got.shape == want.shape, name
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+        assert len(r["plan"].sharded) == 7 * L + 2
+        # Megatron's count: per layer two collectives forward and two backward on (b, s, h),
+        # plus the embedding's (forward) and the head's (backward), plus the loss's three
+        # all-reduces of one float per token.
+        ring = 2 * (tp - 1) / tp
+        if not sequence_parallel:
+            assert r["calls"] == {Op.ALL_REDUCE: 4 * L + 2 + 3}
+            assert r["bytes"] == (4 * L + 2) * ring * act + 3 * ring * per_token
+        else:  # same bytes as all-gathers and reduce-scatter; norms' weight grads all-reduced
+            norms = 2 * L + 1
+            assert r["calls"] == {Op.ALL_GATHER: 4 * L + 2, Op.REDUCE_SCATTER: 4 * L + 2,
+                                  Op.ALL_REDUCE: 3 + norms}
+            half = (tp - 1) / tp
+            assert r["bytes"] == ((8 * L + 4) * half * act + 3 * ring * per_token
+                                  + norms * ring * h * 4)
+
+
+def test_sharded_parameter_bytes():
+    """Split layers hold 1/T of their weights on every rank; the norms are whole everywhere."""
+
+    def body():
+        model = build_model(ARGS, seed=0)
+        plan = apply_tp(model, dist.group.WORLD)
+        params = dict(model.named_parameters())
+        return ({n: params[n].numel() for n in plan.sharded},
+                {n: params[n].numel() for n in plan.replicated})
+
+    full = {n: p.numel() for n, p in build_model(ARGS, 0).named_parameters()}
+    for sharded, replicated in run_world(body, 4):
+        assert all(sharded[n] * 4 == full[n] for n in sharded)
+        assert all(replicated[n] == full[n] for n in replicated)
+        assert set(replicated) == {n for n in full if n.endswith("norm.weight")}
+
+
+def test_verification_catches_a_layer_that_was_not_split():
+    def body():
+        model = build_model(ARGS, seed=0)
+        plan = apply_tp(model, dist.group.WORLD)
+        model.layers["1"].feed_forward.w1 = torch.nn.Linear(ARGS.dim, ARGS.ffn_dim, bias=False)
+        with pytest.raises(RuntimeError, match="layers.1.feed_forward.w1 was not split"):
+            _verify(model, plan, dist.get_world_size())
+        return True
+
+    assert all(run_world(body, 2))
+
+
+def _tp_config(tp, dp, sequence_parallel):
+    return tiny_config(f"parallel.tp={tp}", f"parallel.dp={dp}",
+                       f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
+                       "model.n_heads=8", "model.n_kv_heads=4")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_world(train_here, 1, _tp_config(1, 1, False))[0]
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 1), (4, 1), (2, 2)], ids=["tp2", "tp4", "dp2xtp2"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sp"])
+def test_training_equals_single_process(reference, tp, dp, sequence_parallel):
+    """5 steps with clipping on: losses relative 1e-5; parameters 1e-5 absolute, as in
+    test_data_parallel (Adam over near-zero gradients)."""
+    ref_losses, ref_val, ref_params, *_ = reference
+    results = run_world(train_here, tp * dp, _tp_config(tp, dp, sequence_parallel))
+    for rank, (losses, val, params, *_rest) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                                   rtol=1e-5, atol=0)
+        assert val == pytest.approx(ref_val, rel=1e-5)
+        for name, p in params.items():
+            want = shard(name, ref_params[name], rank % tp, tp)  # tp is the innermost axis
+            torch.testing.assert_close(p, want, rtol=0, atol=1e-5, msg=name)
+
+
+def test_clipping_uses_the_global_norm():
+    """With a clip far below the gradient norm, every step is clipped: a norm computed from the
+    local shard only would clip differently and the parameters would drift apart."""
+    cfg = _tp_config(2, 1, False)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_clip=0.01))
+    ref = run_world(train_here, 1, dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=1)))[0]
+    for rank, (losses, _, params, *_) in enumerate(run_world(train_here, 2, cfg)):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-5, atol=0)
+        for name, p in params.items():
+            torch.testing.assert_close(p, shard(name, ref[2][name], rank, 2), rtol=0, atol=1e-5)
+    assert STEPS == 5
