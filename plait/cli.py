@@ -107,7 +107,15 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before or after options (`--nproc 4 parallel.tp=2`); argparse alone
+    # would take only the first run of positionals.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [word for word in extra if word.startswith("-") or "=" not in word]
+    if unknown or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         args.func(args)
     except ConfigError as e:

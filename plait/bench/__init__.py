@@ -8,7 +8,8 @@ from rich.table import Table
 
 from plait.bench.comm import SIZES, bench_comm
 from plait.bench.step import bench_step, with_free_dp, world_sizes
-from plait.config import Config, validate
+from plait.bench.tp import bench_tp
+from plait.config import Config, ConfigError, validate
 from plait.launch import launch
 
 
@@ -26,6 +27,8 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
 
 
 def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+    if cfg.parallel.tp > 1:
+        return run_tp_step(nproc, cfg, steps)
     cfg = with_free_dp(cfg)
     for n in world_sizes(nproc):
         validate(cfg, n)  # every world size is checked before any worker starts
@@ -53,6 +56,30 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
                       f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}")
     Console().print(table)
     return rows
+
+
+def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+    tp = cfg.parallel.tp
+    if nproc != tp:
+        raise ConfigError("--nproc", f"the tensor-parallel bench runs tp alone: use --nproc {tp}")
+    if cfg.data.seq_len % tp:
+        raise ConfigError("data.seq_len", f"tp={tp} must divide it (the bench also runs SP)")
+    cfg = with_free_dp(cfg)
+    validate(cfg, nproc)
+    t = launch(nproc, bench_tp, cfg, steps, threads=cfg.train.threads)[0]
+    args = cfg.model.args()
+    table = Table(title=(
+        f"plait bench step, tensor parallel: tp {tp}, model dim {args.dim} x {args.n_layers} "
+        f"layers, batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; median of {steps} "
+        "steps"))
+    for col in ("variant", "step (ms)", "plait / torch"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    rows = [("plait TP", t["plait"]), ("plait TP + sequence parallel", t["plait_sp"]),
+            ("torch DTensor TP (parallelize_module)", t["torch"])]
+    for name, seconds in rows:
+        table.add_row(name, f"{seconds * 1e3:,.1f}", f"{seconds / t['torch']:.3f}")
+    Console().print(table)
+    return [{"variant": name, "seconds": seconds} for name, seconds in rows]
 
 
 def _size(n: int) -> str:

@@ -47,6 +47,12 @@ BAD_INPUT = [
     (["parallel.dp=2", "--nproc", "4"], "parallel"),
     (["parallel.tp=3", "parallel.dp=1", "--nproc", "3"], "parallel.tp"),
     (["parallel.pp=3", "parallel.dp=1", "--nproc", "3"], "parallel.pp"),
+    (["parallel.tp=4", "parallel.dp=1", "--nproc", "4"], "parallel.tp"),  # 2 kv heads
+    (["parallel.tp=4", "parallel.dp=1", "--nproc", "4", "model.n_heads=8", "model.n_kv_heads=4",
+      "model.vocab_size=258"], "parallel.tp"),
+    (["parallel.tp=2", "parallel.dp=1", "--nproc", "2", "parallel.sequence_parallel=true",
+      "data.seq_len=33"], "parallel.sequence_parallel"),
+    (["parallel.sequence_parallel=yes"], "parallel.sequence_parallel"),
     (["parallel.dp=-1"], "parallel.dp"),
     (["train.global_batch=30"], "train.global_batch"),
     (["train.micro_batch=3"], "train.micro_batch"),

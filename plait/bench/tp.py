@@ -1,0 +1,98 @@
+"""`plait bench step --nproc T parallel.tp=T`: a training step under plait's tensor parallelism
+against the same step under PyTorch's own DTensor tensor parallelism
+(`torch.distributed.tensor.parallel.parallelize_module` with the Megatron colwise / rowwise plan,
+the embedding rowwise, the head colwise into `loss_parallel`), on the same model, batch and seed.
+
+Steps take turns in rotating order: plait TP, plait TP + sequence parallelism, torch TP. The
+ratio compares plait TP with torch TP (both without sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from plait import comm
+from plait.config import Config, validate
+from plait.mesh import build_mesh
+from plait.model import build_model
+from plait.parallel import apply_tp
+from plait.parallel.tensor_parallel import BLOCK_SPLITS
+from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
+from plait.train.data import TokenData
+
+
+def torch_tp_plan(n_layers: int) -> dict:
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(n_layers):
+        for path, dim in BLOCK_SPLITS.items():
+            plan[f"layers.{i}.{path}"] = ColwiseParallel() if dim == 0 else RowwiseParallel()
+    return plan
+
+
+@record
+def bench_tp(cfg: Config, steps: int) -> dict | None:
+    torch.set_num_threads(cfg.train.threads)
+    dist.init_process_group("gloo")
+    dims = validate(cfg, dist.get_world_size())
+    mesh = build_mesh(dims)
+    group, args, rank = mesh["tp"].get_group(), cfg.model.args(), dist.get_rank()
+    x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch)
+
+    def plait_step(sequence_parallel):
+        model = build_model(args, cfg.train.seed)
+        apply_tp(model, group, sequence_parallel)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            vocab_parallel_cross_entropy(model(x), y, group, args.vocab_size).backward()
+            opt.step()
+
+        return step
+
+    def torch_step():
+        model = build_model(args, cfg.train.seed)
+        parallelize_module(model, mesh["tp"], torch_tp_plan(args.n_layers))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with loss_parallel():
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+
+        return step
+
+    runners = {"plait": plait_step(False), "plait_sp": plait_step(True), "torch": torch_step()}
+    times = {name: [] for name in runners}
+    order = list(runners)
+    for i in range(steps + 2):  # two warm-up rounds
+        for name in order[i % 3 :] + order[: i % 3]:
+            comm.all_reduce(torch.zeros(1), group)  # start together
+            start = time.perf_counter()
+            runners[name]()
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    medians = {}
+    for name, ts in times.items():
+        t = torch.tensor([statistics.median(ts)])
+        comm.all_reduce(t, group, op=dist.ReduceOp.MAX)
+        medians[name] = t.item()
+    dist.destroy_process_group()
+    return medians if rank == 0 else None
