@@ -45,6 +45,7 @@ class Trainer:
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
         self.model = build_model(args, cfg.train.seed, device)
+        n_params = count_params(self.model)  # the whole model's, before any split
         self.parallelized = parallelize(self.model, mesh, cfg.parallel)
         self.parallel = self.parallelized.model
         self.optimizer = build_optimizer(self.model, cfg.train)
@@ -56,7 +57,7 @@ class Trainer:
         self.accumulation = per_rank // self.micro_batch
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_step = self.tokens_per_step * flops_per_token(
-            args, count_params(self.model), cfg.data.seq_len
+            args, n_params, cfg.data.seq_len
         )
         self.is_logger = dist.get_rank() == 0
 

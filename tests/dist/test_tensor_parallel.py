@@ -155,6 +155,19 @@ def test_training_equals_single_process(reference, tp, dp, sequence_parallel):
             torch.testing.assert_close(p, want, rtol=0, atol=1e-5, msg=name)
 
 
+def test_mfu_counts_the_whole_model_whatever_the_split():
+    from plait.config import validate
+    from plait.mesh import build_mesh
+    from plait.train.trainer import Trainer
+
+    def flops(cfg):
+        dims = validate(cfg, dist.get_world_size())
+        return Trainer(cfg, dims, build_mesh(dims), torch.device("cpu")).flops_per_step
+
+    whole = run_world(flops, 1, _tp_config(1, 1, False))[0]
+    assert run_world(flops, 2, _tp_config(2, 1, False)) == [whole, whole]
+
+
 def test_clipping_uses_the_global_norm():
     """With a clip far below the gradient norm, every step is clipped: a norm computed from the
     local shard only would clip differently and the parameters would drift apart."""
