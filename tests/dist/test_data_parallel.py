@@ -45,9 +45,9 @@ def train_here(cfg):
     grads = {n: p.grad.clone() for n, p in first.model.named_parameters()}
     trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
     summary = trainer.fit()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     LEDGER.reset()
     trainer.train_step(STEPS)  # one more step, to read its communication alone
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     grad_bytes = sum(p.numel() * 4 for p in trainer.model.parameters())
     ledger = (LEDGER.bytes, dict(LEDGER.calls), len(trainer.parallel.buckets), dist.get_rank())
     return summary.losses, summary.val_loss, params, ledger, grad_bytes, grads
