@@ -19,8 +19,10 @@ from plait.comm.allreduce import AllReduceAlgorithm
 from plait.config import ParallelConfig
 from plait.model.llama import Transformer
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel
+from plait.parallel.state import model_state_bytes
 from plait.parallel.tensor_parallel import TensorParallelPlan, apply_tp, grad_norm_sq
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
+from plait.parallel.zero import ZeroDataParallel
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -32,10 +34,28 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Parallelized:
     """A model with its parallelisms applied, and what the training step needs to go with them."""
 
-    model: DataParallel  # outermost wrapper: forward, no_sync(), finish_gradients()
+    model: DataParallel | ZeroDataParallel  # outermost: forward, no_sync(), finish_gradients()
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> loss
     grad_norm_sq: Callable[[], torch.Tensor]  # squared norm of the whole model's gradient
     tp_plan: TensorParallelPlan
+
+    def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(decay, no_decay): the tensors the optimizer owns. Matrices and embeddings decay; norm
+        gains do not. Under ZeRO these are this rank's slices of the flat parameters."""
+        if isinstance(self.model, ZeroDataParallel):
+            return self.model.optimizer_groups()
+        params = [p for p in self.model.module.parameters() if p.requires_grad]
+        return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+    def finish_step(self) -> None:
+        """After the optimizer step: ZeRO gathers the updated slices back into every replica."""
+        if isinstance(self.model, ZeroDataParallel):
+            self.model.finish_step()
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        if isinstance(self.model, ZeroDataParallel):
+            return self.model.state_bytes(optimizer)
+        return model_state_bytes(self.model.module, optimizer)
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Parallelized:
@@ -47,15 +67,23 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Pa
         loss_fn = functools.partial(
             vocab_parallel_cross_entropy, group=tp_group, vocab_size=model.args.vocab_size
         )
-    wrapped = DataParallel(
-        model,
-        mesh["dp"].get_group(),
-        bucket_mb=cfg.bucket_mb,
-        algorithm=AllReduceAlgorithm(cfg.allreduce),
-    )
-    return Parallelized(
-        wrapped, loss_fn, functools.partial(grad_norm_sq, model, plan, tp_group), plan
-    )
+    dp_group = mesh["dp"].get_group()
+    if cfg.zero:
+        wrapped = ZeroDataParallel(model, dp_group, cfg.zero, bucket_mb=cfg.bucket_mb)
+        norm_sq = wrapped.grad_norm_sq
+    else:
+        wrapped = DataParallel(
+            model, dp_group, bucket_mb=cfg.bucket_mb, algorithm=AllReduceAlgorithm(cfg.allreduce)
+        )
+        norm_sq = functools.partial(grad_norm_sq, model, plan, tp_group)
+    return Parallelized(wrapped, loss_fn, norm_sq, plan)
 
 
-__all__ = ["DataParallel", "NaiveDataParallel", "Parallelized", "apply_tp", "parallelize"]
+__all__ = [
+    "DataParallel",
+    "NaiveDataParallel",
+    "Parallelized",
+    "ZeroDataParallel",
+    "apply_tp",
+    "parallelize",
+]

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from plait.model import ModelArgs
 
@@ -46,22 +45,6 @@ def peak_flops(device: torch.device, configured_tflops: float) -> float:
             if key in name:
                 return value
     return measure_cpu_flops()
-
-
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients and optimizer state. Optimizer state counts
-    per-element tensors (Adam's two moments); the 0-dim step counters are bookkeeping, not model
-    state in the sense of ZeRO's 2 + 2 + K bytes per parameter."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                if p.grad is not None)
-    opt = sum(
-        t.numel() * t.element_size()
-        for state in optimizer.state.values()
-        for t in state.values()
-        if torch.is_tensor(t) and t.dim() > 0
-    )
-    return {"params": params, "grads": grads, "optimizer": opt}
 
 
 class MetricsWriter:

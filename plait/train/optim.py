@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from plait.config import TrainConfig
 
@@ -33,10 +32,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings only, never on norm gains."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+def build_optimizer(
+    decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: TrainConfig
+) -> torch.optim.AdamW:
+    """AdamW; weight decay on `decay` (matrices and embeddings), never on `no_decay` (norm
+    gains)."""
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

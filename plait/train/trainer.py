@@ -20,12 +20,7 @@ from plait.mesh import ParallelDims
 from plait.model import build_model, count_params
 from plait.parallel import parallelize
 from plait.train.data import TokenData
-from plait.train.metrics import (
-    MetricsWriter,
-    flops_per_token,
-    model_state_bytes,
-    peak_flops,
-)
+from plait.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from plait.train.progress import Progress
 
@@ -48,7 +43,7 @@ class Trainer:
         n_params = count_params(self.model)  # the whole model's, before any split
         self.parallelized = parallelize(self.model, mesh, cfg.parallel)
         self.parallel = self.parallelized.model
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
         self.dp_group = mesh["dp"].get_group()
         self.dp_rank, self.dp = mesh["dp"].get_local_rank(), dims.dp
@@ -80,6 +75,8 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         """One optimizer step over the global batch; returns this rank's local results."""
         self.model.train()
+        # Both: under ZeRO the optimizer owns slices, not the model's parameters.
+        self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         lr = lr_at(step, self.train_cfg)
         set_lr(self.optimizer, lr)
@@ -96,9 +93,13 @@ class Trainer:
         self.parallel.finish_gradients()
         if self.train_cfg.grad_clip > 0:
             norm_sq = self.parallelized.grad_norm_sq()
-            clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip, norm_sq)
+            clip_grad_norm_(self._optimized(), self.train_cfg.grad_clip, norm_sq)
         self.optimizer.step()
+        self.parallelized.finish_step()
         return {"loss": loss_sum, "lr": lr}
+
+    def _optimized(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -150,7 +151,7 @@ class Trainer:
                 "mfu": self.flops_per_step / elapsed / peak,
                 "comm_bytes": ledger["bytes"],
                 "comm_calls": ledger["calls"],
-                "model_state_bytes": model_state_bytes(self.model, self.optimizer),
+                "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
             }
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 record["val_loss"] = self.evaluate()
@@ -165,5 +166,5 @@ class Trainer:
         summary.tokens_per_s = self.tokens_per_step / steady
         summary.mfu = self.flops_per_step / steady / peak
         summary.comm_bytes_per_step = statistics.mean(comm)
-        summary.model_state_bytes = model_state_bytes(self.model, self.optimizer)
+        summary.model_state_bytes = self.parallelized.state_bytes(self.optimizer)
         return summary

@@ -1,0 +1,170 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", section 5): data parallelism in which each of the N ranks of the `dp`
+axis keeps the optimizer state of only 1/N of the parameters.
+
+Parameters live in flat buckets (`comm.buckets` order: reverse registration, about
+`bucket_mb` each), each padded to a multiple of N elements; rank r owns slice r of every bucket.
+As backward fills a bucket, its gradients (pre-divided by N) are reduce-scattered, so rank r
+receives the averaged gradient of its slice only. The optimizer updates the owned slices (views of
+the flat parameters); `finish_step` all-gathers the updated slices back into every replica.
+Communication per step: a reduce-scatter and an all-gather of Psi elements, the cost of one
+all-reduce (section 7.2.1).
+
+- Stage 1 (P_os): parameters and gradients whole on every rank; optimizer state 1/N.
+- Stage 2 (P_os+g): as stage 1, but a bucket's full gradient is dropped as soon as it has been
+  reduce-scattered: gradients 1/N.
+
+Decay (matrices, embeddings) and no-decay (norm gains) parameters are never mixed in a bucket, so
+that every slice belongs to one optimizer parameter group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from plait.comm import Pending, all_gather, all_reduced, reduce_scatter
+from plait.comm.buckets import assign_buckets
+from plait.parallel.data_parallel import _broadcast_replicas, _check_all_have_grads
+from plait.parallel.state import nbytes, optimizer_state_bytes
+
+
+@dataclass
+class FlatBucket:
+    """Parameters stored back to back in `data` (padded to a multiple of N); slice r is rank r's."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]
+    data: torch.Tensor  # (N * shard_numel,) the parameters' storage
+    shard: torch.Tensor  # this rank's slice of `data`: what the optimizer updates
+    decay: bool
+    grad: torch.Tensor | None = None  # (N * shard_numel,) full gradient, while it is needed
+    grad_shard: torch.Tensor | None = None  # this rank's averaged gradient slice
+    ready: set[int] = field(default_factory=set)
+    pending: Pending | None = None
+
+    def view(self, flat: torch.Tensor, position: int) -> torch.Tensor:
+        p, start = self.params[position], self.offsets[position]
+        return flat[start : start + p.numel()].view_as(p)
+
+
+def _flatten(members, decay: bool, size: int, rank: int) -> FlatBucket:
+    offsets, total = [], 0
+    for _, p in members:
+        offsets.append(total)
+        total += p.numel()
+    shard_numel = -(-total // size)  # ceil
+    first = members[0][1]
+    data = torch.zeros(shard_numel * size, dtype=first.dtype, device=first.device)
+    bucket = FlatBucket([n for n, _ in members], [p for _, p in members], offsets, data,
+                        data[rank * shard_numel : (rank + 1) * shard_numel], decay)
+    for position, p in enumerate(bucket.params):
+        view = bucket.view(data, position)
+        view.copy_(p.detach())
+        p.data = view  # the parameter now lives in the flat bucket
+    return bucket
+
+
+class ZeroDataParallel(nn.Module):
+    """ZeRO stage 1 or 2 over `group` (the `dp` axis). Interface of `DataParallel`, plus
+    `optimizer_groups()` (what the optimizer must own) and `finish_step()` (after it stepped)."""
+
+    def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, bucket_mb: float = 25.0):
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
+        self.module, self.group, self.stage = module, group, stage
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        _broadcast_replicas(module, group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.buckets: list[FlatBucket] = []
+        for decay in (True, False):
+            members = [(n, p) for n, p in named if (p.dim() >= 2) == decay]
+            for group_members in assign_buckets(members, int(bucket_mb * 2**20)) if members else []:
+                self.buckets.append(_flatten(group_members, decay, self.size, self.rank))
+        self._sync = True
+        self._next = 0
+        for bucket in self.buckets:
+            for position, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(self._hook(bucket, position))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates whole gradients locally and communicates nothing."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The owned slices, (decay, no_decay): the tensors the optimizer steps."""
+        return ([b.shard for b in self.buckets if b.decay],
+                [b.shard for b in self.buckets if not b.decay])
+
+    def _hook(self, bucket: FlatBucket, position: int):
+        def on_gradient(p: nn.Parameter) -> None:
+            if not self._sync:
+                return
+            if bucket.grad is None:
+                bucket.grad = torch.zeros_like(bucket.data)
+            view = bucket.view(bucket.grad, position)
+            torch.div(p.grad, self.size, out=view)  # average on the way in
+            p.grad = view if self.stage == 1 else None  # stage 1 keeps whole gradients
+            bucket.ready.add(position)
+            while self._next < len(self.buckets) and len(
+                self.buckets[self._next].ready
+            ) == len(self.buckets[self._next].params):
+                self._launch(self.buckets[self._next])
+                self._next += 1
+
+        return on_gradient
+
+    def _launch(self, bucket: FlatBucket) -> None:
+        bucket.grad_shard = torch.empty_like(bucket.shard)
+        bucket.pending = reduce_scatter(bucket.grad_shard, bucket.grad, self.group, async_op=True)
+
+    @torch.no_grad()
+    def finish_gradients(self) -> None:
+        """Wait for every bucket's reduce-scatter; the owned slices get their averaged gradient."""
+        _check_all_have_grads(self.module, {b.names[i] for b in self.buckets for i in b.ready})
+        if self._next != len(self.buckets):
+            raise RuntimeError("gradients arrived outside the last backward; call "
+                               "finish_gradients after a backward run outside no_sync()")
+        for bucket in self.buckets:
+            bucket.pending.wait()
+            bucket.shard.grad = bucket.grad_shard
+            if self.stage == 2:
+                bucket.grad = None  # only the slice is kept
+            bucket.ready.clear()
+        self._next = 0
+
+    @torch.no_grad()
+    def finish_step(self) -> None:
+        """After the optimizer updated the owned slices: every rank gets every slice back."""
+        for bucket in self.buckets:
+            # Gathered from a copy: the output must not alias the input slice.
+            all_gather(bucket.data, bucket.shard.clone(), self.group)
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared norm of the whole averaged gradient: each rank's slices, summed over ranks."""
+        local = sum(b.shard.grad.double().pow(2).sum() for b in self.buckets)
+        return all_reduced(torch.as_tensor(local).reshape(1), self.group)[0]
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of model state this rank holds (padding included)."""
+        grads = [b.grad if self.stage == 1 else b.grad_shard for b in self.buckets]
+        return {
+            "params": nbytes(b.data for b in self.buckets),
+            "grads": nbytes(grads),
+            "optimizer": optimizer_state_bytes(optimizer),
+        }
