@@ -52,7 +52,7 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     sequence_parallel: bool = False  # with tp > 1: norms and residual on sequence shards
-    zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2
+    zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2, 3 (FSDP)
     bucket_mb: float = 25.0  # gradient bucket size
     allreduce: str = "backend"  # "backend" | "ring" | "naive"
 
@@ -223,8 +223,8 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
 
 
 def _check_parallel(par: ParallelConfig) -> None:
-    if par.zero not in (0, 1, 2):
-        raise ConfigError("parallel.zero", f"stages 0, 1, 2 are implemented, got {par.zero}")
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", f"a ZeRO stage is 0, 1, 2 or 3, got {par.zero}")
     if par.zero and par.tp > 1:
         raise ConfigError("parallel.zero", "ZeRO with tp > 1 is not implemented yet; set zero=0")
     if par.bucket_mb <= 0:

@@ -19,10 +19,14 @@ from plait.comm.allreduce import AllReduceAlgorithm
 from plait.config import ParallelConfig
 from plait.model.llama import Transformer
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel
+from plait.parallel.fsdp import FullyShardedDataParallel
 from plait.parallel.state import model_state_bytes
 from plait.parallel.tensor_parallel import TensorParallelPlan, apply_tp, grad_norm_sq
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.parallel.zero import ZeroDataParallel
+
+# Data parallelism that shards model state over dp: the optimizer owns slices, not parameters.
+SHARDED = (ZeroDataParallel, FullyShardedDataParallel)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -34,7 +38,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Parallelized:
     """A model with its parallelisms applied, and what the training step needs to go with them."""
 
-    model: DataParallel | ZeroDataParallel  # outermost: forward, no_sync(), finish_gradients()
+    model: DataParallel | ZeroDataParallel | FullyShardedDataParallel  # the outermost wrapper
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> loss
     grad_norm_sq: Callable[[], torch.Tensor]  # squared norm of the whole model's gradient
     tp_plan: TensorParallelPlan
@@ -42,18 +46,18 @@ class Parallelized:
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(decay, no_decay): the tensors the optimizer owns. Matrices and embeddings decay; norm
         gains do not. Under ZeRO these are this rank's slices of the flat parameters."""
-        if isinstance(self.model, ZeroDataParallel):
+        if isinstance(self.model, SHARDED):
             return self.model.optimizer_groups()
         params = [p for p in self.model.module.parameters() if p.requires_grad]
         return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
 
     def finish_step(self) -> None:
         """After the optimizer step: ZeRO gathers the updated slices back into every replica."""
-        if isinstance(self.model, ZeroDataParallel):
+        if isinstance(self.model, SHARDED):
             self.model.finish_step()
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        if isinstance(self.model, ZeroDataParallel):
+        if isinstance(self.model, SHARDED):
             return self.model.state_bytes(optimizer)
         return model_state_bytes(self.model.module, optimizer)
 
@@ -68,7 +72,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Pa
             vocab_parallel_cross_entropy, group=tp_group, vocab_size=model.args.vocab_size
         )
     dp_group = mesh["dp"].get_group()
-    if cfg.zero:
+    if cfg.zero == 3:
+        wrapped = FullyShardedDataParallel(model, dp_group)
+        norm_sq = wrapped.grad_norm_sq
+    elif cfg.zero:
         wrapped = ZeroDataParallel(model, dp_group, cfg.zero, bucket_mb=cfg.bucket_mb)
         norm_sq = wrapped.grad_norm_sq
     else:
@@ -81,6 +88,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Pa
 
 __all__ = [
     "DataParallel",
+    "FullyShardedDataParallel",
     "NaiveDataParallel",
     "Parallelized",
     "ZeroDataParallel",

@@ -34,13 +34,19 @@ def train_zero(cfg):
               for b in zero.buckets]
     trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
     summary = trainer.fit()
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    if hasattr(trainer.parallel, "full_state_dict"):  # ZeRO-3: parameters exist only as slices
+        params = trainer.parallel.full_state_dict()
+    else:
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train_cfg = _unclipped(cfg).train  # no norm all-reduce in the step we account
     LEDGER.reset()
     trainer.train_step(STEPS)
     ledger = (LEDGER.bytes, dict(LEDGER.calls))
     state = trainer.parallelized.state_bytes(trainer.optimizer)
     sizes = [sum(p.numel() for p in b.params) for b in trainer.parallel.buckets]
+    if hasattr(trainer.parallel, "units"):  # ZeRO-3: peak of gathered units vs the largest unit
+        unit_bytes = max(sum(f.full_bytes for f in u.flats) for u in trainer.parallel.units)
+        state["peak_gathered_over_unit"] = trainer.parallel.peak_gathered_bytes / unit_bytes
     return summary.losses, params, slices, ledger, state, sizes
 
 
@@ -60,7 +66,7 @@ def _expected_slice(names, numels, grads, rank, n):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_matches_single_process_and_the_formulas(reference, stage, n):
     ref_losses, ref_params, ref_grads = reference
     cfg = tiny_config(f"parallel.zero={stage}", "parallel.bucket_mb=0.0625")
@@ -78,19 +84,26 @@ def test_zero_matches_single_process_and_the_formulas(reference, stage, n):
         padded = sum(-(-s // n) * n for s in sizes)
         assert sum(sizes) == sum(p.numel() for p in ref_params.values())
         assert padded - sum(sizes) <= len(sizes) * (n - 1)
-        assert state["params"] == 4 * padded  # whole on every rank
+        # fp32: 4 + 4 + 8 bytes per parameter, of which stage 1 shards the 8, stage 2 the 4 + 8,
+        # stage 3 all 16.
+        assert state["params"] == (4 * padded // n if stage == 3 else 4 * padded)
         assert state["grads"] == (4 * padded if stage == 1 else 4 * padded // n)
         assert state["optimizer"] == 8 * padded // n
-        # A reduce-scatter and an all-gather of every bucket: 2 (n - 1) / n * 4 Psi bytes,
-        # the same as one all-reduce.
         moved, calls = ledger
-        assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: len(sizes)}
-        assert moved == 2 * (n - 1) * 4 * padded / n
+        if stage < 3:  # a reduce-scatter and an all-gather of Psi: the bytes of one all-reduce
+            assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: len(sizes)}
+            assert moved == 2 * (n - 1) * 4 * padded / n
+        else:  # all-gathers in forward and in backward, one reduce-scatter: 1.5 times that
+            assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: 2 * len(sizes)}
+            assert moved == 3 * (n - 1) * 4 * padded / n
+            # Gathered at once, beyond the slices: the running unit and the prefetched one.
+            assert 1 < state["peak_gathered_over_unit"] <= 2
 
 
-def test_stage_2_holds_only_slices_of_the_gradients():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_and_3_hold_only_slices_of_the_gradients(stage):
     def body():
-        cfg = tiny_config("parallel.zero=2")
+        cfg = tiny_config(f"parallel.zero={stage}")
         dims = validate(cfg, dist.get_world_size())
         trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
         trainer.train_step(0)
@@ -99,8 +112,9 @@ def test_stage_2_holds_only_slices_of_the_gradients():
     assert run_world(body, 2) == [[], []]
 
 
-def test_accumulation_with_zero(reference):
-    cfg = tiny_config("parallel.zero=2", "train.micro_batch=1")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_with_zero(reference, stage):
+    cfg = tiny_config(f"parallel.zero={stage}", "train.micro_batch=1")
     for losses, *_ in run_world(train_zero, 2, cfg):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]),
                                    rtol=1e-5, atol=0)
