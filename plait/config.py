@@ -53,6 +53,8 @@ class ParallelConfig:
     ep: int = 1
     sequence_parallel: bool = False  # with tp > 1: norms and residual on sequence shards
     zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2, 3 (FSDP)
+    reduce_dtype: str = "fp32"  # ZeRO gradient reductions under train.precision = "bf16"
+    offload: str = "none"  # ZeRO on a GPU: "optimizer" or "params" (stage 3) in host memory
     bucket_mb: float = 25.0  # gradient bucket size
     allreduce: str = "backend"  # "backend" | "ring" | "naive"
 
@@ -225,6 +227,16 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
 def _check_parallel(par: ParallelConfig) -> None:
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"a ZeRO stage is 0, 1, 2 or 3, got {par.zero}")
+    if par.reduce_dtype not in ("fp32", "bf16"):
+        raise ConfigError("parallel.reduce_dtype", f"'fp32' or 'bf16', got '{par.reduce_dtype}'")
+    if par.offload not in ("none", "optimizer", "params"):
+        raise ConfigError(
+            "parallel.offload", f"'none', 'optimizer' or 'params', got '{par.offload}'"
+        )
+    if par.offload != "none" and not par.zero:
+        raise ConfigError("parallel.offload", "offload shards through ZeRO; set parallel.zero")
+    if par.offload == "params" and par.zero != 3:
+        raise ConfigError("parallel.offload", "'params' needs parallel.zero=3 (sharded params)")
     if par.zero and par.tp > 1:
         raise ConfigError("parallel.zero", "ZeRO with tp > 1 is not implemented yet; set zero=0")
     if par.bucket_mb <= 0:

@@ -62,8 +62,12 @@ class Parallelized:
         return model_state_bytes(self.model.module, optimizer)
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Parallelized:
-    """Apply every configured parallelism to `model`, in place, in the documented order."""
+def parallelize(
+    model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool = False
+) -> Parallelized:
+    """Apply every configured parallelism to `model`, in place, in the documented order. With
+    `bf16` and ZeRO, parameters are held in bf16 with fp32 masters of each rank's slices (without
+    ZeRO, bf16 is the trainer's autocast over fp32 parameters)."""
     tp_group = mesh["tp"].get_group()
     plan = apply_tp(model, tp_group, cfg.sequence_parallel)
     loss_fn = cross_entropy
@@ -72,11 +76,16 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Pa
             vocab_parallel_cross_entropy, group=tp_group, vocab_size=model.args.vocab_size
         )
     dp_group = mesh["dp"].get_group()
+    precision = {
+        "param_dtype": torch.bfloat16 if bf16 else None,
+        "reduce_dtype": torch.bfloat16 if bf16 and cfg.reduce_dtype == "bf16" else torch.float32,
+    }
     if cfg.zero == 3:
-        wrapped = FullyShardedDataParallel(model, dp_group)
+        wrapped = FullyShardedDataParallel(model, dp_group, **precision, offload=cfg.offload)
         norm_sq = wrapped.grad_norm_sq
     elif cfg.zero:
-        wrapped = ZeroDataParallel(model, dp_group, cfg.zero, bucket_mb=cfg.bucket_mb)
+        wrapped = ZeroDataParallel(model, dp_group, cfg.zero, cfg.bucket_mb, **precision,
+                                   offload_optimizer=cfg.offload == "optimizer")
         norm_sq = wrapped.grad_norm_sq
     else:
         wrapped = DataParallel(

@@ -15,6 +15,12 @@ Freeing resizes the buffer's storage to zero rather than dropping the tensor, so
 views (and what autograd saved of them) stay valid and are refilled in place by the next gather.
 At most two units are gathered at once. Communication per step: two all-gathers and a
 reduce-scatter of Psi elements, 1.5 times ZeRO-1/2's (section 7.2.2 of the paper).
+
+Mixed precision (`param_dtype=torch.bfloat16`): the slices and the gathered units are bf16; fp32
+masters of the slices are what the optimizer steps; gradients are reduce-scattered in
+`reduce_dtype`. Offload (ZeRO-Offload / ZeRO-Infinity): "optimizer" keeps masters and optimizer
+state in host memory, where the update runs; "params" keeps the slices there too, copied to the
+device before each gather. On a CPU-only machine both change nothing.
 """
 
 from __future__ import annotations
@@ -29,24 +35,33 @@ from torch.distributed import ProcessGroup
 from plait.comm import Pending, all_gather, all_reduced, reduce_scatter
 from plait.model.llama import Transformer
 from plait.parallel.data_parallel import _broadcast_replicas
-from plait.parallel.state import nbytes, optimizer_state_bytes
+from plait.parallel.state import Slice, nbytes, optimizer_state_bytes
 
 
 class FlatShard:
     """Some parameters of one unit, flattened; `shard` persists, `full` only while gathered."""
 
-    def __init__(self, members: list[tuple[str, nn.Parameter]], decay: bool, size: int, rank: int):
+    def __init__(self, members: list[tuple[str, nn.Parameter]], decay: bool, size: int, rank: int,
+                 param_dtype: torch.dtype | None, offload: str):
         self.names = [n for n, _ in members]
         self.params = [p for _, p in members]
         self.decay = decay
         self.numels = [p.numel() for p in self.params]
         shard_numel = -(-sum(self.numels) // size)
         first = self.params[0]
-        self.full = torch.zeros(shard_numel * size, dtype=first.dtype, device=first.device)
-        for p, view in zip(self.params, self.views(self.full), strict=True):
+        whole = torch.zeros(shard_numel * size, dtype=first.dtype, device=first.device)
+        for p, view in zip(self.params, self.views(whole), strict=True):
             view.copy_(p.detach())
+        mine = whole[rank * shard_numel : (rank + 1) * shard_numel]
+        cpu = torch.device("cpu")
+        shard = mine.to(device=cpu if offload == "params" else mine.device,
+                        dtype=param_dtype or first.dtype, copy=True)
+        self.slice = Slice(shard, first.dtype, cpu if offload != "none" else None)
+        if self.slice.master is not self.slice.shard:
+            self.slice.master.copy_(mine)  # the master keeps full precision from the start
+        self.full = whole.to(param_dtype or first.dtype)
+        for p, view in zip(self.params, self.views(self.full), strict=True):
             p.data = view  # the parameter is now a view of the (gatherable) full buffer
-        self.shard = self.full[rank * shard_numel : (rank + 1) * shard_numel].clone()
         self.grad: torch.Tensor | None = None  # full gradient, while being filled
         self.grad_shard: torch.Tensor | None = None
         self.ready: set[int] = set()
@@ -67,11 +82,11 @@ class Unit:
     """Modules that run one after another and are gathered and freed together."""
 
     def __init__(self, modules: list[nn.Module], names: dict[nn.Parameter, str], size: int,
-                 rank: int):
+                 rank: int, param_dtype: torch.dtype | None, offload: str):
         self.modules = modules
         named = [(names[p], p) for m in modules for p in m.parameters()]
         self.flats = [FlatShard([(n, p) for n, p in named if (p.dim() >= 2) == decay], decay,
-                                size, rank)
+                                size, rank, param_dtype, offload)
                       for decay in (True, False)
                       if any((p.dim() >= 2) == decay for _, p in named)]
         self.gathered = True  # built from whole parameters
@@ -87,15 +102,23 @@ class Unit:
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 over `group` (the `dp` axis), for a `plait.model.Transformer`."""
 
-    def __init__(self, model: Transformer, group: ProcessGroup):
+    def __init__(
+        self,
+        model: Transformer,
+        group: ProcessGroup,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        offload: str = "none",
+    ):
         super().__init__()
-        self.module, self.group = model, group
+        self.module, self.group, self.reduce_dtype = model, group, reduce_dtype
         self.size, rank = dist.get_world_size(group), dist.get_rank(group)
         _broadcast_replicas(model, group)
         names = {p: n for n, p in model.named_parameters()}
         parts = [[model.tok_embeddings], *([b] for b in model.layers.values()),
                  [model.norm, model.output]]
-        self.units = [Unit(modules, names, self.size, rank) for modules in parts]
+        self.units = [Unit(modules, names, self.size, rank, param_dtype, offload)
+                      for modules in parts]
         self._sync = True
         # Every unit starts gathered (built from whole parameters) and is freed just below.
         self.gathered_bytes = sum(f.full_bytes for u in self.units for f in u.flats)
@@ -132,7 +155,8 @@ class FullyShardedDataParallel(nn.Module):
             return
         for flat in unit.flats:
             flat.full.untyped_storage().resize_(flat.full_bytes)
-            unit.pending.append(all_gather(flat.full, flat.shard, self.group, async_op=True))
+            shard = flat.slice.shard.to(flat.full.device, non_blocking=True)  # offloaded: H2D
+            unit.pending.append(all_gather(flat.full, shard, self.group, async_op=True))
         self.gathered_bytes += sum(f.full_bytes for f in unit.flats)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
@@ -183,14 +207,15 @@ class FullyShardedDataParallel(nn.Module):
         def on_gradient(p: nn.Parameter) -> None:
             if self._sync:
                 if flat.grad is None:
-                    flat.grad = torch.zeros(flat.full.numel(), dtype=p.dtype, device=p.device)
+                    flat.grad = torch.zeros(flat.full.numel(), dtype=self.reduce_dtype,
+                                            device=p.device)
                 torch.div(p.grad, self.size, out=flat.views(flat.grad)[position])
                 p.grad = None  # the flat gradient holds it now
             flat.ready.add(position)
             if all(len(f.ready) == len(f.params) for f in unit.flats):  # the unit is done
                 if self._sync:
                     for f in unit.flats:
-                        f.grad_shard = torch.empty_like(f.shard)
+                        f.grad_shard = torch.empty_like(f.slice.shard, dtype=self.reduce_dtype)
                         unit.reducing.append(
                             reduce_scatter(f.grad_shard, f.grad, self.group, async_op=True))
                     unit.reduced = True
@@ -218,25 +243,33 @@ class FullyShardedDataParallel(nn.Module):
             unit.reducing.clear()
             unit.reduced = False
             for flat in unit.flats:
-                flat.shard.grad, flat.grad = flat.grad_shard, None
+                flat.slice.set_grad(flat.grad_shard)
+                flat.grad = None
 
     def finish_step(self) -> None:
-        """Nothing to gather: the next forward gathers each unit from its updated slice."""
+        """Nothing to gather (the next forward gathers each unit from its updated slice); under
+        mixed precision, round the masters into the bf16 slices."""
+        for flat in self.buckets:
+            flat.slice.after_step()
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        flats = [f for u in self.units for f in u.flats]
-        return [f.shard for f in flats if f.decay], [f.shard for f in flats if not f.decay]
+        flats = self.buckets
+        return ([f.slice.master for f in flats if f.decay],
+                [f.slice.master for f in flats if not f.decay])
 
     def grad_norm_sq(self) -> torch.Tensor:
-        local = sum(f.shard.grad.double().pow(2).sum() for u in self.units for f in u.flats)
+        # From the slices' gradients on the device (the masters' copies may be in host memory,
+        # which NCCL cannot reduce).
+        local = sum(b.grad_shard.double().pow(2).sum() for b in self.buckets)
         return all_reduced(torch.as_tensor(local).reshape(1), self.group)[0]
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        flats = [f for u in self.units for f in u.flats]
+        flats = self.buckets
         return {
-            "params": nbytes(f.shard for f in flats) + self.gathered_bytes,
+            "params": nbytes(f.slice.shard for f in flats) + self.gathered_bytes,
             "grads": nbytes(f.grad_shard for f in flats),
-            "optimizer": optimizer_state_bytes(optimizer),
+            "optimizer": optimizer_state_bytes(optimizer)
+            + sum(f.slice.master_bytes for f in flats),
         }
 
     @torch.no_grad()

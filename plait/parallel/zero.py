@@ -11,8 +11,13 @@ Communication per step: a reduce-scatter and an all-gather of Psi elements, the 
 all-reduce (section 7.2.1).
 
 - Stage 1 (P_os): parameters and gradients whole on every rank; optimizer state 1/N.
-- Stage 2 (P_os+g): as stage 1, but a bucket's full gradient is dropped as soon as it has been
-  reduce-scattered: gradients 1/N.
+- Stage 2 (P_os+g): as stage 1, but each parameter lets go of its gradient as soon as it has been
+  copied into its bucket for the reduce-scatter: gradients 1/N.
+
+Mixed precision (`param_dtype=torch.bfloat16`): parameters are held, computed with and gathered in
+bf16; each rank keeps fp32 master copies of its slices, which the optimizer steps (ZeRO's
+2 + 2 + K bytes per parameter, K = 12: master, two moments). `reduce_dtype` is the dtype of the
+gradient reduce-scatter.
 
 Decay (matrices, embeddings) and no-decay (norm gains) parameters are never mixed in a bucket, so
 that every slice belongs to one optimizer parameter group.
@@ -31,7 +36,7 @@ from torch.distributed import ProcessGroup
 from plait.comm import Pending, all_gather, all_reduced, reduce_scatter
 from plait.comm.buckets import assign_buckets
 from plait.parallel.data_parallel import _broadcast_replicas, _check_all_have_grads
-from plait.parallel.state import nbytes, optimizer_state_bytes
+from plait.parallel.state import Slice, nbytes, optimizer_state_bytes
 
 
 @dataclass
@@ -42,9 +47,9 @@ class FlatBucket:
     params: list[nn.Parameter]
     offsets: list[int]
     data: torch.Tensor  # (N * shard_numel,) the parameters' storage
-    shard: torch.Tensor  # this rank's slice of `data`: what the optimizer updates
+    slice: Slice  # this rank's slice of `data` (a view) and what the optimizer steps for it
     decay: bool
-    grad: torch.Tensor | None = None  # (N * shard_numel,) full gradient, while it is needed
+    grad: torch.Tensor | None = None  # (N * shard_numel,) staging for the reduce-scatter
     grad_shard: torch.Tensor | None = None  # this rank's averaged gradient slice
     ready: set[int] = field(default_factory=set)
     pending: Pending | None = None
@@ -54,20 +59,24 @@ class FlatBucket:
         return flat[start : start + p.numel()].view_as(p)
 
 
-def _flatten(members, decay: bool, size: int, rank: int) -> FlatBucket:
+def _flatten(members, decay: bool, size: int, rank: int, param_dtype, master_device) -> FlatBucket:
     offsets, total = [], 0
     for _, p in members:
         offsets.append(total)
         total += p.numel()
     shard_numel = -(-total // size)  # ceil
     first = members[0][1]
-    data = torch.zeros(shard_numel * size, dtype=first.dtype, device=first.device)
+    full = torch.zeros(shard_numel * size, dtype=first.dtype, device=first.device)
+    for (_, p), start in zip(members, offsets, strict=True):
+        full[start : start + p.numel()].copy_(p.detach().reshape(-1))
+    mine = slice(rank * shard_numel, (rank + 1) * shard_numel)
+    data = full.to(param_dtype or first.dtype)
     bucket = FlatBucket([n for n, _ in members], [p for _, p in members], offsets, data,
-                        data[rank * shard_numel : (rank + 1) * shard_numel], decay)
+                        Slice(data[mine], first.dtype, master_device), decay)
+    if bucket.slice.master is not bucket.slice.shard:
+        bucket.slice.master.copy_(full[mine])  # the master keeps full precision from the start
     for position, p in enumerate(bucket.params):
-        view = bucket.view(data, position)
-        view.copy_(p.detach())
-        p.data = view  # the parameter now lives in the flat bucket
+        p.data = bucket.view(data, position)  # the parameter now lives in the flat bucket
     return bucket
 
 
@@ -75,19 +84,32 @@ class ZeroDataParallel(nn.Module):
     """ZeRO stage 1 or 2 over `group` (the `dp` axis). Interface of `DataParallel`, plus
     `optimizer_groups()` (what the optimizer must own) and `finish_step()` (after it stepped)."""
 
-    def __init__(self, module: nn.Module, group: ProcessGroup, stage: int, bucket_mb: float = 25.0):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ProcessGroup,
+        stage: int,
+        bucket_mb: float = 25.0,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        offload_optimizer: bool = False,
+    ):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
         self.module, self.group, self.stage = module, group, stage
+        self.reduce_dtype = reduce_dtype
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         _broadcast_replicas(module, group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # Offload: masters and optimizer state in host memory (a no-op when already on the CPU).
+        master_device = torch.device("cpu") if offload_optimizer else None
         self.buckets: list[FlatBucket] = []
         for decay in (True, False):
             members = [(n, p) for n, p in named if (p.dim() >= 2) == decay]
             for group_members in assign_buckets(members, int(bucket_mb * 2**20)) if members else []:
-                self.buckets.append(_flatten(group_members, decay, self.size, self.rank))
+                self.buckets.append(_flatten(group_members, decay, self.size, self.rank,
+                                             param_dtype, master_device))
         self._sync = True
         self._next = 0
         for bucket in self.buckets:
@@ -107,19 +129,19 @@ class ZeroDataParallel(nn.Module):
             self._sync = True
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The owned slices, (decay, no_decay): the tensors the optimizer steps."""
-        return ([b.shard for b in self.buckets if b.decay],
-                [b.shard for b in self.buckets if not b.decay])
+        """The owned slices (or their masters), (decay, no_decay): what the optimizer steps."""
+        return ([b.slice.master for b in self.buckets if b.decay],
+                [b.slice.master for b in self.buckets if not b.decay])
 
     def _hook(self, bucket: FlatBucket, position: int):
         def on_gradient(p: nn.Parameter) -> None:
             if not self._sync:
                 return
             if bucket.grad is None:
-                bucket.grad = torch.zeros_like(bucket.data)
-            view = bucket.view(bucket.grad, position)
-            torch.div(p.grad, self.size, out=view)  # average on the way in
-            p.grad = view if self.stage == 1 else None  # stage 1 keeps whole gradients
+                bucket.grad = torch.zeros_like(bucket.data, dtype=self.reduce_dtype)
+            torch.div(p.grad, self.size, out=bucket.view(bucket.grad, position))  # average
+            if self.stage == 2:
+                p.grad = None  # stage 1 keeps whole gradients, stage 2 only the slice
             bucket.ready.add(position)
             while self._next < len(self.buckets) and len(
                 self.buckets[self._next].ready
@@ -130,7 +152,7 @@ class ZeroDataParallel(nn.Module):
         return on_gradient
 
     def _launch(self, bucket: FlatBucket) -> None:
-        bucket.grad_shard = torch.empty_like(bucket.shard)
+        bucket.grad_shard = torch.empty_like(bucket.slice.shard, dtype=self.reduce_dtype)
         bucket.pending = reduce_scatter(bucket.grad_shard, bucket.grad, self.group, async_op=True)
 
     @torch.no_grad()
@@ -142,9 +164,8 @@ class ZeroDataParallel(nn.Module):
                                "finish_gradients after a backward run outside no_sync()")
         for bucket in self.buckets:
             bucket.pending.wait()
-            bucket.shard.grad = bucket.grad_shard
-            if self.stage == 2:
-                bucket.grad = None  # only the slice is kept
+            bucket.slice.set_grad(bucket.grad_shard)
+            bucket.grad = None  # the staging buffer
             bucket.ready.clear()
         self._next = 0
 
@@ -152,19 +173,26 @@ class ZeroDataParallel(nn.Module):
     def finish_step(self) -> None:
         """After the optimizer updated the owned slices: every rank gets every slice back."""
         for bucket in self.buckets:
+            bucket.slice.after_step()
             # Gathered from a copy: the output must not alias the input slice.
-            all_gather(bucket.data, bucket.shard.clone(), self.group)
+            all_gather(bucket.data, bucket.slice.shard.clone(), self.group)
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared norm of the whole averaged gradient: each rank's slices, summed over ranks."""
-        local = sum(b.shard.grad.double().pow(2).sum() for b in self.buckets)
+        # From the slices' gradients on the device (the masters' copies may be in host memory,
+        # which NCCL cannot reduce).
+        local = sum(b.grad_shard.double().pow(2).sum() for b in self.buckets)
         return all_reduced(torch.as_tensor(local).reshape(1), self.group)[0]
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of model state this rank holds (padding included)."""
-        grads = [b.grad if self.stage == 1 else b.grad_shard for b in self.buckets]
+        if self.stage == 1:
+            grads = [p.grad for b in self.buckets for p in b.params]
+        else:
+            grads = [b.grad_shard for b in self.buckets]
         return {
             "params": nbytes(b.data for b in self.buckets),
             "grads": nbytes(grads),
-            "optimizer": optimizer_state_bytes(optimizer),
+            "optimizer": optimizer_state_bytes(optimizer)
+            + sum(b.slice.master_bytes for b in self.buckets),
         }

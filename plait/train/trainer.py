@@ -41,7 +41,9 @@ class Trainer:
         args = cfg.model.args()
         self.model = build_model(args, cfg.train.seed, device)
         n_params = count_params(self.model)  # the whole model's, before any split
-        self.parallelized = parallelize(self.model, mesh, cfg.parallel)
+        self.parallelized = parallelize(
+            self.model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16"
+        )
         self.parallel = self.parallelized.model
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
