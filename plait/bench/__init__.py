@@ -38,21 +38,26 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         rows.append({"ranks": n, **t})
     t1 = {k: rows[0][k] for k in ("plait", "torch")}
     args = cfg.model.args()
+    zero = cfg.parallel.zero
+    engine = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[zero]
+    peer = {0: "torch DDP", 3: "torch fully_shard"}.get(zero, "torch ZeroRedundancyOptimizer")
     table = Table(title=(
-        f"plait bench step: model dim {args.dim} x {args.n_layers} layers, global batch "
-        f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens, bucket {cfg.parallel.bucket_mb} "
-        f"MB, all-reduce {cfg.parallel.allreduce}; median of {steps} steps"))
-    for col in ("ranks", "plait (ms)", "torch DDP (ms)", "plait / torch", "exposed comm",
+        f"plait bench step: plait {engine} vs {peer}; model dim {args.dim} x {args.n_layers} "
+        f"layers, global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens, bucket "
+        f"{cfg.parallel.bucket_mb} MB, all-reduce {cfg.parallel.allreduce}; median of {steps} "
+        "steps"))
+    for col in ("ranks", "plait (ms)", "torch (ms)", "plait / torch", "exposed comm",
                 "scaling plait", "scaling torch"):
         table.add_column(col, justify="right")
     for r in rows:
         n = r["ranks"]
         r["ratio"] = r["plait"] / r["torch"]
-        r["exposed"] = max(0.0, r["plait"] - r["no_comm"]) / r["plait"]
+        r["exposed"] = max(0.0, r["plait"] - r["no_comm"]) / r["plait"] if "no_comm" in r else None
         r["scaling_plait"] = t1["plait"] / (n * r["plait"])
         r["scaling_torch"] = t1["torch"] / (n * r["torch"])
         table.add_row(str(n), f"{r['plait'] * 1e3:,.1f}", f"{r['torch'] * 1e3:,.1f}",
-                      f"{r['ratio']:.3f}", f"{r['exposed']:.1%}" if n > 1 else "-",
+                      f"{r['ratio']:.3f}",
+                      f"{r['exposed']:.1%}" if n > 1 and r["exposed"] is not None else "-",
                       f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}")
     Console().print(table)
     return rows

@@ -1,10 +1,14 @@
-"""`plait bench step --nproc N [overrides]`: a training step under plait's DDP against the same
-step under `torch.nn.parallel.DistributedDataParallel`, in one run.
+"""`plait bench step --nproc N [overrides]`: a training step under plait's data parallelism
+against the same step under PyTorch's own peer, in one run:
 
-Per world size (1, 2, 4, ... up to N; the same global batch each time, i.e. strong scaling) three
-steps take turns, in rotating order so that none always runs first: plait, torch, and plait with
-communication skipped (every micro-batch under `no_sync`, no all-reduce). Reported, from the
-medians:
+    parallel.zero = 0     plait DDP         vs  torch.nn.parallel.DistributedDataParallel
+    parallel.zero = 1, 2  plait ZeRO-1 / 2  vs  DDP + torch ZeroRedundancyOptimizer
+    parallel.zero = 3     plait ZeRO-3      vs  torch.distributed.fsdp.fully_shard (per block, root)
+
+Per world size (1, 2, 4, ... up to N; the same global batch each time, i.e. strong scaling) the
+steps take turns, in rotating order so that none always runs first: plait, torch, and (for plain
+DDP) plait with communication skipped (every micro-batch under `no_sync`, no all-reduce).
+Reported, from the medians:
 
 - ratio plait / torch (below 1: plait is faster);
 - exposed communication: (plait step - step without communication) / plait step, the part of the
@@ -23,14 +27,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import comm
-from plait.comm.allreduce import AllReduceAlgorithm
 from plait.config import Config, validate
 from plait.mesh import build_mesh
 from plait.model import build_model
-from plait.parallel import DataParallel
+from plait.parallel import DataParallel, parallelize
 from plait.train.data import TokenData
 
 
@@ -47,14 +52,14 @@ def with_free_dp(cfg: Config) -> Config:
 
 
 class _Runner:
-    """One wrapped model, its optimizer, and the step over this rank's rows in micro-batches."""
+    """One model, its optimizer, and a step over this rank's rows in micro-batches."""
 
-    def __init__(self, wrapped, model, micro_batches, communicate: bool):
-        self.wrapped, self.model, self.micro_batches = wrapped, model, micro_batches
-        self.communicate = communicate
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    def __init__(self, wrapped, opt, micro_batches, communicate=True, finish=None, after=None):
+        self.wrapped, self.opt, self.micro_batches = wrapped, opt, micro_batches
+        self.communicate, self.finish, self.after = communicate, finish, after
 
     def step(self) -> None:
+        self.wrapped.zero_grad(set_to_none=True)
         self.opt.zero_grad(set_to_none=True)
         last = len(self.micro_batches) - 1
         for i, (x, y) in enumerate(self.micro_batches):
@@ -63,9 +68,54 @@ class _Runner:
                 logits = self.wrapped(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(self.micro_batches)
                 loss.backward()
-        if self.communicate and hasattr(self.wrapped, "finish_gradients"):
-            self.wrapped.finish_gradients()
+        if self.communicate and self.finish:
+            self.finish()
         self.opt.step()
+        if self.after:
+            self.after()
+
+
+def _plait_runner(model, mesh, cfg: Config, batches) -> _Runner:
+    par = parallelize(model, mesh, cfg.parallel)
+    opt = torch.optim.AdamW([p for g in par.optimizer_groups() for p in g], lr=1e-4)
+    return _Runner(par.model, opt, batches, finish=par.model.finish_gradients,
+                   after=par.finish_step)
+
+
+def _torch_runner(model, mesh, cfg: Config, batches) -> _Runner:
+    group, par = mesh["dp"].get_group(), cfg.parallel
+    if par.zero == 3:
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return _Runner(_NoSync(model), opt, batches)
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=par.bucket_mb)
+    if par.zero:
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      process_group=group, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return _Runner(ddp, opt, batches)
+
+
+class _NoSync(torch.nn.Module):
+    """fully_shard modules accumulate with set_requires_gradient_sync; give them no_sync()."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
 
 @record
@@ -73,7 +123,8 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
     torch.set_num_threads(cfg.train.threads)
     dist.init_process_group("gloo")
     dims = validate(cfg, dist.get_world_size())
-    group = build_mesh(dims)["dp"].get_group()
+    mesh = build_mesh(dims)
+    group = mesh["dp"].get_group()
     rank, n, args = dist.get_rank(), dims.dp, cfg.model.args()
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch, rank, n)
     micro = cfg.train.micro_batch or len(x)
@@ -82,20 +133,20 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
     def model():
         return build_model(args, cfg.train.seed)
 
-    par = cfg.parallel
-    ours, theirs, local = model(), model(), model()
-    algorithm = AllReduceAlgorithm(par.allreduce)
-    plait_ddp = DataParallel(ours, group, bucket_mb=par.bucket_mb, algorithm=algorithm)
-    torch_ddp = DistributedDataParallel(theirs, process_group=group, bucket_cap_mb=par.bucket_mb)
     runners = {
-        "plait": _Runner(plait_ddp, ours, batches, communicate=True),
-        "torch": _Runner(torch_ddp, theirs, batches, communicate=True),
-        "no_comm": _Runner(DataParallel(local, group), local, batches, communicate=False),
+        "plait": _plait_runner(model(), mesh, cfg, batches),
+        "torch": _torch_runner(model(), mesh, cfg, batches),
     }
+    if not cfg.parallel.zero:
+        local = model()
+        runners["no_comm"] = _Runner(DataParallel(local, group),
+                                     torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
+                                     communicate=False)
     times = {name: [] for name in runners}
     order = list(runners)
     for i in range(steps + 2):  # two warm-up rounds
-        for name in order[i % 3 :] + order[: i % 3]:
+        k = i % len(order)
+        for name in order[k:] + order[:k]:
             comm.all_reduce(torch.zeros(1), group)  # start together
             start = time.perf_counter()
             runners[name].step()

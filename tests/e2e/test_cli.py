@@ -115,6 +115,13 @@ def test_bench_step_compares_with_torch_ddp_at_each_world_size():
     assert [row.split("│")[1].strip() for row in rows] == ["1", "2"]
 
 
+@pytest.mark.parametrize("stage,peer", [(1, "ZeroRedundancyOptimizer"), (3, "fully_shard")])
+def test_bench_step_zero_against_its_torch_peer(stage, peer):
+    proc = plait("bench", "step", "--nproc", "2", "--steps", "1", f"parallel.zero={stage}", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert peer in proc.stdout and f"ZeRO-{stage}" in proc.stdout
+
+
 def test_bench_step_tensor_parallel_against_dtensor():
     proc = plait("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
