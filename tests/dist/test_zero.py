@@ -65,7 +65,7 @@ def _expected_slice(names, numels, grads, rank, n):
     return flat[rank * shard : (rank + 1) * shard]
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_matches_single_process_and_the_formulas(reference, stage, n):
     ref_losses, ref_params, ref_grads = reference
@@ -90,14 +90,16 @@ def test_zero_matches_single_process_and_the_formulas(reference, stage, n):
         assert state["grads"] == (4 * sum(sizes) if stage == 1 else 4 * padded // n)
         assert state["optimizer"] == 8 * padded // n
         moved, calls = ledger
-        if stage < 3:  # a reduce-scatter and an all-gather of Psi: the bytes of one all-reduce
+        if n == 1:  # collectives on a group of one are no-ops: nothing moves, nothing is counted
+            assert (moved, calls) == (0, {})
+        elif stage < 3:  # a reduce-scatter and an all-gather of Psi: the bytes of one all-reduce
             assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: len(sizes)}
             assert moved == 2 * (n - 1) * 4 * padded / n
         else:  # all-gathers in forward and in backward, one reduce-scatter: 1.5 times that
             assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: 2 * len(sizes)}
             assert moved == 3 * (n - 1) * 4 * padded / n
             # Gathered at once, beyond the slices: the running unit and the prefetched one.
-            assert 1 < state["peak_gathered_over_unit"] <= 2
+            assert 1 < state["peak_gathered_over_unit"] <= 2 or n == 1
 
 
 @pytest.mark.parametrize("stage", [2, 3])
