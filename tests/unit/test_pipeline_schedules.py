@@ -1,0 +1,77 @@
+"""Pipeline schedules as data: every built-in passes the checker, its simulated bubble equals the
+closed form exactly on unit costs, 1F1B holds at most P micro-batches, broken schedules are
+named."""
+
+import dataclasses
+
+import pytest
+
+from plait.parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Kind,
+    ScheduleError,
+    build_schedule,
+)
+from plait.parallel.pipeline.simulator import check, simulate, textbook_bubble
+
+CASES = [(name, P, M) for name in SCHEDULES for P in (2, 4) for M in (P, 2 * P, 4 * P)]
+
+
+@pytest.mark.parametrize("name,P,M", CASES)
+def test_builtin_schedules_pass_the_checker_with_the_textbook_bubble(name, P, M):
+    schedule = build_schedule(name, P, M, chunks_per_stage=2)
+    check(schedule)
+    timeline = simulate(schedule)
+    assert timeline.bubble == pytest.approx(textbook_bubble(schedule), abs=1e-12)
+    # Every stage is busy for exactly its share of the work: M (F + B [+ W]) per chunk.
+    per_chunk = 3 * M
+    assert timeline.busy == [per_chunk * schedule.chunks_per_stage] * P
+
+
+@pytest.mark.parametrize("P,M", [(2, 8), (4, 16), (8, 8)])
+def test_activation_memory(P, M):
+    assert simulate(build_schedule("gpipe", P, M)).peak_in_flight == [M] * P
+    one_f_one_b = simulate(build_schedule("1f1b", P, M)).peak_in_flight
+    assert one_f_one_b == [P - s for s in range(P)] and max(one_f_one_b) <= P
+    assert max(simulate(build_schedule("zb1", P, M)).peak_in_flight) <= P  # 1F1B's peak
+
+
+def test_interleaving_divides_the_bubble_by_v():
+    plain = simulate(build_schedule("1f1b", 4, 8))
+    inter = simulate(build_schedule("interleaved", 4, 8, chunks_per_stage=4))
+    # Bubble time (P - 1)(F + B), in units of one full-model micro-batch, shrinks V-fold.
+    assert (plain.makespan - 3 * 8) == 4 * (inter.makespan / 4 - 3 * 8)
+
+
+def _broken(mutate):
+    schedule = build_schedule("1f1b", 2, 4)
+    actions = [list(seq) for seq in schedule.actions]
+    mutate(actions)
+    return dataclasses.replace(schedule, actions=actions)
+
+
+def test_a_deadlocking_schedule_is_rejected_naming_the_first_stuck_action():
+    def swap(actions):  # stage 0 does its first backward before the forward it depends on
+        actions[0][0], actions[0][2] = actions[0][2], actions[0][0]
+
+    with pytest.raises(ScheduleError, match=r"deadlock at stage 0, action 0: B\(mb=0, chunk=0\) "
+                                            r"waits for F\(mb=0, chunk=0\)"):
+        check(_broken(swap))
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda a: a[0].pop(), r"B\(mb=3, chunk=0\) is missing"),
+    (lambda a: a[1].append(Action(Kind.F, 0, 0)), r"stage 1, action 8: F\(mb=0, chunk=0\) "
+                                                   r"belongs to stage 0"),
+    (lambda a: a[0].insert(1, a[0][0]), r"stage 0, action 1: F\(mb=0, chunk=0\) appears twice"),
+    (lambda a: a[0].append(Action(Kind.W, 0, 0)), "W only exists when the backward is split"),
+])
+def test_malformed_schedules_are_rejected(mutate, message):
+    with pytest.raises(ScheduleError, match=message):
+        check(_broken(mutate))
+
+
+def test_interleaved_needs_whole_groups():
+    with pytest.raises(ScheduleError, match="divisible by stages"):
+        build_schedule("interleaved", 4, 6, chunks_per_stage=2)
