@@ -11,7 +11,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_origin, get_type_hints
 
 from plait.mesh import AXES, ParallelDims  # noqa: F401 - AXES is re-exported
 from plait.model.llama import PRESETS, ModelArgs
@@ -55,6 +55,10 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2, 3 (FSDP)
     reduce_dtype: str = "fp32"  # ZeRO gradient reductions under train.precision = "bf16"
     offload: str = "none"  # ZeRO on a GPU: "optimizer" or "params" (stage 3) in host memory
+    pp_schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zb1"
+    microbatches: int = 0  # pipeline micro-batches per step and dp rank; 0 = pp
+    pp_virtual: int = 2  # model chunks per stage under the interleaved schedule
+    pp_split: list[int] = field(default_factory=list)  # layers per chunk; empty = balanced
     bucket_mb: float = 25.0  # gradient bucket size
     allreduce: str = "backend"  # "backend" | "ring" | "naive"
 
@@ -171,6 +175,10 @@ def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
         known = ", ".join(n for n in hints if n != "overrides")
         raise ConfigError(key, f"unknown key; {key.split('.')[0]} keys are {known}")
     want = hints[name]
+    if get_origin(want) is list:
+        if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+            raise ConfigError(key, f"expected a list of integers, got {value!r}")
+        return value
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
@@ -197,7 +205,8 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         )
     if args.n_layers % dims.pp:
         raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
-    for axis in ("pp", "cp", "ep"):
+    _check_pipeline(cfg, dims, args)
+    for axis in ("cp", "ep"):
         if getattr(dims, axis) > 1:
             raise ConfigError(f"parallel.{axis}", "not implemented yet in plait; set it to 1")
     _check_parallel(cfg.parallel)
@@ -222,6 +231,38 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
             f"{text} must equal the world size {world_size}; change the degrees or --nproc",
         )
     return ParallelDims(**{a: getattr(par, a) for a in AXES if a != "dp"}, dp=dp)
+
+
+def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+    par = cfg.parallel
+    if par.pp_schedule not in ("gpipe", "1f1b", "interleaved", "zb1"):
+        raise ConfigError("parallel.pp_schedule",
+                          f"one of gpipe, 1f1b, interleaved, zb1; got '{par.pp_schedule}'")
+    if dims.pp == 1:
+        return
+    if dims.tp > 1 or par.zero:
+        raise ConfigError("parallel.pp", "pipeline with tp > 1 or ZeRO is not implemented yet")
+    if cfg.train.micro_batch:
+        raise ConfigError("train.micro_batch",
+                          "the pipeline accumulates over its micro-batches; set "
+                          "parallel.microbatches instead and leave train.micro_batch at 0")
+    m = par.microbatches or dims.pp
+    rows = cfg.train.global_batch // dims.dp
+    if m < 1 or rows % m:
+        raise ConfigError("parallel.microbatches",
+                          f"{m} must divide the {rows} sequences per data-parallel rank")
+    chunks = dims.pp
+    if par.pp_schedule == "interleaved":
+        if par.pp_virtual < 1 or m % dims.pp:
+            raise ConfigError("parallel.microbatches", f"interleaved needs a multiple of pp="
+                              f"{dims.pp} micro-batches (got {m}) and pp_virtual >= 1")
+        chunks *= par.pp_virtual
+    if args.n_layers < chunks:
+        raise ConfigError("parallel.pp", f"{chunks} pipeline chunks need >= {chunks} layers")
+    split = par.pp_split
+    if split and (len(split) != chunks or sum(split) != args.n_layers or min(split) < 1):
+        raise ConfigError("parallel.pp_split", f"{chunks} positive layer counts summing to "
+                          f"n_layers={args.n_layers}, got {split}")
 
 
 def _check_parallel(par: ParallelConfig) -> None:

@@ -203,15 +203,17 @@ def all_to_all(
     )
 
 
-def send(tensor: torch.Tensor, dst: int, group: ProcessGroup, async_op: bool = False):
-    """To `dst`, a rank within `group`."""
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup, async_op: bool = False,
+         tag: int = 0):
+    """To `dst`, a rank within `group`; the receiver's `tag` must match."""
     dst_global = dist.get_global_rank(group, dst)
-    call = lambda a: (dist.isend if a else dist.send)(tensor, dst=dst_global, group=group)
+    call = lambda a: (dist.isend if a else dist.send)(tensor, dst=dst_global, group=group, tag=tag)
     return _run(Op.SEND, group, _nbytes(tensor), call, async_op)
 
 
-def recv(tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False):
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False,
+         tag: int = 0):
     """Into `tensor`, from `src`, a rank within `group`."""
     src_global = dist.get_global_rank(group, src)
-    call = lambda a: (dist.irecv if a else dist.recv)(tensor, src=src_global, group=group)
+    call = lambda a: (dist.irecv if a else dist.recv)(tensor, src=src_global, group=group, tag=tag)
     return _run(Op.RECV, group, _nbytes(tensor), call, async_op)

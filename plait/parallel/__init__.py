@@ -20,6 +20,7 @@ from plait.config import ParallelConfig
 from plait.model.llama import Transformer
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel
 from plait.parallel.fsdp import FullyShardedDataParallel
+from plait.parallel.pipeline import PipelineExecutor, apply_pp, executors, pp_grad_norm_sq
 from plait.parallel.state import model_state_bytes
 from plait.parallel.tensor_parallel import TensorParallelPlan, apply_tp, grad_norm_sq
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -42,6 +43,8 @@ class Parallelized:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> loss
     grad_norm_sq: Callable[[], torch.Tensor]  # squared norm of the whole model's gradient
     tp_plan: TensorParallelPlan
+    pipeline: PipelineExecutor | None = None  # with pp > 1: runs a training step's schedule
+    pipeline_eval: PipelineExecutor | None = None  # and a forward-only pass
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(decay, no_decay): the tensors the optimizer owns. Matrices and embeddings decay; norm
@@ -63,11 +66,17 @@ class Parallelized:
 
 
 def parallelize(
-    model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool = False
+    model: Transformer,
+    mesh: DeviceMesh,
+    cfg: ParallelConfig,
+    bf16: bool = False,
+    microbatches: int = 1,
 ) -> Parallelized:
     """Apply every configured parallelism to `model`, in place, in the documented order. With
     `bf16` and ZeRO, parameters are held in bf16 with fp32 masters of each rank's slices (without
     ZeRO, bf16 is the trainer's autocast over fp32 parameters)."""
+    if mesh["pp"].size() > 1:
+        return _parallelize_pipeline(model, mesh, cfg, microbatches)
     tp_group = mesh["tp"].get_group()
     plan = apply_tp(model, tp_group, cfg.sequence_parallel)
     loss_fn = cross_entropy
@@ -93,6 +102,19 @@ def parallelize(
         )
         norm_sq = functools.partial(grad_norm_sq, model, plan, tp_group)
     return Parallelized(wrapped, loss_fn, norm_sq, plan)
+
+
+def _parallelize_pipeline(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig,
+                          microbatches: int) -> Parallelized:
+    """pp (x dp): this stage's chunks, replicated over dp, run by the schedule's executor."""
+    dim, device = model.args.dim, next(model.parameters()).device
+    mine, schedule = apply_pp(model, mesh, cfg, microbatches)
+    wrapped = DataParallel(mine, mesh["dp"].get_group(), bucket_mb=cfg.bucket_mb,
+                           algorithm=AllReduceAlgorithm(cfg.allreduce))
+    train, evaluate = executors(wrapped, mine, schedule, mesh, cross_entropy, dim, device)
+    norm_sq = functools.partial(pp_grad_norm_sq, mine, mesh["pp"].get_group())
+    plan = TensorParallelPlan(replicated={n for n, _ in mine.named_parameters()})
+    return Parallelized(wrapped, cross_entropy, norm_sq, plan, train, evaluate)
 
 
 __all__ = [

@@ -41,13 +41,15 @@ class Trainer:
         args = cfg.model.args()
         self.model = build_model(args, cfg.train.seed, device)
         n_params = count_params(self.model)  # the whole model's, before any split
+        self.microbatches = cfg.parallel.microbatches or dims.pp  # pipeline micro-batches
         self.parallelized = parallelize(
-            self.model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16"
+            self.model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16",
+            microbatches=self.microbatches,
         )
         self.parallel = self.parallelized.model
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
-        self.dp_group = mesh["dp"].get_group()
+        self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
         self.dp_rank, self.dp = mesh["dp"].get_local_rank(), dims.dp
         per_rank = cfg.train.global_batch // dims.dp
         self.micro_batch = cfg.train.micro_batch or per_rank
@@ -69,8 +71,11 @@ class Trainer:
         return self.parallelized.loss_fn(logits, targets.to(self.device))
 
     def _global_mean(self, value: float) -> float:
-        """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens)."""
+        """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens); under
+        pipeline parallelism the loss exists on the last stage only, so it is summed over pp
+        first (the other stages contribute 0)."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        all_reduce(t, self.pp_group)
         all_reduce(t, self.dp_group)
         return t.item() / self.dp
 
@@ -84,7 +89,10 @@ class Trainer:
         set_lr(self.optimizer, lr)
         inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.dp_rank, self.dp)
         loss_sum = 0.0
-        for micro in range(self.accumulation):
+        pipeline = self.parallelized.pipeline
+        if pipeline is not None:  # the schedule runs the micro-batches, forward and backward
+            loss_sum = pipeline.run(self._microbatches(inputs, targets))
+        for micro in range(self.accumulation if pipeline is None else 0):
             rows = slice(micro * self.micro_batch, (micro + 1) * self.micro_batch)
             last = micro == self.accumulation - 1
             # Micro-batches before the last accumulate locally; only the last communicates.
@@ -100,6 +108,10 @@ class Trainer:
         self.parallelized.finish_step()
         return {"loss": loss_sum, "lr": lr}
 
+    def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rows = len(inputs) // self.microbatches
+        return list(zip(inputs.split(rows), targets.split(rows), strict=True))
+
     def _optimized(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
@@ -111,6 +123,9 @@ class Trainer:
             inputs, targets = self.data.val_batch(
                 i, self.train_cfg.global_batch, self.dp_rank, self.dp
             )
+            if self.parallelized.pipeline_eval is not None:
+                total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
+                continue
             for rows in torch.arange(len(inputs)).split(self.micro_batch):
                 total += self._loss(inputs[rows], targets[rows]).item() * len(rows) / len(inputs)
         return self._global_mean(total / self.train_cfg.eval_batches)

@@ -137,6 +137,13 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     return Schedule("zb1", stages, microbatches, 1, True, out)
 
 
+def forward_only(stages: int, microbatches: int, chunks_per_stage: int = 1) -> Schedule:
+    """Forwards only (evaluation): each stage runs its chunks micro-batch by micro-batch."""
+    actions = [[Action(Kind.F, m, v * stages + s) for m in range(microbatches)
+                for v in range(chunks_per_stage)] for s in range(stages)]
+    return Schedule("forward", stages, microbatches, chunks_per_stage, False, actions)
+
+
 def build_schedule(name: str, stages: int, microbatches: int, chunks_per_stage: int = 1):
     if name == "gpipe":
         return gpipe(stages, microbatches)

@@ -1,0 +1,126 @@
+"""One executor for every schedule: it runs this stage's list of actions in order.
+
+    F(c, m): input = micro-batch tokens (chunk 0) or the activation received from chunk c - 1's
+             stage; output sent on to chunk c + 1's stage, or the loss computed (last chunk).
+    B(c, m): gradient received from chunk c + 1's stage (or the loss itself on the last chunk);
+             backward; the input's gradient sent to chunk c - 1's stage. Under a split backward,
+             B computes the input gradient only and keeps the graph for W.
+    W(c, m): the weight gradients of the kept graph.
+
+Sends are asynchronous and receives block, each message tagged by (direction, chunk,
+micro-batch), so any schedule that passes `simulator.check` runs without deadlock. Activation
+shapes are known up front: (micro-batch rows, seq, dim), float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from plait.comm import Pending, recv, send
+from plait.parallel.pipeline.schedules import Action, Kind, Schedule
+
+
+@dataclass
+class _Saved:
+    input: torch.Tensor
+    output: torch.Tensor  # activation, or the scaled loss on the last chunk
+    grad: torch.Tensor | None = None  # gradient of `output`, kept for W under a split backward
+
+
+@dataclass
+class StepTrace:
+    """What the executor did, for measured timelines: (action, start, end) in seconds."""
+
+    spans: list[tuple[Action, float, float]] = field(default_factory=list)
+
+
+class PipelineExecutor:
+    def __init__(
+        self,
+        schedule: Schedule,
+        chunks: dict[int, nn.Module],  # this stage's chunks by global chunk index
+        group: ProcessGroup,  # the pp axis: rank i of the group is stage i
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        dim: int,
+        device: torch.device,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
+        self.schedule, self.chunks, self.group = schedule, chunks, group
+        self.loss_fn, self.dim, self.device = loss_fn, dim, device
+        self.no_sync = no_sync or contextlib.nullcontext
+        # The action that produces each chunk's gradients last: only it may communicate them.
+        grad_kind = Kind.W if schedule.split_backward else Kind.B
+        self.final = {}
+        for a in schedule.actions[next(iter(chunks)) % schedule.stages]:
+            if a.kind is grad_kind:
+                self.final[a.chunk] = a
+
+    def _tag(self, backward: bool, chunk: int, microbatch: int) -> int:
+        return (chunk * self.schedule.microbatches + microbatch) * 2 + backward
+
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], trace=None) -> float:
+        """Execute this stage's actions over the micro-batches; returns the sum of the (scaled)
+        losses computed here (0 on stages without the last chunk)."""
+        s, M = self.schedule, len(microbatches)
+        saved: dict[tuple[int, int], _Saved] = {}
+        sends: list[tuple[Pending, torch.Tensor]] = []
+        loss_sum = 0.0
+        stage = next(iter(self.chunks)) % s.stages
+        for a in s.actions[stage]:
+            start = time.perf_counter()
+            rows, seq = microbatches[a.microbatch][0].shape
+            key = (a.chunk, a.microbatch)
+            if a.kind is Kind.F:
+                if a.chunk == 0:
+                    x = microbatches[a.microbatch][0].to(self.device)
+                else:
+                    x = torch.empty(rows, seq, self.dim, device=self.device)
+                    recv(x, s.stage_of(a.chunk - 1), self.group,
+                         tag=self._tag(False, a.chunk - 1, a.microbatch))
+                    x.requires_grad_()
+                out = self.chunks[a.chunk](x)
+                if a.chunk == s.chunks - 1:
+                    out = self.loss_fn(out, microbatches[a.microbatch][1].to(self.device)) / M
+                    loss_sum += out.item()
+                else:
+                    sent = out.detach()
+                    sends.append((send(sent, s.stage_of(a.chunk + 1), self.group, async_op=True,
+                                       tag=self._tag(False, a.chunk, a.microbatch)), sent))
+                saved[key] = _Saved(x, out)
+            elif a.kind is Kind.B:
+                item = saved[key]
+                grad = None
+                if a.chunk < s.chunks - 1:
+                    grad = torch.empty_like(item.output)
+                    recv(grad, s.stage_of(a.chunk + 1), self.group,
+                         tag=self._tag(True, a.chunk + 1, a.microbatch))
+                if s.split_backward:
+                    item.grad = grad
+                    if a.chunk > 0:  # input gradient only; the graph is kept for W
+                        torch.autograd.backward(item.output, grad, inputs=[item.input],
+                                                retain_graph=True)
+                else:
+                    with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
+                        torch.autograd.backward(item.output, grad)
+                    del saved[key]
+                if a.chunk > 0:
+                    g = item.input.grad
+                    sends.append((send(g, s.stage_of(a.chunk - 1), self.group, async_op=True,
+                                       tag=self._tag(True, a.chunk, a.microbatch)), g))
+            else:  # W
+                item = saved.pop(key)
+                params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+                with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
+                    torch.autograd.backward(item.output, item.grad, inputs=params)
+            if trace is not None:
+                trace.spans.append((a, start, time.perf_counter()))
+        for pending, _ in sends:
+            pending.wait()
+        return loss_sum
