@@ -47,6 +47,17 @@ BAD_INPUT = [
     (["parallel.dp=2", "--nproc", "4"], "parallel"),
     (["parallel.tp=3", "parallel.dp=1", "--nproc", "3"], "parallel.tp"),
     (["parallel.pp=3", "parallel.dp=1", "--nproc", "3"], "parallel.pp"),
+    (["parallel.pp_schedule=2f2b"], "parallel.pp_schedule"),
+    (["parallel.pp=2", "parallel.dp=1", "--nproc", "2", "parallel.microbatches=3"],
+     "parallel.microbatches"),
+    (["parallel.pp=2", "parallel.dp=1", "--nproc", "2", "parallel.pp_schedule=interleaved",
+      "model.n_layers=4", "parallel.microbatches=3", "train.global_batch=6"],
+     "parallel.microbatches"),
+    (["parallel.pp=2", "parallel.dp=1", "--nproc", "2", "parallel.pp_split=[1, 2]"],
+     "parallel.pp_split"),
+    (["parallel.pp_split=[1, \"a\"]"], "parallel.pp_split"),
+    (["parallel.pp=2", "parallel.dp=1", "--nproc", "2", "train.micro_batch=4"],
+     "train.micro_batch"),
     (["parallel.tp=4", "parallel.dp=1", "--nproc", "4"], "parallel.tp"),  # 2 kv heads
     (["parallel.tp=4", "parallel.dp=1", "--nproc", "4", "model.n_heads=8", "model.n_kv_heads=4",
       "model.vocab_size=258"], "parallel.tp"),
@@ -90,5 +101,5 @@ def test_bad_input_from_a_real_process():
 
 
 def test_unimplemented_axes_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="parallel.pp: not implemented"):
-        validate(load_config(None, ["parallel.pp=2"]), 2)
+    with pytest.raises(ConfigError, match="parallel.cp: not implemented"):
+        validate(load_config(None, ["parallel.cp=2"]), 2)
