@@ -1,5 +1,5 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [section.key=value ...]`
-`plait bench comm --nproc N`, `plait bench step --nproc N [--config FILE] [section.key=value ...]`
+`plait bench comm | step | pp --nproc N [--config FILE] [section.key=value ...]`
 
 Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
 fix, before any worker starts.
@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     step.add_argument("overrides", nargs="*", metavar="section.key=value")
     step.set_defaults(func=cmd_bench_step)
+    pp = suites.add_parser("pp", help="pipeline schedules: bubbles, memory, vs torch pipelining")
+    pp.add_argument("--nproc", type=int, default=2, help="pipeline stages")
+    pp.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    pp.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
+    pp.add_argument("--png", default="runs/bench_pp/timeline.png", help="timeline picture")
+    pp.add_argument("overrides", nargs="*", metavar="section.key=value")
+    pp.set_defaults(func=cmd_bench_pp)
     return parser
 
 
@@ -104,6 +111,17 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
     from plait.bench import run_step
 
     run_step(args.nproc, load_config(recipe_path(args.config), args.overrides), args.steps)
+
+
+def cmd_bench_pp(args: argparse.Namespace) -> None:
+    if args.nproc < 2:
+        raise ConfigError("--nproc", f"a pipeline needs at least 2 stages, got {args.nproc}")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    from plait.bench import run_pp
+
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    run_pp(args.nproc, load_config(recipe_path(args.config), args.overrides), args.steps, args.png)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,10 +3,13 @@ Timings live here, never in tests."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from rich.console import Console
 from rich.table import Table
 
 from plait.bench.comm import SIZES, bench_comm
+from plait.bench.pp import bench_pp, draw_timelines, measured_bubble, with_schedule
 from plait.bench.step import bench_step, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
 from plait.config import Config, ConfigError, validate
@@ -22,7 +25,7 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
     for r in rows:
         table.add_row(r["collective"], _size(r["bytes"]), f"{r['time_us']:,.0f}",
                       f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}")
-    Console().print(table)
+    Console(width=120).print(table)
     return rows
 
 
@@ -59,7 +62,7 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
                       f"{r['ratio']:.3f}",
                       f"{r['exposed']:.1%}" if n > 1 and r["exposed"] is not None else "-",
                       f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}")
-    Console().print(table)
+    Console(width=120).print(table)
     return rows
 
 
@@ -83,12 +86,58 @@ def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
             ("torch DTensor TP (parallelize_module)", t["torch"])]
     for name, seconds in rows:
         table.add_row(name, f"{seconds * 1e3:,.1f}", f"{seconds / t['torch']:.3f}")
-    Console().print(table)
+    Console(width=120).print(table)
     return [{"variant": name, "seconds": seconds} for name, seconds in rows]
+
+
+def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
+    from plait.parallel.pipeline.schedules import SCHEDULES, build_schedule
+    from plait.parallel.pipeline.simulator import simulate, textbook_bubble
+
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=nproc, dp=0))
+    schedules, skipped = [], []
+    for name in SCHEDULES:
+        try:
+            validate(with_schedule(cfg, name), nproc)
+            schedules.append(name)
+        except ConfigError as e:
+            if name != "interleaved":
+                raise
+            skipped.append(f"{name}: {e}")
+    if not schedules:
+        raise ConfigError("parallel.pp", "no schedule fits this model and batch")
+    per_rank = launch(nproc, bench_pp, cfg, schedules, steps, threads=cfg.train.threads)
+    M = cfg.parallel.microbatches or nproc
+    table = Table(title=f"plait bench pp: {nproc} stages, {M} micro-batches, median of {steps} "
+                        "steps (bubbles: idle share of the step, worst stage)")
+    for col in ("schedule", "simulated bubble", "formula", "measured bubble",
+                "peak in-flight", "plait (ms)", "torch (ms)", "plait / torch"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    rows, timelines = [], {}
+    for name in schedules:
+        sim = build_schedule(name, nproc, M, cfg.parallel.pp_virtual)
+        timeline = simulate(sim)
+        spans = [r[name]["spans"] for r in per_rank]
+        timelines[name] = spans
+        plait_s, torch_s = per_rank[0][name]["plait"], per_rank[0][name]["torch"]
+        row = {"schedule": name, "simulated": timeline.bubble, "formula": textbook_bubble(sim),
+               "measured": measured_bubble(spans), "peak": max(timeline.peak_in_flight),
+               "plait": plait_s, "torch": torch_s}
+        rows.append(row)
+        table.add_row(name, f"{row['simulated']:.3f}", f"{row['formula']:.3f}",
+                      f"{row['measured']:.3f}", str(row["peak"]), f"{plait_s * 1e3:,.1f}",
+                      f"{torch_s * 1e3:,.1f}" if torch_s else "-",
+                      f"{plait_s / torch_s:.3f}" if torch_s else "-")
+    Console(width=120).print(table)
+    for note in skipped:
+        Console().print(f"skipped {note}")
+    draw_timelines(timelines, png)
+    Console().print(f"timelines: {png}")
+    return rows
 
 
 def _size(n: int) -> str:
     return f"{n // 2**20} MiB" if n >= 2**20 else f"{n // 2**10} KiB"
 
 
-__all__ = ["run_comm", "run_step"]
+__all__ = ["run_comm", "run_pp", "run_step"]

@@ -74,17 +74,18 @@ class PipelineExecutor:
         loss_sum = 0.0
         stage = next(iter(self.chunks)) % s.stages
         for a in s.actions[stage]:
-            start = time.perf_counter()
             rows, seq = microbatches[a.microbatch][0].shape
             key = (a.chunk, a.microbatch)
             if a.kind is Kind.F:
                 if a.chunk == 0:
                     x = microbatches[a.microbatch][0].to(self.device)
+                    start = time.perf_counter()
                 else:
                     x = torch.empty(rows, seq, self.dim, device=self.device)
                     recv(x, s.stage_of(a.chunk - 1), self.group,
                          tag=self._tag(False, a.chunk - 1, a.microbatch))
                     x.requires_grad_()
+                start = time.perf_counter()  # busy from here: waiting for the message is idle
                 out = self.chunks[a.chunk](x)
                 if a.chunk == s.chunks - 1:
                     out = self.loss_fn(out, microbatches[a.microbatch][1].to(self.device)) / M
@@ -101,6 +102,7 @@ class PipelineExecutor:
                     grad = torch.empty_like(item.output)
                     recv(grad, s.stage_of(a.chunk + 1), self.group,
                          tag=self._tag(True, a.chunk + 1, a.microbatch))
+                start = time.perf_counter()
                 if s.split_backward:
                     item.grad = grad
                     if a.chunk > 0:  # input gradient only; the graph is kept for W
@@ -115,6 +117,7 @@ class PipelineExecutor:
                     sends.append((send(g, s.stage_of(a.chunk - 1), self.group, async_op=True,
                                        tag=self._tag(True, a.chunk, a.microbatch)), g))
             else:  # W
+                start = time.perf_counter()
                 item = saved.pop(key)
                 params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
                 with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():

@@ -1,0 +1,152 @@
+"""`plait bench pp --nproc P [overrides]`: pipeline schedules, simulated, measured, and against
+`torch.distributed.pipelining` on the same model chunks, batch and seed.
+
+Per schedule: the simulated bubble (ideal clock, unit costs) beside the closed form; the measured
+bubble of a real step (each stage's idle share of the step's span, worst stage, from the
+executor's per-action timestamps; all ranks share one monotonic clock on one machine); the peak
+number of in-flight micro-batch activations per stage; the median step time of plait and of
+torch's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B (ZB-H1 has no torch peer in this
+table). The measured timelines are drawn to a PNG, one row per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from plait import comm
+from plait.config import Config, validate
+from plait.mesh import build_mesh
+from plait.model import build_model
+from plait.parallel import parallelize
+from plait.parallel.pipeline.executor import StepTrace
+from plait.parallel.pipeline.stage import split_model
+from plait.train.data import TokenData
+
+TORCH_PEERS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+               "interleaved": ScheduleInterleaved1F1B}
+
+
+def with_schedule(cfg: Config, name: str) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_schedule=name))
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _time_plait(cfg: Config, mesh, batches, steps: int):
+    model = build_model(cfg.model.args(), cfg.train.seed)
+    par = parallelize(model, mesh, cfg.parallel, microbatches=len(batches))
+    opt = torch.optim.AdamW([p for g in par.optimizer_groups() for p in g], lr=1e-4)
+    times, trace = [], StepTrace()
+    for i in range(steps + 1):  # one warm-up step
+        comm.all_reduce(torch.zeros(1), mesh["pp"].get_group())  # start together
+        opt.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        par.pipeline.run(batches, trace=trace if i == steps else None)
+        par.model.finish_gradients()
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), [(a.kind.value, a.microbatch, a.chunk, s, e)
+                                      for a, s, e in trace.spans]
+
+
+def _time_torch(cfg: Config, name: str, rank: int, P: int, x, y, steps: int) -> float:
+    V = cfg.parallel.pp_virtual if name == "interleaved" else 1
+    chunks = split_model(build_model(cfg.model.args(), cfg.train.seed), P * V,
+                         list(cfg.parallel.pp_split) or None)
+    stages = [PipelineStage(chunks[c], c, P * V, torch.device("cpu"))
+              for c in range(P * V) if c % P == rank]
+    M = cfg.parallel.microbatches or P
+    schedule = TORCH_PEERS[name](stages if V > 1 else stages[0], n_microbatches=M,
+                                 loss_fn=_cross_entropy)
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    times = []
+    for i in range(steps + 1):
+        comm.all_reduce(torch.zeros(1), dist.group.WORLD)
+        opt.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == P - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@record
+def bench_pp(cfg: Config, schedules: list[str], steps: int) -> dict:
+    """On every rank (one per stage): plait's and torch's median step time per schedule, and
+    this stage's measured spans of plait's last step."""
+    torch.set_num_threads(cfg.train.threads)
+    dist.init_process_group("gloo")
+    rank, P = dist.get_rank(), dist.get_world_size()
+    dims = validate(cfg, P)
+    mesh = build_mesh(dims)
+    x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch)
+    M = cfg.parallel.microbatches or P
+    batches = list(zip(x.split(len(x) // M), y.split(len(x) // M), strict=True))
+    out = {}
+    for name in schedules:
+        plait_s, spans = _time_plait(with_schedule(cfg, name), mesh, batches, steps)
+        torch_s = _time_torch(cfg, name, rank, P, x, y, steps) if name in TORCH_PEERS else None
+        out[name] = {"plait": plait_s, "torch": torch_s, "spans": spans}
+    dist.destroy_process_group()
+    return out
+
+
+def measured_bubble(stage_spans: list[list[tuple]]) -> float:
+    """Worst stage's idle share of the step's span (first start to last end over all stages)."""
+    begin = min(s[3] for spans in stage_spans for s in spans)
+    end = max(s[4] for spans in stage_spans for s in spans)
+    busy = [sum(s[4] - s[3] for s in spans) for spans in stage_spans]
+    return max(1 - b / (end - begin) for b in busy)
+
+
+def draw_timelines(results: dict[str, list[list[tuple]]], path: str) -> None:
+    """One panel per schedule, one row per stage, a bar per action (F, B, W)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 0.9 * len(results) *
+                             len(next(iter(results.values())))), squeeze=False)
+    for ax, (name, stage_spans) in zip(axes[:, 0], results.items(), strict=True):
+        begin = min(s[3] for spans in stage_spans for s in spans)
+        for stage, spans in enumerate(stage_spans):
+            for kind, mb, chunk, start, end in spans:
+                # Interleaved: a stage's later chunks drawn lighter.
+                alpha = 1.0 if chunk < len(stage_spans) else 0.6
+                ax.broken_barh([((start - begin) * 1e3, (end - start) * 1e3)],
+                               (stage - 0.4, 0.8), facecolors=colors[kind], edgecolor="white",
+                               alpha=alpha)
+                ax.text((start + end - 2 * begin) / 2 * 1e3, stage, f"{kind}{mb}",
+                        ha="center", va="center", fontsize=6, color="white")
+        ax.set_yticks(range(len(stage_spans)), [f"stage {s}" for s in range(len(stage_spans))])
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: measured step timeline", fontsize=9)
+        ax.set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
