@@ -75,3 +75,27 @@ def test_malformed_schedules_are_rejected(mutate, message):
 def test_interleaved_needs_whole_groups():
     with pytest.raises(ScheduleError, match="divisible by stages"):
         build_schedule("interleaved", 4, 6, chunks_per_stage=2)
+
+
+def test_layers_are_balanced_by_parameter_count_unless_listed():
+    import torch
+
+    from plait.model import build_model, model_args
+    from plait.parallel.pipeline.stage import balanced_split, split_model
+
+    assert balanced_split([10] * 8, 0, 0, 4) == [2, 2, 2, 2]
+    # The embedding and the head weigh 2.5 layers each: the end chunks get fewer layers.
+    assert balanced_split([10] * 8, 25, 25, 4) == [1, 3, 3, 1]
+    model = build_model(model_args("tiny", n_layers=6), seed=0)
+    chunks = split_model(model, 3, sizes=[1, 2, 3])
+    assert [list(c.layers) for c in chunks] == [["0"], ["1", "2"], ["3", "4", "5"]]
+    assert hasattr(chunks[0], "tok_embeddings") and hasattr(chunks[2], "output")
+    # Names are the model's, and the chunks in a row compute the model.
+    assert "layers.4.attention.wq.weight" in dict(chunks[2].named_parameters())
+    tokens = torch.randint(0, 256, (2, 8))
+    h = tokens
+    for c in chunks:
+        h = c(h)
+    torch.testing.assert_close(h, model(tokens))
+    with pytest.raises(ValueError, match="split"):
+        split_model(model, 3, sizes=[2, 2, 1, 1])
