@@ -118,6 +118,27 @@ class _NoSync(torch.nn.Module):
             self.model.set_requires_gradient_sync(True)
 
 
+def time_in_turns(steps_by_name: dict, group, steps: int) -> dict[str, float]:
+    """Median seconds of each step function, the slowest rank's. The functions take turns in
+    rotating order (none always first), all ranks starting each together; two rounds warm up."""
+    times = {name: [] for name in steps_by_name}
+    order = list(steps_by_name)
+    for i in range(steps + 2):
+        k = i % len(order)
+        for name in order[k:] + order[:k]:
+            comm.all_reduce(torch.zeros(1), group)  # start together
+            start = time.perf_counter()
+            steps_by_name[name]()
+            if i >= 2:
+                times[name].append(time.perf_counter() - start)
+    medians = {}
+    for name, ts in times.items():
+        t = torch.tensor([statistics.median(ts)])
+        comm.all_reduce(t, group, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        medians[name] = t.item()
+    return medians
+
+
 @record
 def bench_step(cfg: Config, steps: int) -> dict | None:
     torch.set_num_threads(cfg.train.threads)
@@ -142,20 +163,6 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
         runners["no_comm"] = _Runner(DataParallel(local, group),
                                      torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
                                      communicate=False)
-    times = {name: [] for name in runners}
-    order = list(runners)
-    for i in range(steps + 2):  # two warm-up rounds
-        k = i % len(order)
-        for name in order[k:] + order[:k]:
-            comm.all_reduce(torch.zeros(1), group)  # start together
-            start = time.perf_counter()
-            runners[name].step()
-            if i >= 2:
-                times[name].append(time.perf_counter() - start)
-    medians = {}
-    for name, ts in times.items():
-        t = torch.tensor([statistics.median(ts)])
-        comm.all_reduce(t, group, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        medians[name] = t.item()
+    medians = time_in_turns({name: r.step for name, r in runners.items()}, group, steps)
     dist.destroy_process_group()
     return medians if rank == 0 else None

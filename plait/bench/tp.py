@@ -9,9 +9,6 @@ ratio compares plait TP with torch TP (both without sequence parallelism).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,7 +21,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from plait import comm
+from plait.bench.step import time_in_turns
 from plait.config import Config, validate
 from plait.mesh import build_mesh
 from plait.model import build_model
@@ -80,19 +77,6 @@ def bench_tp(cfg: Config, steps: int) -> dict | None:
         return step
 
     runners = {"plait": plait_step(False), "plait_sp": plait_step(True), "torch": torch_step()}
-    times = {name: [] for name in runners}
-    order = list(runners)
-    for i in range(steps + 2):  # two warm-up rounds
-        for name in order[i % 3 :] + order[: i % 3]:
-            comm.all_reduce(torch.zeros(1), group)  # start together
-            start = time.perf_counter()
-            runners[name]()
-            if i >= 2:
-                times[name].append(time.perf_counter() - start)
-    medians = {}
-    for name, ts in times.items():
-        t = torch.tensor([statistics.median(ts)])
-        comm.all_reduce(t, group, op=dist.ReduceOp.MAX)
-        medians[name] = t.item()
+    medians = time_in_turns(runners, group, steps)
     dist.destroy_process_group()
     return medians if rank == 0 else None

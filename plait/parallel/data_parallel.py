@@ -46,20 +46,33 @@ def _check_all_have_grads(module: nn.Module, also_present: set[str] = frozenset(
         )
 
 
-class NaiveDataParallel(nn.Module):
-    """One flat all-reduce of every gradient after backward."""
+class SyncedReplicas(nn.Module):
+    """What every gradient-synchronising wrapper shares: it runs the wrapped module, and under
+    `no_sync()` (the micro-batches of gradient accumulation before the last) its hooks let
+    gradients accumulate locally and communicate nothing."""
+
+    _sync = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+
+class NaiveDataParallel(SyncedReplicas):
+    """One flat all-reduce of every gradient after backward (so `no_sync` has nothing to stop)."""
 
     def __init__(self, module: nn.Module, group: ProcessGroup):
         super().__init__()
         self.module, self.group = module, group
         self.size = dist.get_world_size(group)
         _broadcast_replicas(module, group)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def no_sync(self):
-        return contextlib.nullcontext()  # it only ever communicates in finish_gradients
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
@@ -77,7 +90,7 @@ class NaiveDataParallel(nn.Module):
             offset += p.numel()
 
 
-class DataParallel(nn.Module):
+class DataParallel(SyncedReplicas):
     """Bucketed gradient all-reduce overlapped with backward."""
 
     def __init__(
@@ -97,25 +110,12 @@ class DataParallel(nn.Module):
         self.buckets: list[Bucket] = build_buckets(
             module, int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
         )
-        self._sync = True
         self._next = 0  # buckets are launched in index order, the same on every rank
         self._in_flight: list[tuple[Bucket, torch.Tensor, Pending]] = []
         if self.size > 1:
             for bucket in self.buckets:
                 for position, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(self._hook(bucket, position))
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward inside accumulates gradients locally and communicates nothing."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _hook(self, bucket: Bucket, position: int):
         def on_gradient(p: nn.Parameter) -> None:

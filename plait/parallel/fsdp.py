@@ -25,8 +25,6 @@ device before each gather. On a CPU-only machine both change nothing.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,7 +32,7 @@ from torch.distributed import ProcessGroup
 
 from plait.comm import Pending, all_gather, all_reduced, reduce_scatter
 from plait.model.llama import Transformer
-from plait.parallel.data_parallel import _broadcast_replicas
+from plait.parallel.data_parallel import SyncedReplicas, _broadcast_replicas
 from plait.parallel.state import Slice, nbytes, optimizer_state_bytes
 
 
@@ -99,7 +97,7 @@ class Unit:
         return [p for f in self.flats for p in f.params]
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(SyncedReplicas):
     """ZeRO-3 over `group` (the `dp` axis), for a `plait.model.Transformer`."""
 
     def __init__(
@@ -119,7 +117,6 @@ class FullyShardedDataParallel(nn.Module):
                  [model.norm, model.output]]
         self.units = [Unit(modules, names, self.size, rank, param_dtype, offload)
                       for modules in parts]
-        self._sync = True
         # Every unit starts gathered (built from whole parameters) and is freed just below.
         self.gathered_bytes = sum(f.full_bytes for u in self.units for f in u.flats)
         self.peak_gathered_bytes = 0  # measured from the first step on
@@ -131,21 +128,10 @@ class FullyShardedDataParallel(nn.Module):
                 for position, p in enumerate(flat.params):
                     p.register_post_accumulate_grad_hook(self._on_grad(unit, flat, position))
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
     @property
     def buckets(self) -> list[FlatShard]:
         """The flat groups of every unit, in execution order (as `ZeroDataParallel.buckets`)."""
         return [f for u in self.units for f in u.flats]
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     # -- gathering and freeing ------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ that every slice belongs to one optimizer parameter group.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +34,11 @@ from torch.distributed import ProcessGroup
 
 from plait.comm import Pending, all_gather, all_reduced, reduce_scatter
 from plait.comm.buckets import assign_buckets
-from plait.parallel.data_parallel import _broadcast_replicas, _check_all_have_grads
+from plait.parallel.data_parallel import (
+    SyncedReplicas,
+    _broadcast_replicas,
+    _check_all_have_grads,
+)
 from plait.parallel.state import Slice, nbytes, optimizer_state_bytes
 
 
@@ -80,7 +83,7 @@ def _flatten(members, decay: bool, size: int, rank: int, param_dtype, master_dev
     return bucket
 
 
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(SyncedReplicas):
     """ZeRO stage 1 or 2 over `group` (the `dp` axis). Interface of `DataParallel`, plus
     `optimizer_groups()` (what the optimizer must own) and `finish_step()` (after it stepped)."""
 
@@ -110,23 +113,10 @@ class ZeroDataParallel(nn.Module):
             for group_members in assign_buckets(members, int(bucket_mb * 2**20)) if members else []:
                 self.buckets.append(_flatten(group_members, decay, self.size, self.rank,
                                              param_dtype, master_device))
-        self._sync = True
         self._next = 0
         for bucket in self.buckets:
             for position, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, position))
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward inside accumulates whole gradients locally and communicates nothing."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The owned slices (or their masters), (decay, no_decay): what the optimizer steps."""
