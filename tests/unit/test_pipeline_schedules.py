@@ -60,6 +60,20 @@ def test_a_deadlocking_schedule_is_rejected_naming_the_first_stuck_action():
         check(_broken(swap))
 
 
+def test_messages_must_be_taken_in_the_order_they_are_sent():
+    """Stage 1 takes micro-batch 1's activation before micro-batch 0's. No deadlock (sends are
+    asynchronous), and gloo's tags would match it, but NCCL matches by order."""
+
+    schedule = build_schedule("gpipe", 2, 4)  # stage 1: F0 F1 F2 F3 B0 B1 B2 B3
+    actions = [list(seq) for seq in schedule.actions]
+    actions[1][0], actions[1][1] = actions[1][1], actions[1][0]  # F1 before F0 on stage 1
+    schedule = dataclasses.replace(schedule, actions=actions)
+    with pytest.raises(ScheduleError, match=r"stage 1, action 0: F\(mb=1, chunk=1\) takes the "
+                                            r"message of F\(mb=1, chunk=0\) from stage 0, "
+                                            r"which sends that of F\(mb=0, chunk=0\) first"):
+        check(schedule)
+
+
 @pytest.mark.parametrize("mutate,message", [
     (lambda a: a[0].pop(), r"B\(mb=3, chunk=0\) is missing"),
     (lambda a: a[1].append(Action(Kind.F, 0, 0)), r"stage 1, action 8: F\(mb=0, chunk=0\) "

@@ -89,9 +89,47 @@ def _peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
+def _messages(schedule: Schedule):
+    """Per (sender, receiver) pair: what the sender sends, in its order, and what the receiver
+    takes, in its order, with the receiving action's position."""
+    sent: dict[tuple[int, int], list] = {}
+    taken: dict[tuple[int, int], list] = {}
+    last = schedule.chunks - 1
+    for s, seq in enumerate(schedule.actions):
+        for i, a in enumerate(seq):
+            if a.kind is Kind.F and a.chunk < last:  # activation to the next chunk
+                sent.setdefault((s, schedule.stage_of(a.chunk + 1)), []).append((a.chunk, a))
+            if a.kind is Kind.B and a.chunk > 0:  # gradient to the previous chunk
+                sent.setdefault((s, schedule.stage_of(a.chunk - 1)), []).append((a.chunk, a))
+            if a.kind is Kind.F and a.chunk > 0:
+                key = (schedule.stage_of(a.chunk - 1), s)
+                taken.setdefault(key, []).append(
+                    (a.chunk - 1, Action(Kind.F, a.microbatch, a.chunk - 1), i, a))
+            if a.kind is Kind.B and a.chunk < last:
+                key = (schedule.stage_of(a.chunk + 1), s)
+                taken.setdefault(key, []).append(
+                    (a.chunk + 1, Action(Kind.B, a.microbatch, a.chunk + 1), i, a))
+    return sent, taken
+
+
+def _check_message_order(schedule: Schedule) -> None:
+    """Between two stages, messages must be taken in the order they are sent: NCCL matches
+    point-to-point messages by order, not by tag (gloo would forgive it; a cluster would not)."""
+    sent, taken = _messages(schedule)
+    for (src, dst), expected in sorted(taken.items()):
+        for (_, want, i, a), (_, got) in zip(expected, sent.get((src, dst), []), strict=False):
+            if want != got:
+                raise ScheduleError(
+                    f"{schedule.name}: stage {dst}, action {i}: {a} takes the message of {want} "
+                    f"from stage {src}, which sends that of {got} first; messages between two "
+                    "stages must be taken in the order they are sent"
+                )
+
+
 def check(schedule: Schedule) -> None:
     """Raise ScheduleError naming the first bad action, unless every (chunk, micro-batch) has its
-    F, B (and W if split) exactly once, on the chunk's stage, in an order that cannot deadlock."""
+    F, B (and W if split) exactly once, on the chunk's stage, in an order that cannot deadlock
+    and that takes the messages between any two stages in the order they were sent."""
     kinds = [Kind.F, Kind.B] + ([Kind.W] if schedule.split_backward else [])
     seen: set[Action] = set()
     for s, seq in enumerate(schedule.actions):
@@ -112,6 +150,7 @@ def check(schedule: Schedule) -> None:
                 if Action(kind, m, c) not in seen:
                     raise ScheduleError(f"{schedule.name}: {Action(kind, m, c)} is missing")
     _play(schedule, default_costs(schedule))
+    _check_message_order(schedule)
 
 
 def simulate(schedule: Schedule, costs: dict[Kind, float] | None = None) -> Timeline:
