@@ -15,6 +15,7 @@ Two engines with one interface (`no_sync()`, `finish_gradients()`), tested again
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,17 @@ def _check_all_have_grads(module: nn.Module, also_present: set[str] = frozenset(
             f"parameters got no gradient this step: {', '.join(missing)}; every parameter must "
             "take part in the loss (or set requires_grad=False on the unused ones)"
         )
+
+
+def launch_ready(buckets: list, start: int, launch: Callable) -> int:
+    """Launch, in index order from `start`, every bucket whose gradients have all arrived; return
+    the index of the first one still waiting. A bucket may fill before an earlier one (backward
+    order is only roughly reversed registration order); launching strictly in index order keeps
+    the ranks' collectives in step."""
+    while start < len(buckets) and len(buckets[start].ready) == len(buckets[start].params):
+        launch(buckets[start])
+        start += 1
+    return start
 
 
 class SyncedReplicas(nn.Module):
@@ -126,13 +138,7 @@ class DataParallel(SyncedReplicas):
             torch.div(p.grad, self.size, out=bucket.views[position])
             p.grad = None  # the bucket holds it now; backward can reuse the memory
             bucket.ready.add(position)
-            # A bucket may fill before an earlier one (backward order is only roughly reversed
-            # registration order); launching strictly in index order keeps ranks in step.
-            while self._next < len(self.buckets) and len(
-                self.buckets[self._next].ready
-            ) == len(self.buckets[self._next].params):
-                self._launch(self.buckets[self._next])
-                self._next += 1
+            self._next = launch_ready(self.buckets, self._next, self._launch)
 
         return on_gradient
 

@@ -38,6 +38,7 @@ from plait.parallel.data_parallel import (
     SyncedReplicas,
     _broadcast_replicas,
     _check_all_have_grads,
+    launch_ready,
 )
 from plait.parallel.state import Slice, nbytes, optimizer_state_bytes
 
@@ -133,11 +134,7 @@ class ZeroDataParallel(SyncedReplicas):
             if self.stage == 2:
                 p.grad = None  # stage 1 keeps whole gradients, stage 2 only the slice
             bucket.ready.add(position)
-            while self._next < len(self.buckets) and len(
-                self.buckets[self._next].ready
-            ) == len(self.buckets[self._next].params):
-                self._launch(self.buckets[self._next])
-                self._next += 1
+            self._next = launch_ready(self.buckets, self._next, self._launch)
 
         return on_gradient
 
