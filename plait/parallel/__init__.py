@@ -1,8 +1,10 @@
 """Parallelisms: each transforms a plain single-device model in place.
 
 `parallelize` applies them in one fixed order (DESIGN.md): pipeline split -> tensor (+sequence) ->
-context -> expert -> activation checkpointing -> data (DDP or ZeRO). Implemented so far: tensor
-(+ sequence) and data parallelism.
+context -> expert -> activation checkpointing -> data (DDP or ZeRO). Implemented so far: pipeline
+(with data), tensor + sequence (with data), data as DDP or ZeRO-1/2/3. Context and expert
+parallelism, activation checkpointing, and the compositions pp x tp, ZeRO x tp, ZeRO x pp are
+refused by the configuration until they exist.
 """
 
 from __future__ import annotations
