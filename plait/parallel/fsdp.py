@@ -44,8 +44,11 @@ class FlatShard:
         self.names = [n for n, _ in members]
         self.params = [p for _, p in members]
         self.decay = decay
-        self.numels = [p.numel() for p in self.params]
-        shard_numel = -(-sum(self.numels) // size)
+        self.offsets, total = [], 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        shard_numel = -(-total // size)
         first = self.params[0]
         whole = torch.zeros(shard_numel * size, dtype=first.dtype, device=first.device)
         for p, view in zip(self.params, self.views(whole), strict=True):
@@ -64,12 +67,13 @@ class FlatShard:
         self.grad_shard: torch.Tensor | None = None
         self.ready: set[int] = set()
 
+    def view(self, flat: torch.Tensor, position: int) -> torch.Tensor:
+        """Parameter `position`'s slice of a flat tensor laid out like this group."""
+        p, start = self.params[position], self.offsets[position]
+        return flat[start : start + p.numel()].view_as(p)
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, start = [], 0
-        for p, n in zip(self.params, self.numels, strict=True):
-            out.append(flat[start : start + n].view_as(p))
-            start += n
-        return out
+        return [self.view(flat, i) for i in range(len(self.params))]
 
     @property
     def full_bytes(self) -> int:
@@ -195,7 +199,7 @@ class FullyShardedDataParallel(SyncedReplicas):
                 if flat.grad is None:
                     flat.grad = torch.zeros(flat.full.numel(), dtype=self.reduce_dtype,
                                             device=p.device)
-                torch.div(p.grad, self.size, out=flat.views(flat.grad)[position])
+                torch.div(p.grad, self.size, out=flat.view(flat.grad, position))
                 p.grad = None  # the flat gradient holds it now
             flat.ready.add(position)
             if all(len(f.ready) == len(f.params) for f in unit.flats):  # the unit is done
