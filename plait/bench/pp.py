@@ -27,8 +27,8 @@ from torch.distributed.pipelining import (
 )
 
 from plait import comm
-from plait.config import Config, validate
-from plait.mesh import build_mesh
+from plait.bench.step import start_worker
+from plait.config import Config
 from plait.model import build_model
 from plait.parallel import parallelize
 from plait.parallel.pipeline.executor import StepTrace
@@ -97,11 +97,8 @@ def _time_torch(cfg: Config, name: str, rank: int, P: int, x, y, steps: int) -> 
 def bench_pp(cfg: Config, schedules: list[str], steps: int) -> dict:
     """On every rank (one per stage): plait's and torch's median step time per schedule, and
     this stage's measured spans of plait's last step."""
-    torch.set_num_threads(cfg.train.threads)
-    dist.init_process_group("gloo")
+    _, mesh = start_worker(cfg)
     rank, P = dist.get_rank(), dist.get_world_size()
-    dims = validate(cfg, P)
-    mesh = build_mesh(dims)
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch)
     M = cfg.parallel.microbatches or P
     batches = list(zip(x.split(len(x) // M), y.split(len(x) // M), strict=True))

@@ -139,12 +139,18 @@ def time_in_turns(steps_by_name: dict, group, steps: int) -> dict[str, float]:
     return medians
 
 
-@record
-def bench_step(cfg: Config, steps: int) -> dict | None:
+def start_worker(cfg: Config):
+    """A bench worker's start: its threads, the gloo process group, the checked degrees and the
+    mesh. Returns (dims, mesh)."""
     torch.set_num_threads(cfg.train.threads)
     dist.init_process_group("gloo")
     dims = validate(cfg, dist.get_world_size())
-    mesh = build_mesh(dims)
+    return dims, build_mesh(dims)
+
+
+@record
+def bench_step(cfg: Config, steps: int) -> dict | None:
+    dims, mesh = start_worker(cfg)
     group = mesh["dp"].get_group()
     rank, n, args = dist.get_rank(), dims.dp, cfg.model.args()
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch, rank, n)

@@ -21,9 +21,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from plait.bench.step import time_in_turns
-from plait.config import Config, validate
-from plait.mesh import build_mesh
+from plait.bench.step import start_worker, time_in_turns
+from plait.config import Config
 from plait.model import build_model
 from plait.parallel import apply_tp
 from plait.parallel.tensor_parallel import BLOCK_SPLITS
@@ -44,10 +43,7 @@ def torch_tp_plan(n_layers: int) -> dict:
 
 @record
 def bench_tp(cfg: Config, steps: int) -> dict | None:
-    torch.set_num_threads(cfg.train.threads)
-    dist.init_process_group("gloo")
-    dims = validate(cfg, dist.get_world_size())
-    mesh = build_mesh(dims)
+    _, mesh = start_worker(cfg)
     group, args, rank = mesh["tp"].get_group(), cfg.model.args(), dist.get_rank()
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch)
 
