@@ -16,7 +16,7 @@ $(BIN)/plait: pyproject.toml
 	touch $(BIN)/plait
 
 demo: $(BIN)/plait
-	$(BIN)/plait train --metrics runs/demo/metrics.jsonl
+	$(BIN)/plait train --nproc 4 --metrics runs/demo/metrics.jsonl
 
 test: $(BIN)/plait
 	$(BIN)/python -m pytest -q

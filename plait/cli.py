@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from plait.config import AXES, Config, ConfigError, load_config, validate
+from plait.config import AXES, Config, ConfigError, clip_warmup, load_config, validate
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs"
 
@@ -72,11 +72,21 @@ def default_world(cfg: Config) -> int:
     return math.prod(getattr(cfg.parallel, a) or 1 for a in AXES)
 
 
+def load(args: argparse.Namespace, say: bool = True) -> Config:
+    """The configuration of a command: recipe, overrides, warm-up clipped to a short run (said
+    once, on stderr)."""
+    cfg, note = clip_warmup(load_config(recipe_path(args.config), args.overrides))
+    if note and say:
+        print(f"plait: note: {note}", file=sys.stderr)
+    return cfg
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from plait.launch import ChildFailedError, in_torchrun, launch
 
-    cfg = load_config(recipe_path(args.config), args.overrides)
-    if in_torchrun():  # we are one of torchrun's workers
+    torchrun = in_torchrun()
+    cfg = load(args, say=not torchrun or os.environ.get("RANK", "0") == "0")
+    if torchrun:  # we are one of torchrun's workers
         if args.nproc is not None:
             raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
         validate(cfg, int(os.environ["WORLD_SIZE"]))
@@ -110,7 +120,7 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     from plait.bench import run_step
 
-    run_step(args.nproc, load_config(recipe_path(args.config), args.overrides), args.steps)
+    run_step(args.nproc, load(args), args.steps)
 
 
 def cmd_bench_pp(args: argparse.Namespace) -> None:
@@ -121,7 +131,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     from plait.bench import run_pp
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    run_pp(args.nproc, load_config(recipe_path(args.config), args.overrides), args.steps, args.png)
+    run_pp(args.nproc, load(args), args.steps, args.png)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
+import torch
+
 from plait.mesh import AXES, ParallelDims  # noqa: F401 - AXES is re-exported
 from plait.model.llama import PRESETS, ModelArgs
 
@@ -53,10 +55,13 @@ class ParallelConfig:
     ep: int = 1
     sequence_parallel: bool = False  # with tp > 1: norms and residual on sequence shards
     zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2, 3 (FSDP)
+    dp_shard: int = 0  # under ZeRO: shard over groups of this many dp ranks (HSDP); 0 = all of dp
+    reshard_after_forward: bool = True  # ZeRO-3: free each unit after use (False: keep it whole
+    # from its first use in a step to its gradient reduction, one gather per step)
     reduce_dtype: str = "fp32"  # ZeRO gradient reductions under train.precision = "bf16"
     offload: str = "none"  # ZeRO on a GPU: "optimizer" or "params" (stage 3) in host memory
     pp_schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zb1"
-    microbatches: int = 0  # pipeline micro-batches per step and dp rank; 0 = pp
+    microbatches: int = 0  # micro-batches per step and dp rank (accumulation); 0 = pp
     pp_virtual: int = 2  # model chunks per stage under the interleaved schedule
     pp_split: list[int] = field(default_factory=list)  # layers per chunk; empty = balanced
     bucket_mb: float = 25.0  # gradient bucket size
@@ -67,7 +72,6 @@ class ParallelConfig:
 class TrainConfig:
     steps: int = 100
     global_batch: int = 32  # sequences per optimizer step, over all data-parallel ranks
-    micro_batch: int = 0  # sequences per rank per forward; 0 = global_batch / dp (no accumulation)
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
@@ -82,6 +86,8 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation passes; 0 = only after the last step
     eval_batches: int = 4
     threads: int = 1  # intra-op threads per worker: oversubscribed cores are ruinous
+    activation_checkpointing: str = "none"  # "none" | "full" | "selective"
+    device: str = "auto"  # "auto" (cuda if there is one) | "cpu" | "cuda"
     peak_tflops: float = 0.0  # per device, for MFU; 0 = known GPU table, or measured on CPU
 
 
@@ -108,6 +114,28 @@ class Config:
 
 
 SECTIONS = ("model", "parallel", "train", "data")
+
+# Keys that were replaced: the one-line message names the replacement.
+REPLACED = {
+    "train.micro_batch": "replaced by parallel.microbatches, the one notion of micro-batch: "
+    "micro-batches per step and data-parallel rank (global_batch / dp / micro_batch)",
+}
+
+
+def microbatches(par: ParallelConfig, dims: ParallelDims) -> int:
+    """Micro-batches per step and data-parallel rank: the pipeline's, or accumulation's."""
+    return par.microbatches or dims.pp
+
+
+def clip_warmup(cfg: Config) -> tuple[Config, str | None]:
+    """A run shorter than its warm-up gets the warm-up clipped to the run, and a note saying so."""
+    train = cfg.train
+    if train.steps < 1 or train.warmup_steps <= train.steps:
+        return cfg, None
+    note = (f"train.warmup_steps={train.warmup_steps} is longer than train.steps={train.steps}; "
+            f"warm-up clipped to {train.steps} steps")
+    return dataclasses.replace(cfg, train=dataclasses.replace(train, warmup_steps=train.steps)), \
+        note
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -171,6 +199,8 @@ def _hints(cls) -> dict[str, type]:
 
 def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
     name = key.split(".", 1)[1]
+    if key in REPLACED:
+        raise ConfigError(key, REPLACED[key])
     if name not in hints:
         known = ", ".join(n for n in hints if n != "overrides")
         raise ConfigError(key, f"unknown key; {key.split('.')[0]} keys are {known}")
@@ -206,6 +236,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     if args.n_layers % dims.pp:
         raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
     _check_pipeline(cfg, dims, args)
+    dims = _check_hybrid(cfg.parallel, dims)
     for axis in ("cp", "ep"):
         if getattr(dims, axis) > 1:
             raise ConfigError(f"parallel.{axis}", "not implemented yet in plait; set it to 1")
@@ -238,19 +269,13 @@ def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
     if par.pp_schedule not in ("gpipe", "1f1b", "interleaved", "zb1"):
         raise ConfigError("parallel.pp_schedule",
                           f"one of gpipe, 1f1b, interleaved, zb1; got '{par.pp_schedule}'")
-    if dims.pp == 1:
-        return
-    if dims.tp > 1 or par.zero:
-        raise ConfigError("parallel.pp", "pipeline with tp > 1 or ZeRO is not implemented yet")
-    if cfg.train.micro_batch:
-        raise ConfigError("train.micro_batch",
-                          "the pipeline accumulates over its micro-batches; set "
-                          "parallel.microbatches instead and leave train.micro_batch at 0")
-    m = par.microbatches or dims.pp
+    m = microbatches(par, dims)
     rows = cfg.train.global_batch // dims.dp
     if m < 1 or rows % m:
         raise ConfigError("parallel.microbatches",
                           f"{m} must divide the {rows} sequences per data-parallel rank")
+    if dims.pp == 1:
+        return
     chunks = dims.pp
     if par.pp_schedule == "interleaved":
         if par.pp_virtual < 1 or m % dims.pp:
@@ -263,6 +288,16 @@ def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
     if split and (len(split) != chunks or sum(split) != args.n_layers or min(split) < 1):
         raise ConfigError("parallel.pp_split", f"{chunks} positive layer counts summing to "
                           f"n_layers={args.n_layers}, got {split}")
+
+
+def _check_hybrid(par: ParallelConfig, dims: ParallelDims) -> ParallelDims:
+    if par.dp_shard < 0 or (par.dp_shard and dims.dp % par.dp_shard):
+        raise ConfigError("parallel.dp_shard",
+                          f"{par.dp_shard} must divide dp={dims.dp} (0: shard over all of dp)")
+    if par.dp_shard and par.dp_shard < dims.dp and not par.zero:
+        raise ConfigError("parallel.dp_shard", "hybrid sharding shards ZeRO state; set "
+                          "parallel.zero to 1, 2 or 3, or leave dp_shard at 0")
+    return dataclasses.replace(dims, dp_shard=par.dp_shard or dims.dp)
 
 
 def _check_parallel(par: ParallelConfig) -> None:
@@ -278,8 +313,6 @@ def _check_parallel(par: ParallelConfig) -> None:
         raise ConfigError("parallel.offload", "offload shards through ZeRO; set parallel.zero")
     if par.offload == "params" and par.zero != 3:
         raise ConfigError("parallel.offload", "'params' needs parallel.zero=3 (sharded params)")
-    if par.zero and par.tp > 1:
-        raise ConfigError("parallel.zero", "ZeRO with tp > 1 is not implemented yet; set zero=0")
     if par.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb", f"must be > 0, got {par.bucket_mb}")
     if par.allreduce not in ("backend", "ring", "naive"):
@@ -310,6 +343,8 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
     if not 0 <= train.warmup_steps <= train.steps:
         raise ConfigError("train.warmup_steps", f"must be in [0, train.steps={train.steps}]")
+    if train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "no CUDA device here; use 'auto' or 'cpu'")
     if train.lr <= 0:
         raise ConfigError("train.lr", f"must be > 0, got {train.lr}")
     if train.precision not in ("fp32", "bf16"):
@@ -318,16 +353,15 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError("train.lr_scaling", f"'none' or 'linear', got '{train.lr_scaling}'")
     if train.threads < 1:
         raise ConfigError("train.threads", f"must be >= 1, got {train.threads}")
+    if train.activation_checkpointing not in ("none", "full", "selective"):
+        raise ConfigError("train.activation_checkpointing",
+                          f"'none', 'full' or 'selective', got '{train.activation_checkpointing}'")
+    if train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
     if train.global_batch < 1 or train.global_batch % dims.dp:
         raise ConfigError(
             "train.global_batch",
             f"{train.global_batch} must be a positive multiple of dp={dims.dp}",
-        )
-    per_rank = train.global_batch // dims.dp
-    if train.micro_batch < 0 or (train.micro_batch and per_rank % train.micro_batch):
-        raise ConfigError(
-            "train.micro_batch",
-            f"{train.micro_batch} must divide global_batch / dp = {per_rank} (or be 0)",
         )
 
 

@@ -5,6 +5,14 @@ is a run of consecutive ranks (one node, on the fastest links), and `pp` is oute
 least, point to point, and can cross nodes). Every axis exists in the mesh, with size 1 where the
 strategy is off, so a consumer always gets a real group from `mesh[axis].get_group()` and a
 collective on a group of one is a no-op in `plait.comm`.
+
+Hybrid sharding (HSDP) splits the `dp` axis further: ranks 0..K-1 of each dp group shard model
+state among themselves (`dp_shard`), and the dp / K such groups replicate it (`dp_replicate`).
+`hsdp_groups` builds those two families of groups.
+
+A transform receives an `Axis`: the one group it communicates on, with this rank's index and the
+axis size. `Axis.dry` describes a coordinate without a process group, so the same transforms can
+run on a `meta` model in one process (`plait train --dry-run`).
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "cp", "ep", "tp")
@@ -24,6 +34,7 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     tp: int = 1
+    dp_shard: int = 0  # ranks of a dp group that shard model state (HSDP); 0 = all of dp
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -32,6 +43,11 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def shard(self) -> int:
+        """Size of a model-state sharding group (dp unless hybrid)."""
+        return self.dp_shard or self.dp
 
     def coords(self, rank: int) -> dict[str, int]:
         """The rank's index along each axis (row-major, tp fastest)."""
@@ -53,6 +69,44 @@ class ParallelDims:
         return [self.rank(**{**c, axis: i}) for i in range(getattr(self, axis))]
 
 
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis as a transform sees it: its group (None in a dry run), this rank's index
+    along it, and its size."""
+
+    name: str
+    group: ProcessGroup | None
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh, name: str) -> Axis:
+        return cls(name, mesh[name].get_group(), mesh[name].get_local_rank(), mesh[name].size())
+
+    @classmethod
+    def dry(cls, name: str, rank: int, size: int) -> Axis:
+        return cls(name, None, rank, size)
+
+
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """The world as a 5-D mesh named by `AXES`. Needs an initialised default process group."""
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+
+
+def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis]:
+    """(shard, replicate) axes of this rank for hybrid sharding: within a dp group of size dp,
+    consecutive runs of K = dims.shard ranks shard, and ranks K apart replicate. Every rank must
+    call this (groups are created collectively). With K = dp the replicate axis has size 1."""
+    me, K = dist.get_rank(), dims.shard
+    shard_lists, replicate_lists = [], []
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        if c["dp"] == 0:  # one dp group per combination of the other coordinates
+            ranks = dims.group_ranks("dp", rank)
+            shard_lists += [ranks[i : i + K] for i in range(0, dims.dp, K)]
+            replicate_lists += [ranks[i :: K] for i in range(K)]
+    dp_index = dims.coords(me)["dp"]
+    shard, _ = dist.new_subgroups_by_enumeration(shard_lists)
+    replicate, _ = dist.new_subgroups_by_enumeration(replicate_lists)
+    return (Axis("dp_shard", shard, dp_index % K, K),
+            Axis("dp_replicate", replicate, dp_index // K, dims.dp // K))

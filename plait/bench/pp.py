@@ -50,6 +50,7 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _time_plait(cfg: Config, mesh, batches, steps: int):
     model = build_model(cfg.model.args(), cfg.train.seed)
     par = parallelize(model, mesh, cfg.parallel, microbatches=len(batches))
+    del model
     opt = torch.optim.AdamW([p for g in par.optimizer_groups() for p in g], lr=1e-4)
     times, trace = [], StepTrace()
     for i in range(steps + 1):  # one warm-up step
@@ -57,7 +58,7 @@ def _time_plait(cfg: Config, mesh, batches, steps: int):
         opt.zero_grad(set_to_none=True)
         start = time.perf_counter()
         par.pipeline.run(batches, trace=trace if i == steps else None)
-        par.model.finish_gradients()
+        par.finish_gradients()
         opt.step()
         if i:
             times.append(time.perf_counter() - start)

@@ -32,11 +32,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import comm
-from plait.config import Config, validate
+from plait.config import Config, microbatches, validate
 from plait.mesh import build_mesh
 from plait.model import build_model
-from plait.parallel import DataParallel, parallelize
+from plait.parallel import DataParallel
 from plait.train.data import TokenData
+from plait.train.trainer import Trainer
 
 
 def world_sizes(nproc: int) -> list[int]:
@@ -54,9 +55,9 @@ def with_free_dp(cfg: Config) -> Config:
 class _Runner:
     """One model, its optimizer, and a step over this rank's rows in micro-batches."""
 
-    def __init__(self, wrapped, opt, micro_batches, communicate=True, finish=None, after=None):
+    def __init__(self, wrapped, opt, micro_batches, communicate=True):
         self.wrapped, self.opt, self.micro_batches = wrapped, opt, micro_batches
-        self.communicate, self.finish, self.after = communicate, finish, after
+        self.communicate = communicate
 
     def step(self) -> None:
         self.wrapped.zero_grad(set_to_none=True)
@@ -68,18 +69,17 @@ class _Runner:
                 logits = self.wrapped(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(self.micro_batches)
                 loss.backward()
-        if self.communicate and self.finish:
-            self.finish()
+        if self.communicate and hasattr(self.wrapped, "finish_gradients"):
+            self.wrapped.finish_gradients()
         self.opt.step()
-        if self.after:
-            self.after()
 
 
-def _plait_runner(model, mesh, cfg: Config, batches) -> _Runner:
-    par = parallelize(model, mesh, cfg.parallel)
-    opt = torch.optim.AdamW([p for g in par.optimizer_groups() for p in g], lr=1e-4)
-    return _Runner(par.model, opt, batches, finish=par.model.finish_gradients,
-                   after=par.finish_step)
+def plait_step(cfg: Config, dims, mesh):
+    """plait's side of every bench: the trainer's own step (one path for every configuration),
+    on the same global batch each time, unclipped as the peers are."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_clip=0.0))
+    trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
+    return lambda: trainer.train_step(0)
 
 
 def _torch_runner(model, mesh, cfg: Config, batches) -> _Runner:
@@ -154,21 +154,21 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
     group = mesh["dp"].get_group()
     rank, n, args = dist.get_rank(), dims.dp, cfg.model.args()
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch, rank, n)
-    micro = cfg.train.micro_batch or len(x)
+    micro = len(x) // microbatches(cfg.parallel, dims)
     batches = list(zip(x.split(micro), y.split(micro), strict=True))
 
     def model():
         return build_model(args, cfg.train.seed)
 
     runners = {
-        "plait": _plait_runner(model(), mesh, cfg, batches),
-        "torch": _torch_runner(model(), mesh, cfg, batches),
+        "plait": plait_step(cfg, dims, mesh),
+        "torch": _torch_runner(model(), mesh, cfg, batches).step,
     }
     if not cfg.parallel.zero:
         local = model()
         runners["no_comm"] = _Runner(DataParallel(local, group),
                                      torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
-                                     communicate=False)
-    medians = time_in_turns({name: r.step for name, r in runners.items()}, group, steps)
+                                     communicate=False).step
+    medians = time_in_turns(runners, group, steps)
     dist.destroy_process_group()
     return medians if rank == 0 else None

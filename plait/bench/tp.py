@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from plait.bench.step import start_worker, time_in_turns
 from plait.config import Config
+from plait.mesh import Axis
 from plait.model import build_model
 from plait.parallel import apply_tp
 from plait.parallel.tensor_parallel import BLOCK_SPLITS
@@ -49,7 +50,7 @@ def bench_tp(cfg: Config, steps: int) -> dict | None:
 
     def plait_step(sequence_parallel):
         model = build_model(args, cfg.train.seed)
-        apply_tp(model, group, sequence_parallel)
+        apply_tp(model, Axis.of(mesh, "tp"), sequence_parallel)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step():

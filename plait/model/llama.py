@@ -96,6 +96,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
+class AttentionCore(nn.Module):
+    """Rotary embedding and causal attention: q (b, s, heads, head_dim), k and v
+    (b, s, kv_heads, head_dim) -> (b, s, heads * head_dim). No weights; a module of its own so that
+    selective activation checkpointing can recompute it (cheap, but its saved tensors are large)."""
+
+    def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # (b, heads, s, head_dim)
+        return out.transpose(1, 2).flatten(-2)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention (Ainslie et al. 2023): n_kv_heads key/value heads shared by
     n_heads / n_kv_heads query heads each."""
@@ -107,6 +122,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Head counts come from the weight shapes, not the config, so the same code runs on a
@@ -114,13 +130,14 @@ class Attention(nn.Module):
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))  # (b, s, heads, head_dim)
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))  # (b, s, kv_heads, head_dim)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )  # (b, heads, s, head_dim)
-        return self.wo(out.transpose(1, 2).flatten(-2))
+        return self.wo(self.core(q, k, v, cos, sin))
+
+
+class SwiGLUGate(nn.Module):
+    """silu(a) * b: the gate of SwiGLU, a module so that it can be recomputed on its own."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * b
 
 
 class FeedForward(nn.Module):
@@ -131,9 +148,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.gate = SwiGLUGate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):

@@ -1,14 +1,22 @@
 """Parallelisms: each transforms a plain single-device model in place.
 
-`parallelize` applies them in one fixed order (DESIGN.md): pipeline split -> tensor (+sequence) ->
-context -> expert -> activation checkpointing -> data (DDP or ZeRO). Implemented so far: pipeline
-(with data), tensor + sequence (with data), data as DDP or ZeRO-1/2/3. Context and expert
-parallelism, activation checkpointing, and the compositions pp x tp, ZeRO x tp, ZeRO x pp are
-refused by the configuration until they exist.
+`parallelize` is one straight line, the same for every configuration (DESIGN.md):
+
+    model -> pipeline chunks (pp = 1: one chunk)
+          -> per chunk: tensor (+ sequence) parallelism, activation checkpointing
+          -> the data-parallel engine `parallel.zero` names, over all of this stage's chunks
+             (DDP | ZeRO-1/2 | ZeRO-3, sharded over dp or, hybrid, over groups of dp_shard ranks)
+
+Each transform writes its axis into one placement record (`placement.py`), which is then checked
+complete and against the tensors actually held. The trainer drives the result through one
+interface (`Parallelized`): the schedule's executor runs the micro-batches (one stage: gradient
+accumulation), the engine finishes the gradients, one global norm clips them, the optimizer steps.
+Context and expert parallelism are mesh axes of size 1 so far (every parameter replicated).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,19 +25,20 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.comm import all_reduce
 from plait.comm.allreduce import AllReduceAlgorithm
 from plait.config import ParallelConfig
+from plait.mesh import AXES, Axis, ParallelDims, hsdp_groups
 from plait.model.llama import Transformer
-from plait.parallel.data_parallel import DataParallel, NaiveDataParallel
+from plait.parallel.activation_checkpoint import apply_activation_checkpointing
+from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.fsdp import FullyShardedDataParallel
-from plait.parallel.pipeline import PipelineExecutor, apply_pp, executors, pp_grad_norm_sq
-from plait.parallel.state import model_state_bytes
-from plait.parallel.tensor_parallel import TensorParallelPlan, apply_tp, grad_norm_sq
+from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
+from plait.parallel.pipeline.executor import Activation
+from plait.parallel.placement import PlacementRecord
+from plait.parallel.tensor_parallel import apply_tp
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.parallel.zero import ZeroDataParallel
-
-# Data parallelism that shards model state over dp: the optimizer owns slices, not parameters.
-SHARDED = (ZeroDataParallel, FullyShardedDataParallel)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -41,82 +50,121 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Parallelized:
     """A model with its parallelisms applied, and what the training step needs to go with them."""
 
-    model: DataParallel | ZeroDataParallel | FullyShardedDataParallel  # the outermost wrapper
+    module: StageModules  # this rank's chunks; parameters named as in the single-device model
+    engine: SyncedReplicas  # the data-parallel engine over them
+    record: PlacementRecord
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> loss
-    grad_norm_sq: Callable[[], torch.Tensor]  # squared norm of the whole model's gradient
-    tp_plan: TensorParallelPlan
-    pipeline: PipelineExecutor | None = None  # with pp > 1: runs a training step's schedule
-    pipeline_eval: PipelineExecutor | None = None  # and a forward-only pass
+    pipeline: PipelineExecutor  # runs a training step's schedule over the micro-batches
+    pipeline_eval: PipelineExecutor  # and a forward-only pass
+    axes: dict[str, Axis]  # this rank's mesh axes
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(decay, no_decay): the tensors the optimizer owns. Matrices and embeddings decay; norm
-        gains do not. Under ZeRO these are this rank's slices of the flat parameters."""
-        if isinstance(self.model, SHARDED):
-            return self.model.optimizer_groups()
-        params = [p for p in self.model.module.parameters() if p.requires_grad]
-        return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+        """(decay, no_decay): the tensors the optimizer owns (under ZeRO: this rank's slices)."""
+        return self.engine.optimizer_groups()
+
+    def finish_gradients(self) -> None:
+        self.engine.finish_gradients()
 
     def finish_step(self) -> None:
         """After the optimizer step: ZeRO gathers the updated slices back into every replica."""
-        if isinstance(self.model, SHARDED):
-            self.model.finish_step()
+        self.engine.finish_step()
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        if isinstance(self.model, SHARDED):
-            return self.model.state_bytes(optimizer)
-        return model_state_bytes(self.model.module, optimizer)
+        return self.engine.state_bytes(optimizer)
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Squared norm of the whole model's averaged gradient. Each rank sums the pieces it
+        counts once (placement record: shards everywhere, replicas on the first coordinate of
+        each axis summed over), then one all-reduce of one float64 per axis whose ranks hold
+        different pieces: pp and tp, and the engine's sharding group under ZeRO. Plain data
+        parallelism communicates nothing for it: every replica has the whole gradient."""
+        axes = [a for a in (self.axes["pp"], self.axes["tp"]) if a.size > 1]
+        over = {a.name for a in axes}
+        storage = self.engine.storage_axis
+        if storage is not None and storage.size > 1:
+            axes.append(storage)
+        total = torch.zeros(1, dtype=torch.float64, device=_device(self.module))
+        for name, piece in self.engine.grad_pieces():
+            if self.record.counts_once(name, over):
+                total += piece.detach().double().pow(2).sum()
+        for axis in axes:
+            all_reduce(total, axis.group)
+        return total[0]
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
 def parallelize(
     model: Transformer,
     mesh: DeviceMesh,
     cfg: ParallelConfig,
-    bf16: bool = False,
     microbatches: int = 1,
+    precision: str = "fp32",
+    activation_checkpointing: str = "none",
 ) -> Parallelized:
-    """Apply every configured parallelism to `model`, in place, in the documented order. With
-    `bf16` and ZeRO, parameters are held in bf16 with fp32 masters of each rank's slices (without
-    ZeRO, bf16 is the trainer's autocast over fp32 parameters)."""
-    if mesh["pp"].size() > 1:
-        return _parallelize_pipeline(model, mesh, cfg, microbatches)
-    tp_group = mesh["tp"].get_group()
-    plan = apply_tp(model, tp_group, cfg.sequence_parallel)
+    """Apply every configured parallelism to `model` in the documented order. With bf16 and
+    ZeRO, parameters are held in bf16 with fp32 masters of each rank's slices; without ZeRO, bf16
+    is autocast over fp32 parameters. Do not use `model` afterwards: its pieces now live in the
+    returned chunks."""
+    axes = {a: Axis.of(mesh, a) for a in AXES}
+    record = PlacementRecord({a: ax.rank for a, ax in axes.items()},
+                             {a: ax.size for a, ax in axes.items()})
+    chunks, schedule = apply_pp(model, axes["pp"], cfg, microbatches, record)
+    for chunk in chunks.values():
+        apply_tp(chunk, axes["tp"], cfg.sequence_parallel, record)
+        apply_activation_checkpointing(chunk, activation_checkpointing)
+    for axis in ("cp", "ep"):  # not implemented yet: size 1, every parameter replicated
+        record.replicate_all(axis)
+    record.replicate_all("dp", partial_grad=True)  # other rows of the batch
+    engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16")
+    record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
+
+    tp = axes["tp"]
     loss_fn = cross_entropy
-    if mesh["tp"].size() > 1:
-        loss_fn = functools.partial(
-            vocab_parallel_cross_entropy, group=tp_group, vocab_size=model.args.vocab_size
-        )
-    dp_group = mesh["dp"].get_group()
+    if tp.size > 1:
+        loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp.group,
+                                    vocab_size=model.args.vocab_size)
+    bf16_params = precision == "bf16" and cfg.zero > 0
+    activation = Activation(model.args.dim, tp.size if cfg.sequence_parallel else 1,
+                            torch.bfloat16 if bf16_params else torch.float32)
+    device = _device(chunks)
+    compute = contextlib.nullcontext
+    if precision == "bf16":
+        compute = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    by_index = {int(c): m for c, m in chunks.items()}
+    pp_group = axes["pp"].group
+    train = PipelineExecutor(schedule, by_index, pp_group, loss_fn, activation, device,
+                             engine.no_sync, compute)
+    evaluate = PipelineExecutor(
+        forward_only(schedule.stages, schedule.microbatches, schedule.chunks_per_stage),
+        by_index, pp_group, loss_fn, activation, device, compute=compute)
+    return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes)
+
+
+def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
+                        bf16: bool) -> SyncedReplicas:
+    """The engine `parallel.zero` names, over the dp axis (or, hybrid, over groups of
+    `parallel.dp_shard` of its ranks, replicated across the groups)."""
+    dp = Axis.of(mesh, "dp")
+    if cfg.zero == 0:
+        return DataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
+                            algorithm=AllReduceAlgorithm(cfg.allreduce))
+    shard, replicate = dp, None
+    if cfg.dp_shard and cfg.dp_shard < dp.size:
+        dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
+        shard, replicate = hsdp_groups(dims)
     precision = {
         "param_dtype": torch.bfloat16 if bf16 else None,
         "reduce_dtype": torch.bfloat16 if bf16 and cfg.reduce_dtype == "bf16" else torch.float32,
     }
     if cfg.zero == 3:
-        wrapped = FullyShardedDataParallel(model, dp_group, **precision, offload=cfg.offload)
-        norm_sq = wrapped.grad_norm_sq
-    elif cfg.zero:
-        wrapped = ZeroDataParallel(model, dp_group, cfg.zero, cfg.bucket_mb, **precision,
-                                   offload_optimizer=cfg.offload == "optimizer")
-        norm_sq = wrapped.grad_norm_sq
-    else:
-        wrapped = DataParallel(
-            model, dp_group, bucket_mb=cfg.bucket_mb, algorithm=AllReduceAlgorithm(cfg.allreduce)
-        )
-        norm_sq = functools.partial(grad_norm_sq, model, plan, tp_group)
-    return Parallelized(wrapped, loss_fn, norm_sq, plan)
-
-
-def _parallelize_pipeline(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig,
-                          microbatches: int) -> Parallelized:
-    """pp (x dp): this stage's chunks, replicated over dp, run by the schedule's executor."""
-    dim, device = model.args.dim, next(model.parameters()).device
-    mine, schedule = apply_pp(model, mesh, cfg, microbatches)
-    wrapped = DataParallel(mine, mesh["dp"].get_group(), bucket_mb=cfg.bucket_mb,
-                           algorithm=AllReduceAlgorithm(cfg.allreduce))
-    train, evaluate = executors(wrapped, mine, schedule, mesh, cross_entropy, dim, device)
-    norm_sq = functools.partial(pp_grad_norm_sq, mine, mesh["pp"].get_group())
-    plan = TensorParallelPlan(replicated={n for n, _ in mine.named_parameters()})
-    return Parallelized(wrapped, cross_entropy, norm_sq, plan, train, evaluate)
+        return FullyShardedDataParallel(chunks, shard, **precision, offload=cfg.offload,
+                                        replicate=replicate,
+                                        reshard_after_forward=cfg.reshard_after_forward)
+    return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
+                            offload_optimizer=cfg.offload == "optimizer", replicate=replicate)
 
 
 __all__ = [

@@ -1,6 +1,13 @@
 """Data parallelism: replicas of the model on the ranks of the `dp` axis, gradients averaged.
 
-Two engines with one interface (`no_sync()`, `finish_gradients()`), tested against each other:
+Every data-parallel engine (these two, ZeRO-1/2 in `zero.py`, ZeRO-3 in `fsdp.py`) offers one
+interface, `SyncedReplicas`, so the trainer never asks which one it drives: `no_sync()`,
+`finish_gradients()` after the step's last backward, `optimizer_groups()` (what the optimizer
+owns), `finish_step()` after the optimizer step, `grad_pieces()` (this rank's averaged gradient,
+by parameter name, for the global norm), `storage_axis` (the ranks over which it partitions the
+replicas' storage, if it does) and `state_bytes(optimizer)`.
+
+Two engines that keep whole replicas, tested against each other:
 
 - `NaiveDataParallel`: after the step's last backward, one all-reduce of all gradients flattened
   together. Nothing overlaps; it is the simple reference.
@@ -26,6 +33,7 @@ from plait.comm import Pending, all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
 from plait.comm.buckets import Bucket, build_buckets
 from plait.comm.compression import Compressor, NoCompression
+from plait.parallel.state import model_state_bytes
 
 
 def _broadcast_replicas(module: nn.Module, group: ProcessGroup) -> None:
@@ -59,11 +67,32 @@ def launch_ready(buckets: list, start: int, launch: Callable) -> int:
 
 
 class SyncedReplicas(nn.Module):
-    """What every gradient-synchronising wrapper shares: it runs the wrapped module, and under
+    """What every gradient-synchronising engine shares: it runs the wrapped module, and under
     `no_sync()` (the micro-batches of gradient accumulation before the last) its hooks let
-    gradients accumulate locally and communicate nothing."""
+    gradients accumulate locally and communicate nothing. The defaults below are those of an
+    engine that keeps whole replicas (DDP); the sharded engines override them."""
 
     _sync = True
+    # The ranks over which the engine partitions the replicas' storage (ZeRO: its sharding
+    # group), whose gradient pieces are disjoint parts of one whole; None for whole replicas.
+    storage_axis = None
+
+    def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(decay, no_decay): matrices and embeddings decay, norm gains do not."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+    def grad_pieces(self):
+        """(name, this rank's averaged gradient of it) after `finish_gradients`."""
+        for name, p in self.module.named_parameters():
+            if p.grad is not None:
+                yield name, p.grad
+
+    def finish_step(self) -> None:
+        """After the optimizer step; replicas updated themselves."""
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return model_state_bytes(self.module, optimizer)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

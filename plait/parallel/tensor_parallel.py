@@ -18,14 +18,13 @@ communicated. The norms then see a shard of the tokens, so their weight gradient
 and are all-reduced over `tp` as they arrive.
 
 The embedding and the output head are split by vocabulary (`vocab_parallel`).
+
+`apply_tp` works on the whole model or on one pipeline chunk (whatever of the embedding, blocks
+and head it holds), and writes the `tp` axis of each parameter into the placement record.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -36,7 +35,9 @@ from plait.comm.autograd import (
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
-from plait.model.llama import RMSNorm, Transformer
+from plait.mesh import Axis
+from plait.model.llama import RMSNorm
+from plait.parallel.placement import PlacementRecord
 from plait.parallel.vocab_parallel import VocabParallelEmbedding
 
 # (module path inside a block, dim of nn.Linear.weight that is split): 0 = output rows
@@ -45,15 +46,16 @@ BLOCK_SPLITS = {
     "attention.wq": 0, "attention.wk": 0, "attention.wv": 0, "attention.wo": 1,
     "feed_forward.w1": 0, "feed_forward.w3": 0, "feed_forward.w2": 1,
 }
+# The embedding and the head are split by vocabulary rows.
+VOCAB_SPLITS = {"tok_embeddings": 0, "output": 0}
 
 
-@dataclass
-class TensorParallelPlan:
-    """What `apply_tp` did: the parameters it split (each rank holds 1/T of them) and those it left
-    whole on every rank."""
-
-    sharded: set[str] = field(default_factory=set)
-    replicated: set[str] = field(default_factory=set)
+def split_dims(chunk: nn.Module) -> dict[str, int]:
+    """Parameter name -> the dim `apply_tp` splits, for the parameters of `chunk` it splits."""
+    out = {f"layers.{i}.{path}.weight": dim for i in chunk.layers for path, dim in
+           BLOCK_SPLITS.items()}
+    out |= {f"{m}.weight": dim for m, dim in VOCAB_SPLITS.items() if hasattr(chunk, m)}
+    return out
 
 
 def _split_linear(linear: nn.Linear, dim: int, rank: int, size: int) -> None:
@@ -71,41 +73,50 @@ def _wrap_half(module: nn.Module, group: ProcessGroup, sequence_parallel: bool) 
     module.register_forward_hook(lambda mod, args, out: leave(out, group))
 
 
-def apply_tp(model: Transformer, group: ProcessGroup, sequence_parallel: bool = False):
-    """Split `model` across the ranks of `group` in place; returns the plan."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    args = model.args
+def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
+             record: PlacementRecord | None = None) -> set[str]:
+    """Split a model or pipeline chunk across the ranks of the `tp` axis in place; returns the
+    names of the parameters it split (the others are replicated over tp)."""
+    size, rank, group = tp.size, tp.rank, tp.group
+    args = chunk.args
     for what, count in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
                         ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
         if count % size:
             raise ValueError(f"tp={size} must divide {what}={count}")
-    plan = TensorParallelPlan()
-    if size == 1:
-        plan.replicated = {n for n, _ in model.named_parameters()}
-        return plan
-    for block in model.layers.values():
-        for path, dim in BLOCK_SPLITS.items():
-            _split_linear(block.get_submodule(path), dim, rank, size)
-        _wrap_half(block.attention, group, sequence_parallel)
-        _wrap_half(block.feed_forward, group, sequence_parallel)
-    model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, group, sequence_parallel)
-    _split_linear(model.output, 0, rank, size)  # column-parallel head: logits (b, s, V / T)
-    enter = gather_from_sp if sequence_parallel else copy_to_tp
-    model.output.register_forward_pre_hook(lambda mod, a: (enter(a[0], group),))
-    if sequence_parallel:
-        for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
-            norm.weight.register_hook(lambda grad: all_reduced(grad, group))
-    plan.sharded = {f"layers.{i}.{path}.weight" for i in model.layers for path in BLOCK_SPLITS}
-    plan.sharded |= {"tok_embeddings.weight", "output.weight"}
-    plan.replicated = {n for n, _ in model.named_parameters()} - plan.sharded
-    _verify(model, plan, size)
-    return plan
+    splits = split_dims(chunk) if size > 1 else {}
+    names = [n for n, _ in chunk.named_parameters()]
+    if size > 1:
+        for block in chunk.layers.values():
+            for path, dim in BLOCK_SPLITS.items():
+                _split_linear(block.get_submodule(path), dim, rank, size)
+            _wrap_half(block.attention, group, sequence_parallel)
+            _wrap_half(block.feed_forward, group, sequence_parallel)
+        if hasattr(chunk, "tok_embeddings"):
+            chunk.tok_embeddings = VocabParallelEmbedding(chunk.tok_embeddings, tp,
+                                                          sequence_parallel)
+        if hasattr(chunk, "output"):
+            _split_linear(chunk.output, 0, rank, size)  # column-parallel head: (b, s, V / T)
+            enter = gather_from_sp if sequence_parallel else copy_to_tp
+            chunk.output.register_forward_pre_hook(lambda mod, a: (enter(a[0], group),))
+        if sequence_parallel:
+            chunk.seq_shards = size  # hidden states between chunks: (b, s / T, h)
+            # The norms see a shard of the tokens: their weight gradients are partial sums.
+            for norm in (m for m in chunk.modules() if isinstance(m, RMSNorm)):
+                norm.weight.register_hook(lambda grad: all_reduced(grad, group))
+        _verify(chunk, splits, size)
+    if record is not None:
+        for name in names:
+            if name in splits:
+                record.shard(name, "tp", splits[name])
+            else:
+                record.replicate(name, "tp", partial_grad=sequence_parallel)
+    return set(splits)
 
 
-def _verify(model: Transformer, plan: TensorParallelPlan, size: int) -> None:
+def _verify(chunk: nn.Module, splits: dict[str, int], size: int) -> None:
     """Check that the transform happened: every split weight has 1/T of its full shape, the
     embedding was replaced, and every block half communicates."""
-    args = model.args
+    args = chunk.args
     full = {
         "attention.wq": (args.n_heads * args.head_dim, args.dim),
         "attention.wk": (args.n_kv_heads * args.head_dim, args.dim),
@@ -114,34 +125,25 @@ def _verify(model: Transformer, plan: TensorParallelPlan, size: int) -> None:
         "feed_forward.w1": (args.ffn_dim, args.dim),
         "feed_forward.w3": (args.ffn_dim, args.dim),
         "feed_forward.w2": (args.dim, args.ffn_dim),
+        "tok_embeddings": (args.vocab_size, args.dim),
+        "output": (args.vocab_size, args.dim),
     }
-    params = dict(model.named_parameters())
-    for i, block in model.layers.items():
-        for path, dim in BLOCK_SPLITS.items():
-            want = list(full[path])
-            want[dim] //= size
-            got = tuple(params[f"layers.{i}.{path}.weight"].shape)
-            if got != tuple(want):
-                raise RuntimeError(f"layers.{i}.{path} was not split: {got}, expected {want}")
+    params = dict(chunk.named_parameters())
+    if splits.keys() - params.keys():
+        raise RuntimeError(f"planned shards missing: {sorted(splits.keys() - params.keys())}")
+    for name, dim in splits.items():
+        key = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") \
+            else name.removesuffix(".weight")
+        want = list(full[key])
+        want[dim] //= size
+        got = tuple(params[name].shape)
+        if got != tuple(want):
+            raise RuntimeError(f"{name.removesuffix('.weight')} was not split: {got}, "
+                               f"expected {tuple(want)}")
+    for i, block in chunk.layers.items():
         for half in (block.attention, block.feed_forward):
             if not (half._forward_pre_hooks and half._forward_hooks):
                 raise RuntimeError(f"layers.{i}: a block half has no tensor-parallel collectives")
-    if not isinstance(model.tok_embeddings, VocabParallelEmbedding):
+    if hasattr(chunk, "tok_embeddings") and not isinstance(chunk.tok_embeddings,
+                                                           VocabParallelEmbedding):
         raise RuntimeError("tok_embeddings was not made vocabulary-parallel")
-    if params["output.weight"].shape != (args.vocab_size // size, args.dim):
-        raise RuntimeError("output was not split by vocabulary")
-    if plan.sharded - params.keys():
-        raise RuntimeError(f"planned shards missing: {sorted(plan.sharded - params.keys())}")
-
-
-def grad_norm_sq(model: nn.Module, plan: TensorParallelPlan, group: ProcessGroup) -> torch.Tensor:
-    """Squared global gradient norm: the shards' squares summed over `tp`, replicated parameters'
-    counted once (they are equal on every tp rank)."""
-    sharded, replicated = [], []
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            sq = p.grad.detach().double().pow(2).sum()
-            (sharded if name in plan.sharded else replicated).append(sq)
-    zero = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
-    total_sharded = all_reduced(torch.stack(sharded).sum(), group) if sharded else zero
-    return total_sharded + (torch.stack(replicated).sum() if replicated else zero)

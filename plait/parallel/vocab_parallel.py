@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from plait.comm import all_reduce
 from plait.comm.autograd import reduce_from_tp, reduce_scatter_to_sp
+from plait.mesh import Axis
 
 
 def vocab_range(vocab_size: int, group: ProcessGroup) -> tuple[int, int]:
@@ -28,10 +29,11 @@ class VocabParallelEmbedding(nn.Module):
     summed across `tp` (all-reduce, or reduce-scatter to sequence shards under sequence
     parallelism)."""
 
-    def __init__(self, full: nn.Embedding, group: ProcessGroup, sequence_parallel: bool):
+    def __init__(self, full: nn.Embedding, tp: Axis, sequence_parallel: bool):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.start, self.end = vocab_range(full.num_embeddings, group)
+        self.group, self.sequence_parallel = tp.group, sequence_parallel
+        per = full.num_embeddings // tp.size
+        self.start, self.end = tp.rank * per, (tp.rank + 1) * per
         self.weight = nn.Parameter(full.weight.detach()[self.start : self.end].clone())
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

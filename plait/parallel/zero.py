@@ -21,116 +21,128 @@ gradient reduce-scatter.
 
 Decay (matrices, embeddings) and no-decay (norm gains) parameters are never mixed in a bucket, so
 that every slice belongs to one optimizer parameter group.
+
+Hybrid sharding (HSDP; the hpZ idea of ZeRO++, Wang et al. 2023): with a `replicate` axis, state
+is sharded over the K ranks of `group` only, and the dp / K groups hold replicas of it. Each slice's
+reduce-scattered gradient is then all-reduced over `replicate`; parameters are gathered within the
+K ranks alone.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 
-from plait.comm import Pending, all_gather, all_reduced, reduce_scatter
+from plait.comm import all_gather, all_reduce, reduce_scatter
 from plait.comm.buckets import assign_buckets
+from plait.mesh import Axis
 from plait.parallel.data_parallel import (
     SyncedReplicas,
     _broadcast_replicas,
     _check_all_have_grads,
     launch_ready,
 )
-from plait.parallel.state import Slice, nbytes, optimizer_state_bytes
+from plait.parallel.flat import FlatParam
+from plait.parallel.state import nbytes, optimizer_state_bytes
 
 
-@dataclass
-class FlatBucket:
-    """Parameters stored back to back in `data` (padded to a multiple of N); slice r is rank r's."""
-
-    names: list[str]
-    params: list[nn.Parameter]
-    offsets: list[int]
-    data: torch.Tensor  # (N * shard_numel,) the parameters' storage
-    slice: Slice  # this rank's slice of `data` (a view) and what the optimizer steps for it
-    decay: bool
-    grad: torch.Tensor | None = None  # (N * shard_numel,) staging for the reduce-scatter
-    grad_shard: torch.Tensor | None = None  # this rank's averaged gradient slice
-    ready: set[int] = field(default_factory=set)
-    pending: Pending | None = None
-
-    def view(self, flat: torch.Tensor, position: int) -> torch.Tensor:
-        p, start = self.params[position], self.offsets[position]
-        return flat[start : start + p.numel()].view_as(p)
+def flat_groups(named: list[tuple[str, nn.Parameter]], bucket_mb: float):
+    """Bucket members, decay parameters first, then no-decay ones (never mixed)."""
+    out = []
+    for decay in (True, False):
+        members = [(n, p) for n, p in named if (p.dim() >= 2) == decay]
+        out += [(m, decay) for m in assign_buckets(members, int(bucket_mb * 2**20))] if members \
+            else []
+    return out
 
 
-def _flatten(members, decay: bool, size: int, rank: int, param_dtype, master_device) -> FlatBucket:
-    offsets, total = [], 0
-    for _, p in members:
-        offsets.append(total)
-        total += p.numel()
-    shard_numel = -(-total // size)  # ceil
-    first = members[0][1]
-    full = torch.zeros(shard_numel * size, dtype=first.dtype, device=first.device)
-    for (_, p), start in zip(members, offsets, strict=True):
-        full[start : start + p.numel()].copy_(p.detach().reshape(-1))
-    mine = slice(rank * shard_numel, (rank + 1) * shard_numel)
-    data = full.to(param_dtype or first.dtype)
-    bucket = FlatBucket([n for n, _ in members], [p for _, p in members], offsets, data,
-                        Slice(data[mine], first.dtype, master_device), decay)
-    if bucket.slice.master is not bucket.slice.shard:
-        bucket.slice.master.copy_(full[mine])  # the master keeps full precision from the start
-    for position, p in enumerate(bucket.params):
-        p.data = bucket.view(data, position)  # the parameter now lives in the flat bucket
-    return bucket
+class ShardedEngine(SyncedReplicas):
+    """What ZeRO-1/2 and ZeRO-3 share: flat parameters sharded over `shard` (K ranks), replicas
+    across `replicate` (HSDP), the averaged gradient slices, the optimizer over slices."""
+
+    def _init_sharding(self, module: nn.Module, dp_size: int, shard: Axis,
+                       replicate: Axis | None, reduce_dtype: torch.dtype) -> None:
+        self.module, self.reduce_dtype = module, reduce_dtype
+        self.group, self.size, self.rank = shard.group, shard.size, shard.rank
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
+        self.dp_size = dp_size  # gradients are pre-divided by all of dp
+        self.storage_axis = shard
+        _broadcast_replicas(module, shard.group)
+        if self.replicate is not None:
+            _broadcast_replicas(module, self.replicate.group)
+
+    @property
+    def flats(self) -> list[FlatParam]:
+        raise NotImplementedError
+
+    def _reduce_grad(self, flat: FlatParam, async_op: bool = True):
+        flat.grad_shard = torch.empty_like(flat.slice.shard, dtype=self.reduce_dtype)
+        return reduce_scatter(flat.grad_shard, flat.grad, self.group, async_op=async_op)
+
+    def _hand_over(self, flat: FlatParam) -> None:
+        """After the reduce-scatter: sum over the replicas (HSDP), then give the slice its
+        averaged gradient."""
+        if self.replicate is not None:
+            all_reduce(flat.grad_shard, self.replicate.group)
+        flat.slice.set_grad(flat.grad_shard)
+        flat.grad = None  # the staging buffer
+
+    def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The owned slices (or their masters), (decay, no_decay): what the optimizer steps."""
+        return ([f.slice.master for f in self.flats if f.decay],
+                [f.slice.master for f in self.flats if not f.decay])
+
+    def grad_pieces(self):
+        # From the slices' gradients on the device (the masters' copies may be in host memory,
+        # which NCCL cannot reduce).
+        for flat in self.flats:
+            yield from flat.grad_pieces()
 
 
-class ZeroDataParallel(SyncedReplicas):
-    """ZeRO stage 1 or 2 over `group` (the `dp` axis). Interface of `DataParallel`, plus
-    `optimizer_groups()` (what the optimizer must own) and `finish_step()` (after it stepped)."""
+class ZeroDataParallel(ShardedEngine):
+    """ZeRO stage 1 or 2 over `shard` (the dp axis, or its sharding groups under HSDP)."""
 
     def __init__(
         self,
         module: nn.Module,
-        group: ProcessGroup,
+        shard: Axis,
         stage: int,
         bucket_mb: float = 25.0,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         offload_optimizer: bool = False,
+        replicate: Axis | None = None,
     ):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
-        self.module, self.group, self.stage = module, group, stage
-        self.reduce_dtype = reduce_dtype
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        _broadcast_replicas(module, group)
+        self.stage = stage
+        dp_size = shard.size * (replicate.size if replicate else 1)
+        self._init_sharding(module, dp_size, shard, replicate, reduce_dtype)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # Offload: masters and optimizer state in host memory (a no-op when already on the CPU).
         master_device = torch.device("cpu") if offload_optimizer else None
-        self.buckets: list[FlatBucket] = []
-        for decay in (True, False):
-            members = [(n, p) for n, p in named if (p.dim() >= 2) == decay]
-            for group_members in assign_buckets(members, int(bucket_mb * 2**20)) if members else []:
-                self.buckets.append(_flatten(group_members, decay, self.size, self.rank,
-                                             param_dtype, master_device))
+        self.buckets: list[FlatParam] = [
+            FlatParam(members, decay, self.size, self.rank, param_dtype, master_device)
+            for members, decay in flat_groups(named, bucket_mb)
+        ]
         self._next = 0
+        self._pending: list = []
         for bucket in self.buckets:
             for position, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, position))
 
-    def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The owned slices (or their masters), (decay, no_decay): what the optimizer steps."""
-        return ([b.slice.master for b in self.buckets if b.decay],
-                [b.slice.master for b in self.buckets if not b.decay])
+    @property
+    def flats(self) -> list[FlatParam]:
+        return self.buckets
 
-    def _hook(self, bucket: FlatBucket, position: int):
+    def _hook(self, bucket: FlatParam, position: int):
         def on_gradient(p: nn.Parameter) -> None:
             if not self._sync:
                 return
             if bucket.grad is None:
-                bucket.grad = torch.zeros_like(bucket.data, dtype=self.reduce_dtype)
-            torch.div(p.grad, self.size, out=bucket.view(bucket.grad, position))  # average
+                bucket.grad = torch.zeros_like(bucket.full, dtype=self.reduce_dtype)
+            torch.div(p.grad, self.dp_size, out=bucket.view(bucket.grad, position))  # average
             if self.stage == 2:
                 p.grad = None  # stage 1 keeps whole gradients, stage 2 only the slice
             bucket.ready.add(position)
@@ -138,9 +150,8 @@ class ZeroDataParallel(SyncedReplicas):
 
         return on_gradient
 
-    def _launch(self, bucket: FlatBucket) -> None:
-        bucket.grad_shard = torch.empty_like(bucket.slice.shard, dtype=self.reduce_dtype)
-        bucket.pending = reduce_scatter(bucket.grad_shard, bucket.grad, self.group, async_op=True)
+    def _launch(self, bucket: FlatParam) -> None:
+        self._pending.append(self._reduce_grad(bucket))
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
@@ -149,11 +160,11 @@ class ZeroDataParallel(SyncedReplicas):
         if self._next != len(self.buckets):
             raise RuntimeError("gradients arrived outside the last backward; call "
                                "finish_gradients after a backward run outside no_sync()")
-        for bucket in self.buckets:
-            bucket.pending.wait()
-            bucket.slice.set_grad(bucket.grad_shard)
-            bucket.grad = None  # the staging buffer
+        for bucket, pending in zip(self.buckets, self._pending, strict=True):
+            pending.wait()
+            self._hand_over(bucket)
             bucket.ready.clear()
+        self._pending.clear()
         self._next = 0
 
     @torch.no_grad()
@@ -162,14 +173,7 @@ class ZeroDataParallel(SyncedReplicas):
         for bucket in self.buckets:
             bucket.slice.after_step()
             # Gathered from a copy: the output must not alias the input slice.
-            all_gather(bucket.data, bucket.slice.shard.clone(), self.group)
-
-    def grad_norm_sq(self) -> torch.Tensor:
-        """Squared norm of the whole averaged gradient: each rank's slices, summed over ranks."""
-        # From the slices' gradients on the device (the masters' copies may be in host memory,
-        # which NCCL cannot reduce).
-        local = sum(b.grad_shard.double().pow(2).sum() for b in self.buckets)
-        return all_reduced(torch.as_tensor(local).reshape(1), self.group)[0]
+            all_gather(bucket.full, bucket.slice.shard.clone(), self.group)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of model state this rank holds (padding included)."""
@@ -178,7 +182,7 @@ class ZeroDataParallel(SyncedReplicas):
         else:
             grads = [b.grad_shard for b in self.buckets]
         return {
-            "params": nbytes(b.data for b in self.buckets),
+            "params": nbytes(b.full for b in self.buckets),
             "grads": nbytes(grads),
             "optimizer": optimizer_state_bytes(optimizer)
             + sum(b.slice.master_bytes for b in self.buckets),

@@ -16,8 +16,10 @@ from plait.train.progress import print_summary
 from plait.train.trainer import Summary, Trainer
 
 
-def worker_device() -> torch.device:
-    if torch.cuda.is_available():
+def worker_device(choice: str = "auto") -> torch.device:
+    """`train.device`: "cpu", "cuda" (this worker's GPU, cuda:LOCAL_RANK), or "auto" (cuda when
+    there is one). A CPU run on a machine with a GPU stays on the CPU when asked to."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         return device
@@ -28,7 +30,7 @@ def worker_device() -> torch.device:
 def run_training(cfg: Config, metrics_path: str | None = None) -> Summary:
     """Train on the world the environment describes; rank 0 shows progress and the summary."""
     torch.set_num_threads(cfg.train.threads)
-    device = worker_device()
+    device = worker_device(cfg.train.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         dims = validate(cfg, dist.get_world_size())

@@ -1,12 +1,13 @@
-"""The training loop: micro-batches with gradient accumulation, gradient sync, clipping, AdamW with
-warm-up + cosine, validation, metrics.
+"""The training loop: one step path for every configuration. The schedule's executor runs the
+micro-batches forward and backward (one pipeline stage: gradient accumulation), the data-parallel
+engine finishes the gradients, one global norm clips them, AdamW with warm-up + cosine steps;
+validation and metrics.
 
 The trainer owns no process group: it is handed the mesh, so tests can drive it from any harness.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -15,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from plait.comm import LEDGER, all_reduce, broadcast
-from plait.config import Config
+from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.model import build_model, count_params
 from plait.parallel import parallelize
+from plait.train.activation_memory import SavedActivations
 from plait.train.data import TokenData
 from plait.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -39,41 +41,31 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, mesh, device: torch.device):
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
-        self.model = build_model(args, cfg.train.seed, device)
-        n_params = count_params(self.model)  # the whole model's, before any split
-        self.microbatches = cfg.parallel.microbatches or dims.pp  # pipeline micro-batches
+        model = build_model(args, cfg.train.seed, device)
+        n_params = count_params(model)  # the whole model's, before any split
+        self.microbatches = microbatches(cfg.parallel, dims)
         self.parallelized = parallelize(
-            self.model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16",
-            microbatches=self.microbatches,
+            model, mesh, cfg.parallel, microbatches=self.microbatches,
+            precision=cfg.train.precision,
+            activation_checkpointing=cfg.train.activation_checkpointing,
         )
-        self.parallel = self.parallelized.model
+        del model  # its pieces live in the chunks now; other stages' layers are let go
+        self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
         self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
         self.dp_rank, self.dp = mesh["dp"].get_local_rank(), dims.dp
-        per_rank = cfg.train.global_batch // dims.dp
-        self.micro_batch = cfg.train.micro_batch or per_rank
-        self.accumulation = per_rank // self.micro_batch
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_step = self.tokens_per_step * flops_per_token(
             args, n_params, cfg.data.seq_len
         )
+        self.activations = SavedActivations(self.model)
         self.is_logger = dist.get_rank() == 0
 
-    def _autocast(self):
-        if self.train_cfg.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            logits = self.parallel(inputs.to(self.device))  # (b, s, vocab / tp)
-        return self.parallelized.loss_fn(logits, targets.to(self.device))
-
     def _global_mean(self, value: float) -> float:
-        """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens); under
-        pipeline parallelism the loss exists on the last stage only, so it is summed over pp
-        first (the other stages contribute 0)."""
+        """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens); the
+        loss exists on the last pipeline stage only, so it is summed over pp first (the other
+        stages contribute 0)."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         all_reduce(t, self.pp_group)
         all_reduce(t, self.dp_group)
@@ -88,25 +80,15 @@ class Trainer:
         lr = lr_at(step, self.train_cfg)
         set_lr(self.optimizer, lr)
         inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.dp_rank, self.dp)
-        loss_sum = 0.0
-        pipeline = self.parallelized.pipeline
-        if pipeline is not None:  # the schedule runs the micro-batches, forward and backward
-            loss_sum = pipeline.run(self._microbatches(inputs, targets))
-        for micro in range(self.accumulation if pipeline is None else 0):
-            rows = slice(micro * self.micro_batch, (micro + 1) * self.micro_batch)
-            last = micro == self.accumulation - 1
-            # Micro-batches before the last accumulate locally; only the last communicates.
-            with contextlib.nullcontext() if last else self.parallel.no_sync():
-                loss = self._loss(inputs[rows], targets[rows]) / self.accumulation
-                loss.backward()
-            loss_sum += loss.item()
-        self.parallel.finish_gradients()
+        with self.activations:  # peak bytes saved for backward during the step
+            loss_sum = self.parallelized.pipeline.run(self._microbatches(inputs, targets))
+        self.parallelized.finish_gradients()
         if self.train_cfg.grad_clip > 0:
             norm_sq = self.parallelized.grad_norm_sq()
             clip_grad_norm_(self._optimized(), self.train_cfg.grad_clip, norm_sq)
         self.optimizer.step()
         self.parallelized.finish_step()
-        return {"loss": loss_sum, "lr": lr}
+        return {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak}
 
     def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
         rows = len(inputs) // self.microbatches
@@ -123,11 +105,7 @@ class Trainer:
             inputs, targets = self.data.val_batch(
                 i, self.train_cfg.global_batch, self.dp_rank, self.dp
             )
-            if self.parallelized.pipeline_eval is not None:
-                total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
-                continue
-            for rows in torch.arange(len(inputs)).split(self.micro_batch):
-                total += self._loss(inputs[rows], targets[rows]).item() * len(rows) / len(inputs)
+            total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
         return self._global_mean(total / self.train_cfg.eval_batches)
 
     def _peak_flops(self) -> float:
@@ -169,6 +147,7 @@ class Trainer:
                 "comm_bytes": ledger["bytes"],
                 "comm_calls": ledger["calls"],
                 "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
+                "activation_bytes": result["activation_bytes"],
             }
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 record["val_loss"] = self.evaluate()

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from test_data_parallel import tiny_config
+from training import tiny_config
 
 from plait.config import validate
 from plait.mesh import build_mesh

@@ -8,7 +8,7 @@ runs and the order in which micro-batch gradients are summed.
 import pytest
 import torch
 from harness import run_world
-from test_data_parallel import tiny_config, train_here
+from training import tiny_config, train_here
 
 from plait.comm import Op
 

@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_world
-from test_data_parallel import STEPS, tiny_config, train_here
+from training import STEPS, tiny_config, train_here
 
 from plait.comm import LEDGER, Op
+from plait.mesh import Axis
 from plait.model import build_model, model_args
 from plait.parallel import apply_tp
-from plait.parallel.tensor_parallel import BLOCK_SPLITS, _verify
+from plait.parallel.tensor_parallel import BLOCK_SPLITS, _verify, split_dims
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 # 8 query heads sharing 4 key/value heads: grouped-query attention that tp = 2 and 4 both divide.
@@ -40,6 +41,10 @@ def shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return full if dim is None else full.chunk(size, dim=dim)[rank]
 
 
+def world_tp() -> Axis:
+    return Axis("tp", dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+
+
 def _forward_backward(sequence_parallel):
     group, rank, size = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -51,7 +56,7 @@ def _forward_backward(sequence_parallel):
     ref_loss.backward()
 
     model = build_model(ARGS, seed=0)
-    plan = apply_tp(model, group, sequence_parallel)
+    sharded = apply_tp(model, world_tp(), sequence_parallel)
     LEDGER.reset()
     logits = model(tokens)  # (b, s, V / T)
     loss = vocab_parallel_cross_entropy(logits, targets, group, ARGS.vocab_size)
@@ -63,7 +68,7 @@ def _forward_backward(sequence_parallel):
         "loss": (loss.item(), ref_loss.item()),
         "grads": {n: (p.grad, shard(n, dict(full.named_parameters())[n].grad, rank, size))
                   for n, p in model.named_parameters()},
-        "plan": plan,
+        "sharded": sharded,
         "calls": calls,
         "bytes": LEDGER.bytes,
     }
@@ -82,7 +87,7 @@ def test_outputs_and_every_gradient_equal_the_unsharded_model(tp, sequence_paral
         for name, (got, want) in r["grads"].items():
             assert got.shape == want.shape, name
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
-        assert len(r["plan"].sharded) == 7 * L + 2
+        assert len(r["sharded"]) == 7 * L + 2
         # Megatron's count: per layer two collectives forward and two backward on (b, s, h),
         # plus the embedding's (forward) and the head's (backward), plus the loss's three
         # all-reduces of one float per token.
@@ -104,10 +109,10 @@ def test_sharded_parameter_bytes():
 
     def body():
         model = build_model(ARGS, seed=0)
-        plan = apply_tp(model, dist.group.WORLD)
+        sharded = apply_tp(model, world_tp())
         params = dict(model.named_parameters())
-        return ({n: params[n].numel() for n in plan.sharded},
-                {n: params[n].numel() for n in plan.replicated})
+        return ({n: params[n].numel() for n in sharded},
+                {n: params[n].numel() for n in params.keys() - sharded})
 
     full = {n: p.numel() for n, p in build_model(ARGS, 0).named_parameters()}
     for sharded, replicated in run_world(body, 4):
@@ -119,10 +124,10 @@ def test_sharded_parameter_bytes():
 def test_verification_catches_a_layer_that_was_not_split():
     def body():
         model = build_model(ARGS, seed=0)
-        plan = apply_tp(model, dist.group.WORLD)
+        apply_tp(model, world_tp())
         model.layers["1"].feed_forward.w1 = torch.nn.Linear(ARGS.dim, ARGS.ffn_dim, bias=False)
         with pytest.raises(RuntimeError, match="layers.1.feed_forward.w1 was not split"):
-            _verify(model, plan, dist.get_world_size())
+            _verify(model, split_dims(model), dist.get_world_size())
         return True
 
     assert all(run_world(body, 2))

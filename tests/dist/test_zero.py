@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_world
-from test_data_parallel import STEPS, tiny_config
+from training import STEPS, tiny_config, train_here, unclipped
 
 from plait.comm import LEDGER, Op
 from plait.config import validate
@@ -18,42 +18,37 @@ from plait.mesh import build_mesh
 from plait.train.trainer import Trainer
 
 
-def _unclipped(cfg):
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_clip=0.0))
-
-
 def train_zero(cfg):
     """Losses and parameters after STEPS steps; this rank's first-step gradient slices with their
     layout; one more unclipped step's ledger; model-state bytes; bucket sizes."""
     dims = validate(cfg, dist.get_world_size())
     mesh = build_mesh(dims)
-    first = Trainer(_unclipped(cfg), dims, mesh, torch.device("cpu"))
+    first = Trainer(unclipped(cfg), dims, mesh, torch.device("cpu"))
     first.train_step(0)
-    zero = first.parallel
+    zero = first.parallelized.engine
     slices = [(b.names, [p.numel() for p in b.params], b.grad_shard.clone())
               for b in zero.buckets]
     trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
     summary = trainer.fit()
-    if hasattr(trainer.parallel, "full_state_dict"):  # ZeRO-3: parameters exist only as slices
-        params = trainer.parallel.full_state_dict()
+    engine = trainer.parallelized.engine
+    if hasattr(engine, "full_state_dict"):  # ZeRO-3: parameters exist only as slices
+        params = engine.full_state_dict()
     else:
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train_cfg = _unclipped(cfg).train  # no norm all-reduce in the step we account
+    trainer.train_cfg = unclipped(cfg).train  # no norm all-reduce in the step we account
     LEDGER.reset()
     trainer.train_step(STEPS)
     ledger = (LEDGER.bytes, dict(LEDGER.calls))
     state = trainer.parallelized.state_bytes(trainer.optimizer)
-    sizes = [sum(p.numel() for p in b.params) for b in trainer.parallel.buckets]
-    if hasattr(trainer.parallel, "units"):  # ZeRO-3: peak of gathered units vs the largest unit
-        unit_bytes = max(sum(f.full_bytes for f in u.flats) for u in trainer.parallel.units)
-        state["peak_gathered_over_unit"] = trainer.parallel.peak_gathered_bytes / unit_bytes
+    sizes = [sum(p.numel() for p in b.params) for b in engine.buckets]
+    if hasattr(engine, "units"):  # ZeRO-3: peak of gathered units vs the largest unit
+        unit_bytes = max(sum(f.full_bytes for f in u.flats) for u in engine.units)
+        state["peak_gathered_over_unit"] = engine.peak_gathered_bytes / unit_bytes
     return summary.losses, params, slices, ledger, state, sizes
 
 
 @pytest.fixture(scope="module")
 def reference():
-    from test_data_parallel import train_here
-
     losses, _, params, _, _, grads = run_world(train_here, 1, tiny_config())[0]
     return losses, params, grads
 
@@ -116,7 +111,7 @@ def test_stages_2_and_3_hold_only_slices_of_the_gradients(stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_accumulation_with_zero(reference, stage):
-    cfg = tiny_config(f"parallel.zero={stage}", "train.micro_batch=1")
+    cfg = tiny_config(f"parallel.zero={stage}", "parallel.microbatches=4")
     for losses, *_ in run_world(train_zero, 2, cfg):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]),
                                    rtol=1e-5, atol=0)

@@ -29,7 +29,8 @@ def read_metrics(path):
 def test_default_recipe_trains_on_4_workers(tmp_path):
     """The default recipe, cut to 40 steps: 4 workers, the loss clearly falling, metrics exact."""
     metrics = tmp_path / "m.jsonl"
-    proc = plait("train", "--metrics", str(metrics), "train.steps=40", "train.eval_every=20")
+    proc = plait("train", "--nproc", "4", "--metrics", str(metrics), "train.steps=40",
+                 "train.eval_every=20")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "plait train: 4 rank(s)" in proc.stdout + proc.stderr  # the summary table
     records = read_metrics(metrics)

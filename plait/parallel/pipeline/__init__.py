@@ -1,55 +1,50 @@
 """Pipeline parallelism over the `pp` axis: schedules as data (`schedules`), their checker and
 ideal-clock simulator (`simulator`), the model cut into chunks (`stage`), one executor for all
-schedules (`executor`)."""
+schedules (`executor`). With pp = 1 the model is one chunk and the schedule is plain gradient
+accumulation over the micro-batches (F B F B ...), so every configuration trains through the same
+executor."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-
-from plait.comm import all_reduced
 from plait.config import ParallelConfig
+from plait.mesh import Axis
 from plait.model.llama import Transformer
 from plait.parallel.pipeline.executor import PipelineExecutor
-from plait.parallel.pipeline.schedules import build_schedule, forward_only
+from plait.parallel.pipeline.schedules import Schedule, build_schedule, forward_only
 from plait.parallel.pipeline.simulator import check
-from plait.parallel.pipeline.stage import split_model
+from plait.parallel.pipeline.stage import StageModules, split_model
+from plait.parallel.placement import PlacementRecord
 
 
-def apply_pp(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, microbatches: int):
-    """Keep only this stage's chunks of `model` (in place); returns (chunks container, schedule).
-
-    The container is an `nn.ModuleDict` keyed by global chunk index."""
-    P, stage = mesh["pp"].size(), mesh["pp"].get_local_rank()
-    V = cfg.pp_virtual if cfg.pp_schedule == "interleaved" else 1
-    schedule = build_schedule(cfg.pp_schedule, P, microbatches, V)
+def stage_schedule(cfg: ParallelConfig, stages: int, microbatches: int) -> Schedule:
+    """The checked schedule this configuration runs (one stage: accumulation, whatever it
+    names: every schedule of one stage is F B F B ...)."""
+    if stages == 1:
+        schedule = build_schedule("1f1b", 1, microbatches)
+    else:
+        V = cfg.pp_virtual if cfg.pp_schedule == "interleaved" else 1
+        schedule = build_schedule(cfg.pp_schedule, stages, microbatches, V)
     check(schedule)
-    chunks = split_model(model, P * V, list(cfg.pp_split) or None)
-    mine = nn.ModuleDict({str(c): chunks[c] for c in range(P * V) if c % P == stage})
-    kept = {id(p) for p in mine.parameters()}
-    for i in [i for i, block in model.layers.items()
-              if not any(id(p) in kept for p in block.parameters())]:
-        del model.layers[i]  # other stages' layers: not held here
-    for name in ("tok_embeddings", "norm", "output"):
-        if not any(id(p) in kept for p in getattr(model, name).parameters()):
-            setattr(model, name, nn.Identity())
+    return schedule
+
+
+def apply_pp(model: Transformer, pp: Axis, cfg: ParallelConfig, microbatches: int,
+             record: PlacementRecord | None = None) -> tuple[StageModules, Schedule]:
+    """Keep only this stage's chunks of `model`; returns them with the schedule. The record gets
+    every parameter the stage holds (whole, on this pp coordinate) and loses the others."""
+    schedule = stage_schedule(cfg, pp.size, microbatches)
+    C = schedule.chunks
+    chunks = split_model(model, C, list(cfg.pp_split) or None if C > 1 else None)
+    mine = StageModules({str(c): chunks[c] for c in range(C) if c % pp.size == pp.rank})
+    if record is not None:
+        kept = {n for n, _ in mine.named_parameters()}
+        for name, p in model.named_parameters():
+            record.add(name, tuple(p.shape))
+            if name in kept:
+                record.shard(name, "pp", None)
+            else:
+                record.drop(name)
     return mine, schedule
 
 
-def executors(wrapped, mine: nn.ModuleDict, schedule, mesh: DeviceMesh, loss_fn, dim, device):
-    """(training executor, evaluation executor) for this stage."""
-    chunks = {int(c): m for c, m in mine.items()}
-    group = mesh["pp"].get_group()
-    train = PipelineExecutor(schedule, chunks, group, loss_fn, dim, device, wrapped.no_sync)
-    evaluate = PipelineExecutor(
-        forward_only(schedule.stages, schedule.microbatches, schedule.chunks_per_stage),
-        chunks, group, loss_fn, dim, device,
-    )
-    return train, evaluate
-
-
-def pp_grad_norm_sq(module: nn.Module, group) -> torch.Tensor:
-    """Squared gradient norm of the whole model: each stage's own parameters, summed over pp."""
-    local = sum(p.grad.double().pow(2).sum() for p in module.parameters() if p.grad is not None)
-    return all_reduced(torch.as_tensor(local, dtype=torch.float64).reshape(1), group)[0]
+__all__ = ["PipelineExecutor", "StageModules", "apply_pp", "forward_only", "stage_schedule"]

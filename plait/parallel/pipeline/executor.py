@@ -9,7 +9,11 @@
 
 Sends are asynchronous and receives block, each message tagged by (direction, chunk,
 micro-batch), so any schedule that passes `simulator.check` runs without deadlock. Activation
-shapes are known up front: (micro-batch rows, seq, dim), float32.
+shapes are known up front (`Activation`): (micro-batch rows, seq / T under sequence parallelism,
+dim), in the dtype of the residual stream.
+
+With one stage the schedule is F B F B ...: gradient accumulation, the data-parallel engine's
+`no_sync` around every backward but the last.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ class _Saved:
     grad: torch.Tensor | None = None  # gradient of `output`, kept for W under a split backward
 
 
+@dataclass(frozen=True)
+class Activation:
+    """What travels between chunks: (rows, seq // seq_shards, dim) of `dtype`."""
+
+    dim: int
+    seq_shards: int = 1  # tp under sequence parallelism: chunks exchange sequence shards
+    dtype: torch.dtype = torch.float32
+
+
 @dataclass
 class StepTrace:
     """What the executor did, for measured timelines: (action, start, end) in seconds."""
@@ -48,13 +61,15 @@ class PipelineExecutor:
         chunks: dict[int, nn.Module],  # this stage's chunks by global chunk index
         group: ProcessGroup,  # the pp axis: rank i of the group is stage i
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        dim: int,
+        activation: Activation,
         device: torch.device,
         no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+        compute: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.schedule, self.chunks, self.group = schedule, chunks, group
-        self.loss_fn, self.dim, self.device = loss_fn, dim, device
+        self.loss_fn, self.activation, self.device = loss_fn, activation, device
         self.no_sync = no_sync or contextlib.nullcontext
+        self.compute = compute or contextlib.nullcontext  # e.g. bf16 autocast around forwards
         # The action that produces each chunk's gradients last: only it may communicate them.
         grad_kind = Kind.W if schedule.split_backward else Kind.B
         self.final = {}
@@ -81,16 +96,20 @@ class PipelineExecutor:
                     x = microbatches[a.microbatch][0].to(self.device)
                     start = time.perf_counter()
                 else:
-                    x = torch.empty(rows, seq, self.dim, device=self.device)
+                    act = self.activation
+                    x = torch.empty(rows, seq // act.seq_shards, act.dim, dtype=act.dtype,
+                                    device=self.device)
                     recv(x, s.stage_of(a.chunk - 1), self.group,
                          tag=self._tag(False, a.chunk - 1, a.microbatch))
                     x.requires_grad_()
                 start = time.perf_counter()  # busy from here: waiting for the message is idle
-                out = self.chunks[a.chunk](x)
+                with self.compute():
+                    out = self.chunks[a.chunk](x)
                 if a.chunk == s.chunks - 1:
                     out = self.loss_fn(out, microbatches[a.microbatch][1].to(self.device)) / M
                     loss_sum += out.item()
                 else:
+                    out = out.to(self.activation.dtype).contiguous()
                     sent = out.detach()
                     sends.append((send(sent, s.stage_of(a.chunk + 1), self.group, async_op=True,
                                        tag=self._tag(False, a.chunk, a.microbatch)), sent))
@@ -113,7 +132,7 @@ class PipelineExecutor:
                         torch.autograd.backward(item.output, grad)
                     del saved[key]
                 if a.chunk > 0:
-                    g = item.input.grad
+                    g = item.input.grad.contiguous()
                     sends.append((send(g, s.stage_of(a.chunk - 1), self.group, async_op=True,
                                        tag=self._tag(True, a.chunk, a.microbatch)), g))
             else:  # W

@@ -55,13 +55,29 @@ class PipelineChunk(nn.Module):
         if last:
             self.norm, self.output = model.norm, model.output
         self.first, self.last = first, last
+        # Under sequence parallelism hidden states between chunks hold 1/T of the sequence (set
+        # by apply_tp); rotary positions span the whole sequence.
+        self.seq_shards = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
         h = self.tok_embeddings(x) if self.first else x
-        cos, sin = rope_tables(h.shape[1], self.args.head_dim, self.args.rope_theta, h.device)
+        cos, sin = rope_tables(seq, self.args.head_dim, self.args.rope_theta, h.device)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h)) if self.last else h
+
+
+class StageModules(nn.ModuleDict):
+    """This pipeline stage's chunks, keyed by global chunk index, in execution order. Parameters
+    are named as in the single-device model (`layers.4.attention.wq.weight`): the chunk index is
+    not part of a name, so every consumer (engines, placement record, checkpoints, tests) sees the
+    same names whatever the split."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        for chunk in self.values():
+            yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
 
 
 def split_model(model: Transformer, chunks: int, sizes: list[int] | None = None):

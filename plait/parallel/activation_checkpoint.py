@@ -1,0 +1,69 @@
+"""Activation checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost";
+selective recomputation after Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", section 5): drop tensors saved for backward and recompute them.
+
+`train.activation_checkpointing`:
+
+- "none": everything the backward needs is kept.
+- "full": each transformer block keeps only its input; its forward runs again in its backward
+  (one extra forward per block, including its tensor-parallel collectives).
+- "selective": the matmul inputs and outputs are kept; the cheap, memory-hungry operations between
+  them (the two RMSNorms, rotary embedding + attention core, the SwiGLU gate) keep only their
+  inputs and are recomputed. No collective runs again.
+
+Applied with torch's composable `checkpoint` (hooks on the module; names unchanged). Its
+recomputation runs under `recomputing()`, so that hooks of other transforms that must not act
+twice in a step (ZeRO-3's prefetch and free) can tell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+MODES = ("none", "full", "selective")
+
+_recomputing = 0  # depth of recomputations under way (backward may run on another thread)
+
+
+def recomputing() -> bool:
+    """True while a checkpointed module's forward is being recomputed in the backward."""
+    return _recomputing > 0
+
+
+@contextlib.contextmanager
+def _recompute_scope():
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def _contexts():
+    return contextlib.nullcontext(), _recompute_scope()
+
+
+def checkpointed_modules(block: nn.Module, mode: str) -> list[nn.Module]:
+    """The modules of one block whose forward is recomputed under `mode`."""
+    if mode == "full":
+        return [block]
+    if mode == "selective":
+        return [block.attention_norm, block.attention.core, block.ffn_norm,
+                block.feed_forward.gate]
+    return []
+
+
+def apply_activation_checkpointing(chunk: nn.Module, mode: str) -> int:
+    """Checkpoint every block of a model or pipeline chunk in place; returns how many modules."""
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing is one of {', '.join(MODES)}, got {mode!r}")
+    count = 0
+    for block in chunk.layers.values():
+        for module in checkpointed_modules(block, mode):
+            checkpoint(module, context_fn=_contexts)
+            count += 1
+    return count

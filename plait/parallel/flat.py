@@ -1,0 +1,88 @@
+"""The flat parameter: the one storage type of the sharded data-parallel engines (ZeRO-1/2/3).
+
+Some parameters (all decay, or all no-decay, so that a slice belongs to one optimizer group) are
+laid out back to back in one flat buffer, padded to a multiple of the sharding group's size N;
+piece r of the buffer is rank r's slice. The parameters become views of the full buffer (`full`),
+and the optimizer steps this rank's slice (or its master copy, `Slice`).
+
+- ZeRO-1/2 keep `full` for the whole run; the slice is a view of it, and the updated slices are
+  all-gathered back into it after the optimizer step.
+- ZeRO-3 keeps only the slice (its own storage); `full` is gathered before use and its storage
+  released after (`shard_owns_storage=True`).
+
+Gradients go the same way in both: each parameter's gradient, pre-divided by the data-parallel
+degree, is copied into `grad` (the full flat layout, in the reduction dtype) and reduce-scattered
+into `grad_shard`, this rank's slice of the average.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.parallel.state import Slice
+
+
+class FlatParam:
+    def __init__(
+        self,
+        members: list[tuple[str, nn.Parameter]],
+        decay: bool,
+        size: int,
+        rank: int,
+        param_dtype: torch.dtype | None = None,
+        master_device: torch.device | None = None,
+        shard_owns_storage: bool = False,
+        shard_device: torch.device | None = None,
+    ):
+        self.names = [n for n, _ in members]
+        self.params = [p for _, p in members]
+        self.decay, self.rank = decay, rank
+        self.offsets, total = [], 0
+        for p in self.params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.shard_numel = -(-total // size)  # ceil: the buffer is padded to N * shard_numel
+        first = self.params[0]
+        whole = torch.zeros(self.shard_numel * size, dtype=first.dtype, device=first.device)
+        for p, view in zip(self.params, self.views(whole), strict=True):
+            view.copy_(p.detach())
+        mine = whole[self.mine]
+        self.full = whole.to(param_dtype or first.dtype)
+        if shard_owns_storage:
+            shard = mine.to(device=shard_device or mine.device, dtype=self.full.dtype, copy=True)
+        else:
+            shard = self.full[self.mine]
+        self.slice = Slice(shard, first.dtype, master_device)
+        if self.slice.master is not self.slice.shard:
+            self.slice.master.copy_(mine)  # the master keeps full precision from the start
+        for p, view in zip(self.params, self.views(self.full), strict=True):
+            p.data = view  # the parameter now lives in the flat buffer
+        self.grad: torch.Tensor | None = None  # (N * shard_numel,) staging for the reduce-scatter
+        self.grad_shard: torch.Tensor | None = None  # this rank's averaged gradient slice
+        self.ready: set[int] = set()  # positions whose gradient has arrived this step
+
+    @property
+    def mine(self) -> slice:
+        return slice(self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel)
+
+    def view(self, flat: torch.Tensor, position: int) -> torch.Tensor:
+        """Parameter `position`'s part of a flat tensor laid out like this one."""
+        p, start = self.params[position], self.offsets[position]
+        return flat[start : start + p.numel()].view_as(p)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [self.view(flat, i) for i in range(len(self.params))]
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    def grad_pieces(self):
+        """(name, the part of this rank's gradient slice that belongs to that parameter)."""
+        lo, hi = self.mine.start, self.mine.stop
+        for name, p, start in zip(self.names, self.params, self.offsets, strict=True):
+            a, b = max(lo, start), min(hi, start + p.numel())
+            if a < b:
+                yield name, self.grad_shard[a - lo : b - lo]

@@ -1,0 +1,160 @@
+"""The composition matrix: every row is a combination of strategies on one mesh, trained for 4
+steps from the same weights and global batches as a single process, and compared with it.
+
+Tolerances (as in test_data_parallel): fp32 rows differ from one process by summation order only:
+losses relative 1e-5; parameters absolute 1e-5 after 4 AdamW steps (an element whose gradient is
+at noise level can move by a few 1e-6 differently; a missed or doubled update moves it by ~lr =
+3e-3). bf16 rows are compared with a single process of the same precision (autocast, or bf16
+parameters with fp32 masters under ZeRO): bf16 keeps 8 significant bits, so summing in another
+order moves results by ~2^-9 relative per operation. Measured here: losses within 7e-5
+relative, and per tensor a mean absolute parameter difference of at most 6e-5 (single elements
+up to 7e-3: near-zero gradients flip sign, and a norm gain near 1.0 moves by one bf16 step,
+2^-8). We allow 1e-3 relative on the losses and 3e-4 on each tensor's mean absolute difference,
+ten times below the ~lr = 3e-3 by which a missed or doubled update moves every element.
+
+Each row also checks the placement record: complete on every rank (each axis exactly once per
+parameter), each parameter held by exactly one pipeline stage, tensor-parallel shards tiling the
+full tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_world
+from training import run_steps, tiny_config
+
+BASE = ["model.n_layers=4", "train.warmup_steps=2", "train.steps=4"]
+STEPS = 4
+
+# (id, ranks, overrides). Degrees left unset are derived: dp takes what the others leave.
+ROWS = [
+    ("dp2", 2, []),
+    ("dp4-zero1", 4, ["parallel.zero=1"]),
+    ("dp4-zero2", 4, ["parallel.zero=2"]),
+    ("dp4-zero3", 4, ["parallel.zero=3"]),
+    ("dp2-accum2", 2, ["parallel.microbatches=2"]),
+    ("hsdp-zero3-dp4-shard2", 4, ["parallel.zero=3", "parallel.dp_shard=2"]),
+    ("hsdp-zero1-dp4-shard2", 4, ["parallel.zero=1", "parallel.dp_shard=2"]),
+    ("dp2-zero3-accum2-keep", 2, ["parallel.zero=3", "parallel.microbatches=2",
+                                  "parallel.reshard_after_forward=false"]),
+    ("tp2", 2, ["parallel.tp=2"]),
+    ("tp2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("dp2-tp2-zero1", 4, ["parallel.tp=2", "parallel.zero=1"]),
+    ("dp2-tp2-zero2-sp", 4, ["parallel.tp=2", "parallel.zero=2",
+                             "parallel.sequence_parallel=true"]),
+    ("dp2-tp2-zero3", 4, ["parallel.tp=2", "parallel.zero=3"]),
+    ("pp2-tp2-gpipe", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=gpipe",
+                          "parallel.microbatches=4"]),
+    ("pp2-tp2-1f1b", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=1f1b",
+                         "parallel.microbatches=4"]),
+    ("pp2-tp2-interleaved", 4, ["parallel.pp=2", "parallel.tp=2",
+                                "parallel.pp_schedule=interleaved", "parallel.microbatches=4"]),
+    ("pp2-tp2-zb1", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb1",
+                        "parallel.microbatches=4"]),
+    ("pp2-tp2-sp", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("pp4-dp2", 8, ["parallel.pp=4", "parallel.microbatches=4"]),
+    ("pp2-dp2-zero1", 4, ["parallel.pp=2", "parallel.zero=1"]),
+    ("pp2-dp2-zero2-interleaved", 4, ["parallel.pp=2", "parallel.zero=2",
+                                      "parallel.pp_schedule=interleaved"]),
+    ("pp2-dp2-zero3", 4, ["parallel.pp=2", "parallel.zero=3", "parallel.microbatches=4"]),
+    ("pp2-dp2-zero3-keep", 4, ["parallel.pp=2", "parallel.zero=3", "parallel.microbatches=4",
+                               "parallel.reshard_after_forward=false"]),
+    ("3d-zero1-interleaved", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1",
+                                 "parallel.pp_schedule=interleaved"]),
+    ("3d-zero2", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=2"]),
+    ("3d-zero3-sp", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=3",
+                        "parallel.sequence_parallel=true"]),
+    ("3d-ddp-zb1", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb1"]),
+    ("pp2-hsdp-zero3-dp4-shard2", 8, ["parallel.pp=2", "parallel.zero=3",
+                                      "parallel.dp_shard=2"]),
+    ("dp2-ac-full", 2, ["train.activation_checkpointing=full"]),
+    ("tp2-sp-ac-selective", 2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                "train.activation_checkpointing=selective"]),
+    ("dp2-zero3-ac-full", 2, ["parallel.zero=3", "train.activation_checkpointing=full"]),
+    ("pp2-dp2-zero3-ac-full", 4, ["parallel.pp=2", "parallel.zero=3",
+                                  "train.activation_checkpointing=full"]),
+    ("3d-zero1-ac-full", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1",
+                             "train.activation_checkpointing=full"]),
+]
+BF16_ROWS = [
+    ("dp2-bf16", 2, []),
+    ("pp2-dp2-bf16", 4, ["parallel.pp=2"]),
+    ("dp2-tp2-zero1-bf16", 4, ["parallel.tp=2", "parallel.zero=1"]),
+    ("3d-zero3-bf16", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=3"]),
+]
+
+
+def config(*overrides):
+    return tiny_config(*BASE, *overrides)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """One single-process run per precision mode, shared by every row."""
+    return {
+        "fp32": run_world(run_steps, 1, config())[0],
+        "bf16": run_world(run_steps, 1, config("train.precision=bf16"))[0],
+        "bf16-zero": run_world(run_steps, 1, config("train.precision=bf16",
+                                                    "parallel.zero=1"))[0],
+    }
+
+
+def check_placements(results) -> None:
+    """Across ranks: each parameter on exactly one pp coordinate, tp shards tiling it."""
+    held: dict[tuple, list] = {}
+    for r in results:
+        c = r["coords"]
+        for name, (shape, shards, replicated) in r["placements"].items():
+            assert set(shards) | replicated == {"pp", "dp", "cp", "ep", "tp"}, name
+            assert not set(shards) & replicated, name
+            key = (name, c["dp"], c["cp"], c["ep"])
+            held.setdefault(key, []).append((c["pp"], shards.get("tp"), r["params"][name].shape,
+                                             shape))
+    names = {k[0] for k in held}
+    for (name, *_), holders in held.items():
+        assert len({pp for pp, *_ in holders}) == 1, f"{name} on several stages"
+        tp = holders[0][1]
+        if tp is not None:
+            assert sorted(h[1].index for h in holders) == list(range(tp.count)), name
+            full = holders[0][3]
+            assert sum(h[2][tp.dim] for h in holders) == full[tp.dim], name
+    return names
+
+
+def compare(results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=loss_rtol, atol=0)
+        tp = r["placements"]
+        for name, p in r["params"].items():
+            want = ref["params"][name]
+            shard = tp[name][1].get("tp")
+            if shard is not None:
+                want = want.chunk(shard.count, dim=shard.dim)[shard.index]
+            if param_atol is not None:
+                torch.testing.assert_close(p.float(), want.float(), rtol=0, atol=param_atol,
+                                           msg=name)
+            else:
+                assert (p.float() - want.float()).abs().mean() <= param_mean_atol, name
+    assert check_placements(results) == set(ref["params"])  # every parameter held somewhere
+
+
+@pytest.mark.parametrize("ranks,overrides", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_composition_equals_one_process(references, ranks, overrides):
+    results = run_world(run_steps, ranks, config(*overrides), timeout=240)
+    compare(results, references["fp32"], 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("ranks,overrides", [r[1:] for r in BF16_ROWS],
+                         ids=[r[0] for r in BF16_ROWS])
+def test_bf16_composition_tracks_one_process(references, ranks, overrides):
+    zero = any(o.startswith("parallel.zero=") and o != "parallel.zero=0" for o in overrides)
+    ref = references["bf16-zero" if zero else "bf16"]
+    results = run_world(run_steps, ranks, config("train.precision=bf16", *overrides),
+                        timeout=240)
+    compare(results, ref, 1e-3, param_mean_atol=3e-4)
+
+
+def test_the_matrix_is_large_enough():
+    assert len(ROWS) + len(BF16_ROWS) >= 30

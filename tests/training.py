@@ -1,0 +1,82 @@
+"""Shared test helpers: small configurations and one training run on the current world, the
+same function for the single-process reference and for every parallel composition."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from plait.comm import LEDGER
+from plait.config import load_config, validate
+from plait.mesh import build_mesh
+from plait.train.trainer import Trainer
+
+STEPS = 5
+
+
+def tiny_config(*overrides):
+    return load_config(None, [
+        "model.preset='tiny'", f"train.steps={STEPS}", "train.warmup_steps=2",
+        "train.global_batch=8", "train.peak_tflops=1.0", "train.eval_batches=1",
+        "data.seq_len=32", "data.max_bytes=200000", *overrides,
+    ])
+
+
+def unclipped(cfg):
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_clip=0.0))
+
+
+def held_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This rank's parameters by single-device name (ZeRO-3: gathered whole)."""
+    engine = trainer.parallelized.engine
+    if hasattr(engine, "full_state_dict"):
+        return engine.full_state_dict()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def train_here(cfg, steps: int | None = None):
+    """Train on the current world: losses, validation loss, parameters after the run, the ledger
+    of one more step, gradient bytes, and the averaged gradients of step 0 (those a parameter
+    holds as .grad; ZeRO-2/3 hold slices instead)."""
+    dims = validate(cfg, dist.get_world_size())
+    mesh = build_mesh(dims)
+    # Unclipped: clipping rescales any gradient to the same norm and would hide a wrong scale.
+    first = Trainer(unclipped(cfg), dims, mesh, torch.device("cpu"))
+    first.train_step(0)
+    grads = {n: p.grad.clone() for n, p in first.model.named_parameters() if p.grad is not None}
+    trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
+    summary = trainer.fit()
+    params = held_params(trainer)
+    LEDGER.reset()
+    trainer.train_step(cfg.train.steps)  # one more step, to read its communication alone
+    grad_bytes = sum(p.numel() * 4 for p in trainer.model.parameters())
+    ledger = (LEDGER.bytes, dict(LEDGER.calls), len(trainer.parallelized.engine.buckets),
+              dist.get_rank())
+    return summary.losses, summary.val_loss, params, ledger, grad_bytes, grads
+
+
+def run_steps(cfg, steps: int = 4):
+    """The composition matrix's run: `steps` optimizer steps through the trainer's one step path;
+    per rank, what the matrix compares and accounts. The last step's ledger is read alone."""
+    dims = validate(cfg, dist.get_world_size())
+    trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
+    losses = []
+    for step in range(steps):
+        LEDGER.reset()
+        result = trainer.train_step(step)
+        ledger = LEDGER.snapshot()
+        losses.append(trainer._global_mean(result["loss"]))
+    record = trainer.parallelized.record
+    return {
+        "rank": dist.get_rank(),
+        "coords": dims.coords(dist.get_rank()),
+        "losses": losses,
+        "params": held_params(trainer),
+        "placements": {n: (p.shape, dict(p.shards), set(p.replicated))
+                       for n, p in record.params.items()},
+        "ledger": ledger,
+        "state": trainer.parallelized.state_bytes(trainer.optimizer),
+        "activation_bytes": result["activation_bytes"],
+    }
