@@ -276,6 +276,11 @@ def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
                           f"{m} must divide the {rows} sequences per data-parallel rank")
     if dims.pp == 1:
         return
+    if par.pp_schedule == "zb1" and cfg.train.activation_checkpointing != "none":
+        raise ConfigError("train.activation_checkpointing",
+                          "zb1 walks each graph twice (input, then weight gradients), which "
+                          "torch's checkpoint cannot recompute twice; use another pp_schedule "
+                          "or set it to 'none'")
     chunks = dims.pp
     if par.pp_schedule == "interleaved":
         if par.pp_virtual < 1 or m % dims.pp:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from plait.comm import LEDGER
 from plait.config import load_config, validate
 from plait.mesh import build_mesh
+from plait.parallel import cost
 from plait.train.trainer import Trainer
 
 STEPS = 5
@@ -66,10 +67,13 @@ def run_steps(cfg, steps: int = 4):
     for step in range(steps):
         LEDGER.reset()
         result = trainer.train_step(step)
-        ledger = LEDGER.snapshot()
+        ledger = (dict(LEDGER.calls), dict(LEDGER.bytes_by_op))
         losses.append(trainer._global_mean(result["loss"]))
     record = trainer.parallelized.record
+    traffic = cost.step_traffic(cfg, dims, record, cost.chunk_layouts(trainer.model))
     return {
+        "traffic": (dict(traffic.calls), traffic.bytes),
+        "state_formula": cost.state_bytes(cfg, dims, record),
         "rank": dist.get_rank(),
         "coords": dims.coords(dist.get_rank()),
         "losses": losses,

@@ -33,18 +33,21 @@ def recomputing() -> bool:
     return _recomputing > 0
 
 
-@contextlib.contextmanager
-def _recompute_scope():
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
+class _Recomputing:
+    """Entered around each recomputation; reusable (a graph kept for a second backward, as the
+    zero-bubble schedules keep it, recomputes twice)."""
+
+    def __enter__(self):
+        global _recomputing
+        _recomputing += 1
+
+    def __exit__(self, *exc):
+        global _recomputing
         _recomputing -= 1
 
 
 def _contexts():
-    return contextlib.nullcontext(), _recompute_scope()
+    return contextlib.nullcontext(), _Recomputing()
 
 
 def checkpointed_modules(block: nn.Module, mode: str) -> list[nn.Module]:

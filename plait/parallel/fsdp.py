@@ -55,6 +55,23 @@ def unit_modules(chunk: nn.Module) -> list[list[nn.Module]]:
     return units
 
 
+def unit_prefixes(names) -> list[tuple[str, ...]]:
+    """The parameter-name prefixes of each unit, in the order of `unit_modules`, for parameters
+    named as in the single-device model (`names` in execution order)."""
+    out, seen = [], set()
+    for name in names:
+        if name.startswith("tok_embeddings."):
+            key = ("tok_embeddings.",)
+        elif name.startswith("layers."):
+            key = (f"layers.{name.split('.')[1]}.",)
+        else:
+            key = ("norm.", "output.")
+        if key not in seen:
+            seen.add(key)
+            out.append(key)
+    return out
+
+
 class Unit:
     """Modules that run one after another and are gathered and freed together."""
 

@@ -53,6 +53,8 @@ ROWS = [
     ("pp2-tp2-zb1", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=zb1",
                         "parallel.microbatches=4"]),
     ("pp2-tp2-sp", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("pp2-tp2-sp-zb1", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                           "parallel.pp_schedule=zb1"]),
     ("pp4-dp2", 8, ["parallel.pp=4", "parallel.microbatches=4"]),
     ("pp2-dp2-zero1", 4, ["parallel.pp=2", "parallel.zero=1"]),
     ("pp2-dp2-zero2-interleaved", 4, ["parallel.pp=2", "parallel.zero=2",
@@ -76,6 +78,8 @@ ROWS = [
                                   "train.activation_checkpointing=full"]),
     ("3d-zero1-ac-full", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1",
                              "train.activation_checkpointing=full"]),
+    ("3d-sp-ac-full", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "train.activation_checkpointing=full"]),
 ]
 BF16_ROWS = [
     ("dp2-bf16", 2, []),
@@ -124,6 +128,10 @@ def check_placements(results) -> None:
 
 def compare(results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
     for r in results:
+        # Exact accounting: the last step's collectives and the model state after it equal the
+        # formulas of plait.parallel.cost (which `plait train --dry-run` prints).
+        assert r["ledger"] == r["traffic"], f"rank {r['rank']}"
+        assert r["state"] == r["state_formula"], f"rank {r['rank']}"
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=loss_rtol, atol=0)
         tp = r["placements"]

@@ -63,6 +63,8 @@ BAD_INPUT = [
     (["parallel.dp_shard=2"], "parallel.dp_shard"),  # hybrid sharding without ZeRO
     (["train.activation_checkpointing=some"], "train.activation_checkpointing"),
     (["train.device=tpu"], "train.device"),
+    (["parallel.pp=2", "--nproc", "2", "parallel.pp_schedule=zb1",
+      "train.activation_checkpointing=full"], "train.activation_checkpointing"),
     (["parallel.tp=4", "parallel.dp=1", "--nproc", "4"], "parallel.tp"),  # 2 kv heads
     (["parallel.tp=4", "parallel.dp=1", "--nproc", "4", "model.n_heads=8", "model.n_kv_heads=4",
       "model.vocab_size=258"], "parallel.tp"),

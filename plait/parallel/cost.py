@@ -1,0 +1,226 @@
+"""What one training step costs a rank, from formulas: the bytes and calls of every collective it
+issues, and the model-state bytes it holds. The engine's ledger and state accounting are asserted
+equal to these in the composition matrix; `plait train --dry-run` prints them without starting a
+process, and the planner uses the same functions.
+
+Bytes per collective follow the ring convention of `plait.comm.collectives` (all-reduce
+2(n-1)/n D; all-gather and reduce-scatter (n-1)/n D of the full tensor; send D). Inputs are the
+configuration, this rank's placement record (what it holds, with local shapes, in the engines'
+order) and the layout of its pipeline chunks. Per micro-batch of r rows and sequence s, with T =
+tp, an activation is A = r s dim elements:
+
+- tensor parallelism, per block: forward g (all-reduce of the row-parallel outputs) x 2, backward
+  f (all-reduce of the input gradients) x 2; under sequence parallelism all-gathers and
+  reduce-scatters of the same tensors instead, plus an all-reduce of each norm gain's gradient.
+  The embedding adds one forward reduction, the head one backward reduction, the vocabulary-
+  parallel loss three all-reduces of one float per token. Full activation checkpointing repeats
+  the blocks' forward collectives in the backward.
+- pipeline: each chunk boundary sends an activation forward and a gradient back (A / T under
+  sequence parallelism).
+- data parallelism: DDP all-reduces every gradient once; ZeRO-1/2 reduce-scatter the gradients and
+  all-gather the parameters (per flat bucket, padded to a multiple of the sharding group); ZeRO-3
+  all-gathers each unit before every forward and backward (2M per step, or once with
+  reshard_after_forward = false) and reduce-scatters it once; hybrid sharding all-reduces each
+  gradient slice across the replicas.
+- the global gradient norm: one float64 all-reduce per axis whose ranks hold different pieces.
+
+Dtypes: the residual stream and its gradients are bf16 only with bf16 parameters (ZeRO + bf16);
+matmul outputs are bf16 under any bf16 training (autocast).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+from plait.comm import Op, bus_bytes
+from plait.comm.buckets import assign_buckets
+from plait.config import Config, microbatches
+from plait.mesh import ParallelDims
+from plait.parallel.fsdp import unit_prefixes
+from plait.parallel.placement import PlacementRecord
+from plait.parallel.zero import flat_groups
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    index: int
+    layers: int
+    first: bool  # holds the embedding
+    last: bool  # holds the head
+
+
+def chunk_layouts(chunks) -> list[ChunkLayout]:
+    """This stage's chunks (a StageModules) as the formulas need them."""
+    return [ChunkLayout(int(c), len(m.layers), m.first, m.last) for c, m in chunks.items()]
+
+
+@dataclass
+class Traffic:
+    """Per op: calls and bytes this rank moves in one step."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: dict = field(default_factory=dict)
+
+    def add(self, op: Op, n: int, nbytes: int, times: int = 1) -> None:
+        if n <= 1 or times == 0:
+            return  # a collective on a group of one is a no-op, not counted
+        self.calls[op] += times
+        self.bytes[op] = self.bytes.get(op, Fraction(0)) + times * bus_bytes(op, n, nbytes)
+
+    @property
+    def total(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
+
+
+def _meta(record: PlacementRecord, dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:
+    """The held parameters as shapes only, in the engines' order."""
+    return [(n, torch.empty(p.local_shape, dtype=dtype, device="meta"))
+            for n, p in record.params.items()]
+
+
+def _padded(numel: int, k: int) -> int:
+    return -(-numel // k) * k
+
+
+def _flats(cfg: Config, record: PlacementRecord, k: int) -> list[int]:
+    """Element counts of the ZeRO engine's flat parameters (unpadded)."""
+    named = _meta(record)
+    if cfg.parallel.zero == 3:
+        out = []
+        for prefixes in unit_prefixes(record.params):
+            members = [(n, p) for n, p in named if n.startswith(prefixes)]
+            for decay in (True, False):
+                size = sum(p.numel() for _, p in members if (p.dim() >= 2) == decay)
+                if size:
+                    out.append(size)
+        return out
+    return [sum(p.numel() for _, p in members)
+            for members, _ in flat_groups(named, cfg.parallel.bucket_mb)]
+
+
+def C_of(par, dims: ParallelDims) -> int:
+    """Pipeline chunks in all."""
+    return dims.pp * (par.pp_virtual if par.pp_schedule == "interleaved" and dims.pp > 1 else 1)
+
+
+def _split(par, dims: ParallelDims) -> bool:
+    return dims.pp > 1 and par.pp_schedule == "zb1"
+
+
+def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
+                 chunks: list[ChunkLayout]) -> Traffic:
+    par, train = cfg.parallel, cfg.train
+    t = Traffic()
+    M = microbatches(par, dims)
+    rows = train.global_batch // dims.dp // M
+    seq, dim, T = cfg.data.seq_len, cfg.model.args().dim, dims.tp
+    bf16 = train.precision == "bf16"
+    act_b = 2 if bf16 and par.zero else 4  # residual stream, its gradients, the embedding
+    mm_b = 2 if bf16 else 4  # outputs of the row-parallel matmuls
+    A = rows * seq * dim
+    blocks = sum(c.layers for c in chunks)
+    first = any(c.first for c in chunks)
+    last = any(c.last for c in chunks)
+    recompute = train.activation_checkpointing == "full"
+
+    # Tensor (+ sequence) parallelism, per micro-batch. Full checkpointing recomputes a block's
+    # forward up to the last tensor its backward needs (torch stops early): both block-half
+    # inputs and the attention's output reduction, not the feed-forward's output reduction.
+    # A split backward (zero-bubble) walks the graph twice on chunks after the first: the input
+    # pass and the weight pass both run the backward collectives on the way to the norm gains.
+    if T > 1:
+        twice = sum(c.layers for c in chunks if c.index > 0) if _split(par, dims) else 0
+        head_twice = int(last and _split(par, dims) and C_of(par, dims) > 1)
+        if par.sequence_parallel:
+            t.add(Op.ALL_GATHER, T, A * act_b, M * (2 * blocks * (1 + recompute) + first + last))
+            t.add(Op.ALL_GATHER, T, A * mm_b, M * 2 * (blocks + twice))
+            t.add(Op.REDUCE_SCATTER, T, A * mm_b, M * blocks * (2 + recompute))
+            t.add(Op.REDUCE_SCATTER, T, A * act_b,
+                  M * (2 * (blocks + twice) + first + last + head_twice))
+            norms = 2 * blocks + last
+            t.add(Op.ALL_REDUCE, T, dim * act_b, M * norms)
+        else:
+            t.add(Op.ALL_REDUCE, T, A * mm_b, M * blocks * (2 + recompute))
+            t.add(Op.ALL_REDUCE, T, A * act_b,
+                  M * (2 * (blocks + twice) + first + last + head_twice))
+        if last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
+            t.add(Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
+
+    # Pipeline: activations forward, gradients back, per micro-batch and chunk boundary.
+    C = C_of(par, dims)
+    message = A // (T if par.sequence_parallel else 1) * act_b
+    for c in chunks:
+        sends = (c.index < C - 1) + (c.index > 0)
+        t.add(Op.SEND, 2, message, M * sends)  # a send moves D whatever the group
+        t.add(Op.RECV, 2, 0, M * sends)
+
+    # Data parallelism.
+    K, R = dims.shard, dims.dp // dims.shard
+    if par.zero == 0:
+        buckets = assign_buckets(_meta(record), int(par.bucket_mb * 2**20),
+                                 int(min(1.0, par.bucket_mb) * 2**20))
+        for members in buckets:
+            t.add(Op.ALL_REDUCE, dims.dp, 4 * sum(p.numel() for _, p in members))
+    else:
+        param_b = 2 if bf16 else 4
+        reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
+        gathers = 1 if par.zero < 3 else (2 * M if par.reshard_after_forward else 1)
+        for numel in _flats(cfg, record, K):
+            padded = _padded(numel, K)
+            t.add(Op.REDUCE_SCATTER, K, padded * reduce_b)
+            t.add(Op.ALL_GATHER, K, padded * param_b, gathers)
+            t.add(Op.ALL_REDUCE, R, padded // K * reduce_b)
+
+    # The global gradient norm.
+    if train.grad_clip > 0:
+        for n in (dims.pp, dims.tp, K if par.zero else 1):
+            t.add(Op.ALL_REDUCE, n, 8)
+    return t
+
+
+def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:
+    """Model-state bytes this rank holds after a step: parameters, gradients, optimizer state
+    (AdamW: two fp32 moments; under bf16 ZeRO also the fp32 master: 2 + 2 + 12 per parameter),
+    ZeRO's shards padded to a multiple of the sharding group."""
+    par = cfg.parallel
+    bf16 = cfg.train.precision == "bf16" and par.zero > 0
+    held = record.held_numel()
+    if par.zero == 0:
+        return {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
+    K = dims.shard
+    padded = sum(_padded(n, K) for n in _flats(cfg, record, K))
+    param_b = 2 if bf16 else 4
+    reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
+    optimizer = (12 if bf16 else 8) * padded // K
+    params = param_b * (padded // K if par.zero == 3 else padded)
+    grads = param_b * held if par.zero == 1 else reduce_b * padded // K
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def block_activations(args, mode: str) -> Fraction | None:
+    """Activations one block keeps for its backward, in units of A = rows x seq x dim elements
+    (one tensor-parallel rank of size 1): "full" keeps the block input alone; "selective" keeps
+    every matmul's input and output: the block input, the norm output, q, k and v, the attention
+    output, the mid-block residual, the second norm output, and the three (rows, seq, ffn_dim)
+    tensors of the feed-forward (w1 x, w3 x, the gate). "none" also keeps the intermediates of
+    the norms, rotary embedding, attention and gate (not modelled here)."""
+    if mode == "full":
+        return Fraction(1)
+    if mode == "selective":
+        return 6 + Fraction(2 * args.n_kv_heads, args.n_heads) + Fraction(3 * args.ffn_dim,
+                                                                          args.dim)
+    return None
+
+
+def activation_elements(cfg: Config, dims: ParallelDims) -> int:
+    """Elements of one micro-batch activation (rows, seq, dim): the unit of activation memory."""
+    M = microbatches(cfg.parallel, dims)
+    return cfg.train.global_batch // dims.dp // M * cfg.data.seq_len * cfg.model.args().dim
+
+
+__all__ = ["ChunkLayout", "Traffic", "activation_elements", "block_activations", "chunk_layouts", "state_bytes",
+           "step_traffic"]
