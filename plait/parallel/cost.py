@@ -222,5 +222,5 @@ def activation_elements(cfg: Config, dims: ParallelDims) -> int:
     return cfg.train.global_batch // dims.dp // M * cfg.data.seq_len * cfg.model.args().dim
 
 
-__all__ = ["ChunkLayout", "Traffic", "activation_elements", "block_activations", "chunk_layouts", "state_bytes",
-           "step_traffic"]
+__all__ = ["ChunkLayout", "Traffic", "activation_elements", "block_activations", "chunk_layouts",
+           "state_bytes", "step_traffic"]
