@@ -1,4 +1,4 @@
-"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [section.key=value ...]`
+"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--dry-run] [section.key=value ...]`
 `plait bench comm | step | pp --nproc N [--config FILE] [section.key=value ...]`
 
 Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
     train.add_argument("--nproc", type=int, help="local workers (default: the config's degrees)")
     train.add_argument("--metrics", help="write one JSON object per step here (rank 0)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="print what each rank would hold and communicate; start nothing")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(func=cmd_train)
 
@@ -95,7 +97,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         run_training(cfg, args.metrics)
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
-    validate(cfg, nproc)
+    dims = validate(cfg, nproc)
+    if args.dry_run:
+        from plait.train.dry_run import print_dry_run
+
+        print_dry_run(cfg, dims)
+        return
     from plait.train.run import run_training
 
     try:

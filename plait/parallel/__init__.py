@@ -109,15 +109,7 @@ def parallelize(
     is autocast over fp32 parameters. Do not use `model` afterwards: its pieces now live in the
     returned chunks."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
-    record = PlacementRecord({a: ax.rank for a, ax in axes.items()},
-                             {a: ax.size for a, ax in axes.items()})
-    chunks, schedule = apply_pp(model, axes["pp"], cfg, microbatches, record)
-    for chunk in chunks.values():
-        apply_tp(chunk, axes["tp"], cfg.sequence_parallel, record)
-        apply_activation_checkpointing(chunk, activation_checkpointing)
-    for axis in ("cp", "ep"):  # not implemented yet: size 1, every parameter replicated
-        record.replicate_all(axis)
-    record.replicate_all("dp", partial_grad=True)  # other rows of the batch
+    chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing)
     engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16")
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
 
@@ -141,6 +133,24 @@ def parallelize(
         forward_only(schedule.stages, schedule.microbatches, schedule.chunks_per_stage),
         by_index, pp_group, loss_fn, activation, device, compute=compute)
     return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes)
+
+
+def place(model: Transformer, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
+          activation_checkpointing: str = "none"):
+    """The model-parallel part of the straight line, which needs no communication to apply:
+    pipeline chunks, then per chunk tensor (+ sequence) parallelism and activation checkpointing;
+    the data-like axes replicate. Returns (chunks, schedule, placement record). With dry axes
+    (`Axis.dry`) and a `meta` model it runs in one process: `plait train --dry-run`."""
+    record = PlacementRecord({a: ax.rank for a, ax in axes.items()},
+                             {a: ax.size for a, ax in axes.items()})
+    chunks, schedule = apply_pp(model, axes["pp"], cfg, microbatches, record)
+    for chunk in chunks.values():
+        apply_tp(chunk, axes["tp"], cfg.sequence_parallel, record)
+        apply_activation_checkpointing(chunk, activation_checkpointing)
+    for axis in ("cp", "ep"):  # not implemented yet: size 1, every parameter replicated
+        record.replicate_all(axis)
+    record.replicate_all("dp", partial_grad=True)  # other rows of the batch
+    return chunks, schedule, record
 
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
@@ -175,4 +185,5 @@ __all__ = [
     "ZeroDataParallel",
     "apply_tp",
     "parallelize",
+    "place",
 ]

@@ -60,16 +60,22 @@ def chunk_layouts(chunks) -> list[ChunkLayout]:
 
 @dataclass
 class Traffic:
-    """Per op: calls and bytes this rank moves in one step."""
+    """Calls and bytes this rank moves in one step: per op (`calls`, `bytes`, what the ledger
+    counts) and per (group, op) (`groups`: group name -> op -> [calls, bytes])."""
 
     calls: Counter = field(default_factory=Counter)
     bytes: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)
 
-    def add(self, op: Op, n: int, nbytes: int, times: int = 1) -> None:
+    def add(self, group: str, op: Op, n: int, nbytes: int, times: int = 1) -> None:
         if n <= 1 or times == 0:
             return  # a collective on a group of one is a no-op, not counted
+        moved = times * bus_bytes(op, n, nbytes)
         self.calls[op] += times
-        self.bytes[op] = self.bytes.get(op, Fraction(0)) + times * bus_bytes(op, n, nbytes)
+        self.bytes[op] = self.bytes.get(op, Fraction(0)) + moved
+        entry = self.groups.setdefault(group, {}).setdefault(op, [0, Fraction(0)])
+        entry[0] += times
+        entry[1] += moved
 
     @property
     def total(self) -> Fraction:
@@ -136,27 +142,28 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
         twice = sum(c.layers for c in chunks if c.index > 0) if _split(par, dims) else 0
         head_twice = int(last and _split(par, dims) and C_of(par, dims) > 1)
         if par.sequence_parallel:
-            t.add(Op.ALL_GATHER, T, A * act_b, M * (2 * blocks * (1 + recompute) + first + last))
-            t.add(Op.ALL_GATHER, T, A * mm_b, M * 2 * (blocks + twice))
-            t.add(Op.REDUCE_SCATTER, T, A * mm_b, M * blocks * (2 + recompute))
-            t.add(Op.REDUCE_SCATTER, T, A * act_b,
+            t.add("tp", Op.ALL_GATHER, T, A * act_b,
+                  M * (2 * blocks * (1 + recompute) + first + last))
+            t.add("tp", Op.ALL_GATHER, T, A * mm_b, M * 2 * (blocks + twice))
+            t.add("tp", Op.REDUCE_SCATTER, T, A * mm_b, M * blocks * (2 + recompute))
+            t.add("tp", Op.REDUCE_SCATTER, T, A * act_b,
                   M * (2 * (blocks + twice) + first + last + head_twice))
             norms = 2 * blocks + last
-            t.add(Op.ALL_REDUCE, T, dim * act_b, M * norms)
+            t.add("tp", Op.ALL_REDUCE, T, dim * act_b, M * norms)
         else:
-            t.add(Op.ALL_REDUCE, T, A * mm_b, M * blocks * (2 + recompute))
-            t.add(Op.ALL_REDUCE, T, A * act_b,
+            t.add("tp", Op.ALL_REDUCE, T, A * mm_b, M * blocks * (2 + recompute))
+            t.add("tp", Op.ALL_REDUCE, T, A * act_b,
                   M * (2 * (blocks + twice) + first + last + head_twice))
         if last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
-            t.add(Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
+            t.add("tp", Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
 
     # Pipeline: activations forward, gradients back, per micro-batch and chunk boundary.
     C = C_of(par, dims)
     message = A // (T if par.sequence_parallel else 1) * act_b
     for c in chunks:
         sends = (c.index < C - 1) + (c.index > 0)
-        t.add(Op.SEND, 2, message, M * sends)  # a send moves D whatever the group
-        t.add(Op.RECV, 2, 0, M * sends)
+        t.add("pp", Op.SEND, 2, message, M * sends)  # a send moves D whatever the group
+        t.add("pp", Op.RECV, 2, 0, M * sends)
 
     # Data parallelism.
     K, R = dims.shard, dims.dp // dims.shard
@@ -164,21 +171,23 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
         buckets = assign_buckets(_meta(record), int(par.bucket_mb * 2**20),
                                  int(min(1.0, par.bucket_mb) * 2**20))
         for members in buckets:
-            t.add(Op.ALL_REDUCE, dims.dp, 4 * sum(p.numel() for _, p in members))
+            t.add("dp", Op.ALL_REDUCE, dims.dp, 4 * sum(p.numel() for _, p in members))
     else:
         param_b = 2 if bf16 else 4
         reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
         gathers = 1 if par.zero < 3 else (2 * M if par.reshard_after_forward else 1)
+        shard = "dp_shard" if R > 1 else "dp"
         for numel in _flats(cfg, record, K):
             padded = _padded(numel, K)
-            t.add(Op.REDUCE_SCATTER, K, padded * reduce_b)
-            t.add(Op.ALL_GATHER, K, padded * param_b, gathers)
-            t.add(Op.ALL_REDUCE, R, padded // K * reduce_b)
+            t.add(shard, Op.REDUCE_SCATTER, K, padded * reduce_b)
+            t.add(shard, Op.ALL_GATHER, K, padded * param_b, gathers)
+            t.add("dp_replicate", Op.ALL_REDUCE, R, padded // K * reduce_b)
 
     # The global gradient norm.
     if train.grad_clip > 0:
-        for n in (dims.pp, dims.tp, K if par.zero else 1):
-            t.add(Op.ALL_REDUCE, n, 8)
+        for group, n in (("pp", dims.pp), ("tp", dims.tp),
+                         ("dp_shard" if K < dims.dp else "dp", K if par.zero else 1)):
+            t.add(group, Op.ALL_REDUCE, n, 8)
     return t
 
 

@@ -24,6 +24,9 @@ import torch
 from harness import run_world
 from training import run_steps, tiny_config
 
+from plait.config import validate
+from plait.train.dry_run import describe_rank
+
 BASE = ["model.n_layers=4", "train.warmup_steps=2", "train.steps=4"]
 STEPS = 4
 
@@ -126,12 +129,19 @@ def check_placements(results) -> None:
     return names
 
 
-def compare(results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
+def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
+    dims = validate(cfg, len(results))
     for r in results:
         # Exact accounting: the last step's collectives and the model state after it equal the
-        # formulas of plait.parallel.cost (which `plait train --dry-run` prints).
+        # formulas of plait.parallel.cost, and so does what `plait train --dry-run` predicts for
+        # this rank from one process, without a process group.
         assert r["ledger"] == r["traffic"], f"rank {r['rank']}"
         assert r["state"] == r["state_formula"], f"rank {r['rank']}"
+        dry = describe_rank(cfg, dims, r["rank"])
+        assert (dict(dry["traffic"].calls), dry["traffic"].bytes) == r["ledger"]
+        assert dry["state"] == r["state"]
+        assert dry["elements"] == sum(p.numel() for p in r["params"].values()) or \
+            cfg.parallel.zero == 3  # ZeRO-3's held_params are gathered whole
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=loss_rtol, atol=0)
         tp = r["placements"]
@@ -150,8 +160,8 @@ def compare(results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
 
 @pytest.mark.parametrize("ranks,overrides", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_composition_equals_one_process(references, ranks, overrides):
-    results = run_world(run_steps, ranks, config(*overrides), timeout=240)
-    compare(results, references["fp32"], 1e-5, 1e-5)
+    cfg = config(*overrides)
+    compare(cfg, run_world(run_steps, ranks, cfg, timeout=240), references["fp32"], 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize("ranks,overrides", [r[1:] for r in BF16_ROWS],
@@ -159,9 +169,9 @@ def test_composition_equals_one_process(references, ranks, overrides):
 def test_bf16_composition_tracks_one_process(references, ranks, overrides):
     zero = any(o.startswith("parallel.zero=") and o != "parallel.zero=0" for o in overrides)
     ref = references["bf16-zero" if zero else "bf16"]
-    results = run_world(run_steps, ranks, config("train.precision=bf16", *overrides),
-                        timeout=240)
-    compare(results, ref, 1e-3, param_mean_atol=3e-4)
+    cfg = config("train.precision=bf16", *overrides)
+    compare(cfg, run_world(run_steps, ranks, cfg, timeout=240), ref, 1e-3,
+            param_mean_atol=3e-4)
 
 
 def test_the_matrix_is_large_enough():

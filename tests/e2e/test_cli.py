@@ -14,7 +14,7 @@ from plait.launch import ChildFailedError, launch
 TINY = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000", "train.eval_batches=1",
         "train.global_batch=8", "train.steps=4", "train.warmup_steps=1"]
 FIELDS = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "mfu", "comm_bytes",
-          "model_state_bytes"}
+          "model_state_bytes", "activation_bytes"}
 
 
 def plait(*args, timeout=240, **kwargs):
@@ -52,8 +52,8 @@ def test_dp2_tp2_sp_recipe(tmp_path):
     from plait.parallel.tensor_parallel import BLOCK_SPLITS
 
     metrics = tmp_path / "m.jsonl"
-    proc = plait("train", "--config", "dp2_tp2_sp", "--metrics", str(metrics), "train.steps=20",
-                 "train.eval_every=0")
+    proc = plait("train", "--config", "dp2_tp2_sp", "--nproc", "4", "--metrics", str(metrics),
+                 "train.steps=20", "train.eval_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.5
@@ -62,6 +62,55 @@ def test_dp2_tp2_sp_recipe(tmp_path):
     expected = sum(p.numel() * 4 // (2 if n.endswith(split) else 1)
                    for n, p in full.named_parameters())
     assert records[-1]["model_state_bytes"]["params"] == expected
+
+
+def test_default_recipe_on_two_workers_and_a_short_run(tmp_path):
+    """A new user's first commands: the default recipe on another number of workers (dp follows
+    the world size), and a run shorter than the recipe's warm-up (clipped, said once)."""
+    metrics = tmp_path / "m.jsonl"
+    proc = plait("train", "--nproc", "2", "--metrics", str(metrics), "train.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("warm-up clipped to 3 steps") == 1
+    records = read_metrics(metrics)
+    # The warm-up over the 3 steps reaches the recipe's peak LR, 3e-3, at the last one.
+    assert [r["lr"] for r in records] == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert "plait train: 2 rank(s)" in proc.stdout + proc.stderr
+    one = plait("train", "train.steps=3")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "plait train: 1 rank(s)" in one.stdout + one.stderr
+
+
+def test_3d_recipe(tmp_path):
+    """pp 2 x dp 2 x tp 2, ZeRO-1, interleaved, 8 ranks, cut to 4 steps: the loss falls, and the
+    bytes of every step equal what the dry run predicts for rank 0 from one process."""
+    metrics = tmp_path / "m.jsonl"
+    proc = plait("train", "--config", "3d", "--nproc", "8", "--metrics", str(metrics),
+                 "train.steps=4", "train.eval_every=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(metrics)
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    from plait.cli import load_config, recipe_path
+    from plait.config import clip_warmup, validate
+    from plait.train.dry_run import describe_rank
+
+    cfg, _ = clip_warmup(load_config(recipe_path("3d"), ["train.steps=4"]))
+    dims = validate(cfg, 8)
+    assert (dims.pp, dims.dp, dims.tp) == (2, 2, 2)
+    rank0 = describe_rank(cfg, dims, 0)
+    assert all(r["comm_bytes"] == float(rank0["traffic"].total) for r in records)
+    assert records[-1]["model_state_bytes"] == rank0["state"]
+
+
+def test_dry_run_prints_every_rank_and_starts_nothing():
+    proc = plait("train", "--dry-run", "--config", "3d", "--nproc", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.split("collectives of one training step")[0]
+    rows = [line for line in table.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == [str(r) for r in range(8)]
+    assert "reduce_scatter" in proc.stdout and "send" in proc.stdout
+    assert "Traceback" not in proc.stderr
+    bad = plait("train", "--dry-run", "--config", "3d", "--nproc", "6")
+    assert bad.returncode == 2 and bad.stderr.startswith("plait: error: parallel")
 
 
 def test_pipeline_through_the_cli(tmp_path):

@@ -1,0 +1,70 @@
+"""`plait train --dry-run`: what every rank of a configuration would hold and communicate, without
+starting a process.
+
+For each rank coordinate, the straight line of `parallelize` runs on a `meta` model with dry axes
+(`plait.parallel.place`: the same transforms, no communication), and the formulas of
+`plait.parallel.cost`, which the composition matrix asserts equal to real runs, give the
+model-state bytes and the collectives of one training step, per group.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.config import Config, microbatches
+from plait.mesh import AXES, Axis, ParallelDims
+from plait.model import build_model
+from plait.parallel import cost, place
+
+
+def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
+    coords = dims.coords(rank)
+    axes = {a: Axis.dry(a, coords[a], getattr(dims, a)) for a in AXES}
+    model = build_model(cfg.model.args(), cfg.train.seed, device="meta")
+    chunks, _, record = place(model, axes, cfg.parallel, microbatches(cfg.parallel, dims),
+                              cfg.train.activation_checkpointing)
+    return {
+        "rank": rank,
+        "coords": coords,
+        "chunks": sorted(int(c) for c in chunks),
+        "tensors": len(record.params),
+        "elements": record.held_numel(),
+        "state": cost.state_bytes(cfg, dims, record),
+        "traffic": cost.step_traffic(cfg, dims, record, cost.chunk_layouts(chunks)),
+    }
+
+
+def _mib(n) -> str:
+    return f"{float(n) / 2**20:,.3f}"
+
+
+def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
+    ranks = [describe_rank(cfg, dims, r) for r in range(dims.world_size)]
+    shown = [a for a in AXES if getattr(dims, a) > 1] or ["dp"]
+    degrees = " x ".join(f"{a}{getattr(dims, a)}" for a in AXES if getattr(dims, a) > 1)
+    console = Console(width=140)
+    state = Table(title=f"plait train --dry-run: {dims.world_size} rank(s) ({degrees or 'one'}), "
+                        f"zero {cfg.parallel.zero}, {cfg.train.precision}; model state per rank")
+    for col in ("rank", *shown, "chunks", "tensors", "parameters", "params MiB", "grads MiB",
+                "optimizer MiB"):
+        state.add_column(col, justify="right")
+    for r in ranks:
+        s = r["state"]
+        state.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in shown),
+                      ",".join(map(str, r["chunks"])), str(r["tensors"]),
+                      f"{r['elements']:,}", _mib(s["params"]), _mib(s["grads"]),
+                      _mib(s["optimizer"]))
+    console.print(state)
+    comm = Table(title="collectives of one training step, per rank and group "
+                       "(bytes by the ring convention)")
+    for col in ("rank", "group", "collective", "count", "MiB"):
+        comm.add_column(col, justify="left" if col in ("group", "collective") else "right")
+    for r in ranks:
+        for group, ops in sorted(r["traffic"].groups.items()):
+            for op, (count, moved) in ops.items():
+                comm.add_row(str(r["rank"]), group, op.value, str(count), _mib(moved))
+        comm.add_row(str(r["rank"]), "all", "total", "", _mib(r["traffic"].total),
+                     end_section=True)
+    console.print(comm)
+    return ranks
