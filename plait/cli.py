@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     comm.add_argument("--nproc", type=int, default=4)
     comm.add_argument("--min-seconds", type=float, default=0.2, help="time per size and collective")
     comm.set_defaults(func=cmd_bench_comm)
-    step = suites.add_parser("step", help="plait's DDP against torch DDP, 1 to N ranks")
+    step = suites.add_parser("step", help="plait's step against PyTorch's own: DDP, ZeRO, TP, 3-D")
     step.add_argument("--nproc", type=int, default=4)
     step.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
     step.add_argument("--steps", type=int, default=10, help="timed steps per variant")

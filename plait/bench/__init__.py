@@ -12,7 +12,7 @@ from plait.bench.comm import SIZES, bench_comm
 from plait.bench.pp import bench_pp, draw_timelines, measured_bubble, with_schedule
 from plait.bench.step import bench_step, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
-from plait.config import Config, ConfigError, validate
+from plait.config import Config, ConfigError, microbatches, validate
 from plait.launch import launch
 
 
@@ -30,6 +30,8 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
 
 
 def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+    if cfg.parallel.pp > 1:
+        return run_3d_step(nproc, cfg, steps)
     if cfg.parallel.tp > 1:
         return run_tp_step(nproc, cfg, steps)
     cfg = with_free_dp(cfg)
@@ -84,6 +86,33 @@ def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         table.add_column(col, justify="left" if col == "variant" else "right")
     rows = [("plait TP", t["plait"]), ("plait TP + sequence parallel", t["plait_sp"]),
             ("torch DTensor TP (parallelize_module)", t["torch"])]
+    for name, seconds in rows:
+        table.add_row(name, f"{seconds * 1e3:,.1f}", f"{seconds / t['torch']:.3f}")
+    Console(width=120).print(table)
+    return [{"variant": name, "seconds": seconds} for name, seconds in rows]
+
+
+def run_3d_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+    """plait's composition against torch's (pipelining + DTensor TP + fully_shard), N ranks."""
+    from plait.bench.threed import TORCH_SCHEDULES, bench_3d
+
+    cfg = with_free_dp(cfg)
+    dims = validate(cfg, nproc)
+    if cfg.parallel.pp_schedule not in TORCH_SCHEDULES:
+        raise ConfigError("parallel.pp_schedule", f"torch.distributed.pipelining has no peer for "
+                          f"'{cfg.parallel.pp_schedule}'; one of {', '.join(TORCH_SCHEDULES)}")
+    t = launch(nproc, bench_3d, cfg, steps, threads=cfg.train.threads)[0]
+    args, par = cfg.model.args(), cfg.parallel
+    table = Table(title=(
+        f"plait bench step, 3-D: pp {dims.pp} x dp {dims.dp} x tp {dims.tp}, {par.pp_schedule}, "
+        f"{microbatches(par, dims)} micro-batches; model dim {args.dim} x {args.n_layers} layers, "
+        f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; median of {steps} steps"))
+    for col in ("variant", "step (ms)", "vs torch"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    rows = [(f"plait ZeRO-{par.zero}" if par.zero else "plait DDP", t["plait"])]
+    if "plait_zero3" in t:
+        rows.append(("plait ZeRO-3", t["plait_zero3"]))
+    rows.append(("torch pipelining + parallelize_module + fully_shard", t["torch"]))
     for name, seconds in rows:
         table.add_row(name, f"{seconds * 1e3:,.1f}", f"{seconds / t['torch']:.3f}")
     Console(width=120).print(table)

@@ -194,6 +194,17 @@ def test_bench_step_tensor_parallel_against_dtensor():
     assert bad.returncode == 2 and bad.stderr.startswith("plait: error: --nproc")
 
 
+def test_bench_step_3d_against_torchs_composition():
+    proc = plait("bench", "step", "--nproc", "4", "--steps", "1", "parallel.pp=2", "parallel.tp=2",
+                 "parallel.zero=1", "model.n_layers=4", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for variant in ("plait ZeRO-1", "plait ZeRO-3", "torch pipelining + parallelize_module"):
+        assert variant in proc.stdout, variant
+    assert "Warning" not in proc.stderr
+    bad = plait("bench", "step", "--nproc", "4", "parallel.pp=2", "parallel.pp_schedule=zb1", *TINY)
+    assert bad.returncode == 2 and "parallel.pp_schedule" in bad.stderr
+
+
 def test_bench_pp_tables_every_schedule_and_draws_the_timeline(tmp_path):
     png = tmp_path / "timeline.png"
     proc = plait("bench", "pp", "--nproc", "2", "--steps", "1", "--png", str(png),
