@@ -1,5 +1,6 @@
-"""Gradient buckets: parameters grouped into flat buffers of about `cap_bytes` each, so that many
-small gradients travel in a few large messages (latency is paid per message).
+"""Gradient buckets: which parameters share a flat buffer (`plait.parallel.flat.FlatParam`) of
+about `cap_bytes`, so that many small gradients travel in a few large messages (latency is paid
+per message).
 
 Parameters go in reverse registration order, roughly the order backward produces their gradients,
 so the first bucket fills first and its all-reduce can start while backward goes on (Li et al.
@@ -10,31 +11,7 @@ fit in one bucket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
 from torch import nn
-
-
-@dataclass
-class Bucket:
-    index: int
-    names: list[str]
-    params: list[nn.Parameter]
-    offsets: list[int]  # where each parameter's gradient starts in `buffer`
-    buffer: torch.Tensor  # (sum of numels,) in the gradients' dtype
-    ready: set[int] = field(default_factory=set)  # positions whose gradient has arrived
-    views: list[torch.Tensor] = field(init=False)  # each parameter's slice, shaped like it
-
-    def __post_init__(self):
-        self.views = [
-            self.buffer[start : start + p.numel()].view_as(p)
-            for p, start in zip(self.params, self.offsets, strict=True)
-        ]
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
 
 
 def assign_buckets(
@@ -55,18 +32,3 @@ def assign_buckets(
             buckets.append([(name, p)])
             size = nbytes
     return buckets
-
-
-def build_buckets(
-    model: nn.Module, cap_bytes: int, first_cap_bytes: int | None = None
-) -> list[Bucket]:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    out = []
-    for index, members in enumerate(assign_buckets(named, cap_bytes, first_cap_bytes)):
-        offsets, total = [], 0
-        for _, p in members:
-            offsets.append(total)
-            total += p.numel()
-        buffer = torch.zeros(total, dtype=members[0][1].dtype, device=members[0][1].device)
-        out.append(Bucket(index, [n for n, _ in members], [p for _, p in members], offsets, buffer))
-    return out

@@ -11,12 +11,13 @@ Two engines that keep whole replicas, tested against each other:
 
 - `NaiveDataParallel`: after the step's last backward, one all-reduce of all gradients flattened
   together. Nothing overlaps; it is the simple reference.
-- `DataParallel`: gradients are copied into buckets as backward produces them
-  (post-accumulate-grad hooks), and the parameter lets go of its own copy, so gradients are held
-  once; a full bucket's all-reduce starts at once, asynchronously, while backward goes on, and
-  `finish_gradients` waits for the ones still in flight and hands each parameter its slice of the
-  bucket as `.grad`. Under `no_sync()` (the micro-batches of gradient accumulation before the
-  last) gradients accumulate in `.grad` as usual and nothing is communicated.
+- `DataParallel`: gradients are copied into buckets (flat parameters, `flat.py`) as backward
+  produces them (post-accumulate-grad hooks), and the parameter lets go of its own copy, so
+  gradients are held once; a full bucket's all-reduce starts at once, asynchronously, while
+  backward goes on, and `finish_gradients` waits for the ones still in flight and hands each
+  parameter its slice of the bucket as `.grad`. Under `no_sync()` (the micro-batches of gradient
+  accumulation before the last) gradients accumulate in `.grad` as usual and nothing is
+  communicated.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from torch.distributed import ProcessGroup
 
 from plait.comm import Pending, all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
-from plait.comm.buckets import Bucket, build_buckets
+from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compressor, NoCompression
+from plait.parallel.flat import FlatParam
 from plait.parallel.state import model_state_bytes
 
 
@@ -148,31 +150,36 @@ class DataParallel(SyncedReplicas):
         self.compressor = compressor or NoCompression()
         self.size = dist.get_world_size(group)
         _broadcast_replicas(module, group)
-        self.buckets: list[Bucket] = build_buckets(
-            module, int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
-        )
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        caps = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
+        self.buckets: list[FlatParam] = []
+        for index, members in enumerate(assign_buckets(named, *caps)):
+            bucket = FlatParam(members, None, 1, 0, index=index)
+            bucket.grad = torch.zeros_like(bucket.full)  # kept: .grad of each is a view of it
+            bucket.grad_views = bucket.views(bucket.grad)
+            self.buckets.append(bucket)
         self._next = 0  # buckets are launched in index order, the same on every rank
-        self._in_flight: list[tuple[Bucket, torch.Tensor, Pending]] = []
+        self._in_flight: list[tuple[FlatParam, torch.Tensor, Pending]] = []
         if self.size > 1:
             for bucket in self.buckets:
                 for position, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(self._hook(bucket, position))
 
-    def _hook(self, bucket: Bucket, position: int):
+    def _hook(self, bucket: FlatParam, position: int):
         def on_gradient(p: nn.Parameter) -> None:
             if not self._sync:
                 return
             # Average on the way in (g / n, summed by the all-reduce), during backward, rather
             # than dividing the whole bucket after the wait, on the critical path.
-            torch.div(p.grad, self.size, out=bucket.views[position])
+            torch.div(p.grad, self.size, out=bucket.grad_views[position])
             p.grad = None  # the bucket holds it now; backward can reuse the memory
             bucket.ready.add(position)
             self._next = launch_ready(self.buckets, self._next, self._launch)
 
         return on_gradient
 
-    def _launch(self, bucket: Bucket) -> None:
-        payload = self.compressor.compress(bucket.index, bucket.buffer)
+    def _launch(self, bucket: FlatParam) -> None:
+        payload = self.compressor.compress(bucket.index, bucket.grad)
         pending = all_reduce_by(self.algorithm, payload, self.group)
         self._in_flight.append((bucket, payload, pending))
 
@@ -191,8 +198,8 @@ class DataParallel(SyncedReplicas):
                                "call finish_gradients after a backward run outside no_sync()")
         for bucket, payload, pending in self._in_flight:
             pending.wait()
-            self.compressor.decompress(bucket.index, payload, bucket.buffer)
-            for p, view in zip(bucket.params, bucket.views, strict=True):
+            self.compressor.decompress(bucket.index, payload, bucket.grad)
+            for p, view in zip(bucket.params, bucket.grad_views, strict=True):
                 p.grad = view  # the optimizer reads the bucket in place
             bucket.ready.clear()
         self._in_flight.clear()

@@ -1,10 +1,12 @@
-"""The flat parameter: the one storage type of the sharded data-parallel engines (ZeRO-1/2/3).
+"""The flat parameter: the one storage type of every data-parallel engine (DDP, ZeRO-1/2/3).
 
 Some parameters (all decay, or all no-decay, so that a slice belongs to one optimizer group) are
 laid out back to back in one flat buffer, padded to a multiple of the sharding group's size N;
 piece r of the buffer is rank r's slice. The parameters become views of the full buffer (`full`),
 and the optimizer steps this rank's slice (or its master copy, `Slice`).
 
+- DDP is the case N = 1: each gradient bucket is a flat parameter whose `grad` buffer persists
+  (the parameters' `.grad` are views of it) and is all-reduced whole.
 - ZeRO-1/2 keep `full` for the whole run; the slice is a view of it, and the updated slices are
   all-gathered back into it after the optimizer step.
 - ZeRO-3 keeps only the slice (its own storage); `full` is gathered before use and its storage
@@ -27,14 +29,16 @@ class FlatParam:
     def __init__(
         self,
         members: list[tuple[str, nn.Parameter]],
-        decay: bool,
+        decay: bool | None,  # None: decay and no-decay parameters mixed (DDP's buckets)
         size: int,
         rank: int,
         param_dtype: torch.dtype | None = None,
         master_device: torch.device | None = None,
         shard_owns_storage: bool = False,
         shard_device: torch.device | None = None,
+        index: int = 0,
     ):
+        self.index = index  # position among the engine's flat parameters
         self.names = [n for n, _ in members]
         self.params = [p for _, p in members]
         self.decay, self.rank = decay, rank

@@ -1,8 +1,9 @@
 import torch
 from torch import nn
 
-from plait.comm.buckets import assign_buckets, build_buckets
+from plait.comm.buckets import assign_buckets
 from plait.model import PRESETS, build_model
+from plait.parallel.flat import FlatParam
 
 
 def _params(*numels, dtype=torch.float32):
@@ -23,16 +24,28 @@ def test_oversized_parameter_gets_its_own_bucket_and_dtypes_do_not_mix():
     assert [[n for n, _ in b] for b in buckets] == [["p3"], ["p2"], ["p1"], ["p0"]]
 
 
-def test_buckets_partition_the_model_and_views_alias_the_buffer():
+def test_buckets_partition_the_model_and_parameters_live_in_their_flat_buffer():
     model = build_model(PRESETS["tiny"], seed=0)
-    buckets = build_buckets(model, cap_bytes=64 * 1024)
-    names = [n for b in buckets for n in b.names]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups = assign_buckets(list(model.named_parameters()), cap_bytes=64 * 1024)
+    names = [n for b in groups for n, _ in b]
     assert names == [n for n, _ in reversed(list(model.named_parameters()))]
-    for b in buckets:
-        assert b.nbytes <= 64 * 1024 or len(b.params) == 1
-        for i, p in enumerate(b.params):
-            v = b.views[i]
-            assert v.shape == p.shape and v.data_ptr() == b.buffer[b.offsets[i]:].data_ptr()
+    for members in groups:
+        flat = FlatParam(members, None, 1, 0)
+        assert flat.full_bytes <= 64 * 1024 or len(flat.params) == 1
+        for i, p in enumerate(flat.params):
+            assert p.data_ptr() == flat.full[flat.offsets[i]:].data_ptr()
+            assert torch.equal(p, before[flat.names[i]])  # moved in, values kept
     # Each closed bucket was full: the next parameter would not have fitted.
-    for b, nxt in zip(buckets, buckets[1:], strict=False):
-        assert b.nbytes + nxt.params[0].numel() * 4 > 64 * 1024
+    for b, nxt in zip(groups, groups[1:], strict=False):
+        assert sum(p.numel() * 4 for _, p in b) + nxt[0][1].numel() * 4 > 64 * 1024
+
+
+def test_flat_shards_pad_to_a_multiple_of_the_group_and_pieces_cover_each_parameter():
+    named = _params(5, 3)
+    flat = FlatParam(named, True, 4, 1)  # 8 elements, 4 ranks: slices of 2, rank 1 holds [2, 4)
+    assert flat.shard_numel == 2 and flat.full.numel() == 8
+    flat.grad_shard = torch.tensor([1.0, 2.0])
+    assert [(n, t.tolist()) for n, t in flat.grad_pieces()] == [("p0", [1.0, 2.0])]
+    flat.rank = 2  # [4, 6): the last element of p0 and the first of p1
+    assert [(n, t.tolist()) for n, t in flat.grad_pieces()] == [("p0", [1.0]), ("p1", [2.0])]
