@@ -110,6 +110,11 @@ def parallelize(
     returned chunks."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
     chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing)
+    # Gradients that are partial sums must be summed: over dp by the data-parallel engine, over
+    # tp (the norm gains under sequence parallelism) by tensor parallelism's hooks.
+    unsynced = record.grad_sync_axes() - {"dp", "tp"}
+    if unsynced:
+        raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
     engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16")
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
 

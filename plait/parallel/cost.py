@@ -108,7 +108,7 @@ def _flats(cfg: Config, record: PlacementRecord, k: int) -> list[int]:
             for members, _ in flat_groups(named, cfg.parallel.bucket_mb)]
 
 
-def C_of(par, dims: ParallelDims) -> int:
+def chunk_count(par, dims: ParallelDims) -> int:
     """Pipeline chunks in all."""
     return dims.pp * (par.pp_virtual if par.pp_schedule == "interleaved" and dims.pp > 1 else 1)
 
@@ -140,7 +140,7 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     # pass and the weight pass both run the backward collectives on the way to the norm gains.
     if T > 1:
         twice = sum(c.layers for c in chunks if c.index > 0) if _split(par, dims) else 0
-        head_twice = int(last and _split(par, dims) and C_of(par, dims) > 1)
+        head_twice = int(last and _split(par, dims) and chunk_count(par, dims) > 1)
         if par.sequence_parallel:
             t.add("tp", Op.ALL_GATHER, T, A * act_b,
                   M * (2 * blocks * (1 + recompute) + first + last))
@@ -158,7 +158,7 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
             t.add("tp", Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
 
     # Pipeline: activations forward, gradients back, per micro-batch and chunk boundary.
-    C = C_of(par, dims)
+    C = chunk_count(par, dims)
     message = A // (T if par.sequence_parallel else 1) * act_b
     for c in chunks:
         sends = (c.index < C - 1) + (c.index > 0)

@@ -37,13 +37,13 @@ def expected_traffic(algorithm, n, rank, grad_bytes, buckets):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("micro_batch", [1, 2], ids=["no-accumulation", "accumulation"])
+@pytest.mark.parametrize("microbatches", [1, 2], ids=["no-accumulation", "accumulation"])
 @pytest.mark.parametrize("algorithm", ["backend", "ring", "naive"])
-def test_dp_matches_single_process(reference, n, micro_batch, algorithm):
+def test_dp_matches_single_process(reference, n, microbatches, algorithm):
     # 64 KiB buckets: the tiny model's ~490 KiB of gradients travel in several of them.
-    cfg = tiny_config(f"parallel.microbatches={micro_batch}", f"parallel.allreduce='{algorithm}'",
+    cfg = tiny_config(f"parallel.microbatches={microbatches}", f"parallel.allreduce='{algorithm}'",
                       "parallel.bucket_mb=0.0625")
-    ref_losses, ref_val, ref_params, _, grad_bytes, ref_grads = reference[micro_batch]
+    ref_losses, ref_val, ref_params, _, grad_bytes, ref_grads = reference[microbatches]
     results = run_world(train_here, n, cfg)
     for losses, val, params, (moved, calls, buckets, rank), _, grads in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),

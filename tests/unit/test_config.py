@@ -20,6 +20,12 @@ def test_overrides_are_typed_and_layered(tmp_path):
     assert (args.dim, args.n_layers, args.n_heads) == (96, 2, 6)  # preset, then file, then CLI
 
 
+def test_a_replaced_key_names_its_replacement():
+    with pytest.raises(ConfigError, match="parallel.microbatches") as e:
+        load_config(None, ["train.micro_batch=2"])
+    assert e.value.field == "train.micro_batch"
+
+
 def test_dp_takes_what_the_world_leaves():
     assert validate(load_config(None, []), 4).dp == 4
     assert validate(load_config(None, ["parallel.dp=2"]), 2).dp == 2
