@@ -88,6 +88,7 @@ class TrainConfig:
     threads: int = 1  # intra-op threads per worker: oversubscribed cores are ruinous
     activation_checkpointing: str = "none"  # "none" | "full" | "selective"
     device: str = "auto"  # "auto" (cuda if there is one) | "cpu" | "cuda"
+    nan_policy: str = "stop"  # a non-finite gradient norm: "stop" the run, or "skip" the update
     peak_tflops: float = 0.0  # per device, for MFU; 0 = known GPU table, or measured on CPU
 
 
@@ -363,6 +364,8 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
                           f"'none', 'full' or 'selective', got '{train.activation_checkpointing}'")
     if train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
+    if train.nan_policy not in ("stop", "skip"):
+        raise ConfigError("train.nan_policy", f"'stop' or 'skip', got '{train.nan_policy}'")
     if train.global_batch < 1 or train.global_batch % dims.dp:
         raise ConfigError(
             "train.global_batch",

@@ -22,7 +22,8 @@ tp, an activation is A = r s dim elements:
   all-gathers each unit before every forward and backward (2M per step, or once with
   reshard_after_forward = false) and reduce-scatters it once; hybrid sharding all-reduces each
   gradient slice across the replicas.
-- the global gradient norm: one float64 all-reduce per axis whose ranks hold different pieces.
+- the global gradient norm, every step: one float64 all-reduce per axis whose ranks hold
+  different pieces.
 
 Dtypes: the residual stream and its gradients are bf16 only with bf16 parameters (ZeRO + bf16);
 matmul outputs are bf16 under any bf16 training (autocast).
@@ -183,11 +184,10 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
             t.add(shard, Op.ALL_GATHER, K, padded * param_b, gathers)
             t.add("dp_replicate", Op.ALL_REDUCE, R, padded // K * reduce_b)
 
-    # The global gradient norm.
-    if train.grad_clip > 0:
-        for group, n in (("pp", dims.pp), ("tp", dims.tp),
-                         ("dp_shard" if K < dims.dp else "dp", K if par.zero else 1)):
-            t.add(group, Op.ALL_REDUCE, n, 8)
+    # The global gradient norm (every step: clipping, and the non-finite check).
+    for group, n in (("pp", dims.pp), ("tp", dims.tp),
+                     ("dp_shard" if K < dims.dp else "dp", K if par.zero else 1)):
+        t.add(group, Op.ALL_REDUCE, n, 8)
     return t
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -57,8 +58,11 @@ class MetricsWriter:
             self._file = open(path, "w")  # noqa: SIM115 - held for the run
 
     def write(self, record: dict) -> None:
+        """Strict JSON: a non-finite number (a skipped step's loss) is written as null."""
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                     for k, v in record.items()}
+            self._file.write(json.dumps(clean, allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:

@@ -72,6 +72,8 @@ def print_summary(summary, world_size: int) -> None:
         ("grads per rank", _bytes(state["grads"])),
         ("optimizer state per rank", _bytes(state["optimizer"])),
     ]
+    if summary.skipped_steps:
+        rows.append(("steps skipped (non-finite gradient)", str(summary.skipped_steps)))
     for row in rows:
         table.add_row(*row)
     Console(stderr=True).print(table)

@@ -8,6 +8,7 @@ The trainer owns no process group: it is handed the mesh, so tests can drive it 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from plait.train.progress import Progress
 
 
+class NonFiniteGradient(RuntimeError):
+    """The global gradient norm of a step is NaN or infinite (train.nan_policy = "stop")."""
+
+
 @dataclass
 class Summary:
     losses: list[float] = field(default_factory=list)
@@ -35,6 +40,7 @@ class Summary:
     mfu: float = 0.0
     comm_bytes_per_step: float = 0.0
     model_state_bytes: dict[str, int] = field(default_factory=dict)
+    skipped_steps: int = 0
 
 
 class Trainer:
@@ -83,12 +89,26 @@ class Trainer:
         with self.activations:  # peak bytes saved for backward during the step
             loss_sum = self.parallelized.pipeline.run(self._microbatches(inputs, targets))
         self.parallelized.finish_gradients()
+        # The global norm, every step: for clipping, and because a NaN or infinite loss or
+        # gradient anywhere shows in it, the same on every rank (it is reduced over the axes
+        # whose ranks hold different gradients; replicas hold equal ones).
+        norm_sq = self.parallelized.grad_norm_sq()
+        result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,
+                  "skipped": False}
+        if not math.isfinite(norm_sq.item()):
+            if self.train_cfg.nan_policy == "stop":
+                raise NonFiniteGradient(
+                    f"step {step}: the gradient norm is {norm_sq.sqrt().item()}, not finite; "
+                    f"likely causes: a learning rate too high for this model (train.lr = "
+                    f"{self.train_cfg.lr}, {lr:.3g} at this step), or bad data (data.source); "
+                    "train.nan_policy = 'skip' drops such steps' updates instead")
+            result["skipped"] = True  # no update: every rank decides alike
+            return result
         if self.train_cfg.grad_clip > 0:
-            norm_sq = self.parallelized.grad_norm_sq()
             clip_grad_norm_(self._optimized(), self.train_cfg.grad_clip, norm_sq)
         self.optimizer.step()
         self.parallelized.finish_step()
-        return {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak}
+        return result
 
     def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
         rows = len(inputs) // self.microbatches
@@ -134,6 +154,7 @@ class Trainer:
             ledger = LEDGER.snapshot()
             loss = self._global_mean(result["loss"])
             summary.losses.append(loss)
+            summary.skipped_steps += result["skipped"]
             times.append(elapsed)
             comm.append(ledger["bytes"])
             record = {
@@ -149,6 +170,8 @@ class Trainer:
                 "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
                 "activation_bytes": result["activation_bytes"],
             }
+            if cfg.nan_policy == "skip":
+                record["skipped_steps"] = summary.skipped_steps
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
                 record["val_loss"] = self.evaluate()
             if step + 1 == cfg.steps:

@@ -35,7 +35,7 @@ def train_zero(cfg):
         params = engine.full_state_dict()
     else:
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train_cfg = unclipped(cfg).train  # no norm all-reduce in the step we account
+    trainer.train_cfg = unclipped(cfg).train  # the accounted step rescales nothing
     LEDGER.reset()
     trainer.train_step(STEPS)
     ledger = (LEDGER.bytes, dict(LEDGER.calls))
@@ -85,14 +85,19 @@ def test_zero_matches_single_process_and_the_formulas(reference, stage, n):
         assert state["grads"] == (4 * sum(sizes) if stage == 1 else 4 * padded // n)
         assert state["optimizer"] == 8 * padded // n
         moved, calls = ledger
+        # Every step also all-reduces one float64 over the ZeRO group: the gradient norm's
+        # pieces (for clipping and the non-finite check).
+        norm = 2 * (n - 1) / n * 8
         if n == 1:  # collectives on a group of one are no-ops: nothing moves, nothing is counted
             assert (moved, calls) == (0, {})
         elif stage < 3:  # a reduce-scatter and an all-gather of Psi: the bytes of one all-reduce
-            assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: len(sizes)}
-            assert moved == 2 * (n - 1) * 4 * padded / n
+            assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: len(sizes),
+                             Op.ALL_REDUCE: 1}
+            assert moved == 2 * (n - 1) * 4 * padded / n + norm
         else:  # all-gathers in forward and in backward, one reduce-scatter: 1.5 times that
-            assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: 2 * len(sizes)}
-            assert moved == 3 * (n - 1) * 4 * padded / n
+            assert calls == {Op.REDUCE_SCATTER: len(sizes), Op.ALL_GATHER: 2 * len(sizes),
+                             Op.ALL_REDUCE: 1}
+            assert moved == 3 * (n - 1) * 4 * padded / n + norm
             # Gathered at once, beyond the slices: the running unit and the prefetched one.
             assert 1 < state["peak_gathered_over_unit"] <= 2 or n == 1
 
@@ -137,8 +142,8 @@ def test_bf16_tracks_fp32_and_holds_the_papers_bytes(stage):
         assert state["params"] == (2 * padded // n if stage == 3 else 2 * padded)
         assert state["grads"] == (2 * sum(sizes) if stage == 1 else 2 * padded // n)
         assert state["optimizer"] == 12 * padded // n
-        # Everything on the wire is bf16: half the fp32 bytes.
-        assert moved == (3 if stage == 3 else 2) * (n - 1) * 2 * padded / n
+        # Everything on the wire is bf16: half the fp32 bytes (and the norm's float64).
+        assert moved == (3 if stage == 3 else 2) * (n - 1) * 2 * padded / n + (n - 1) / n * 16
 
 
 @pytest.mark.parametrize("stage,offload", [(2, "optimizer"), (3, "optimizer"), (3, "params")])

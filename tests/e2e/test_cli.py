@@ -126,6 +126,32 @@ def test_pipeline_through_the_cli(tmp_path):
     assert records[0]["comm_calls"].keys() >= {"send", "recv", "all_reduce"}
 
 
+def _strict(line: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_a_non_finite_gradient_stops_the_run_at_that_step(tmp_path):
+    """train.lr = 1e3: the gradient norm turns NaN at some step. The default policy stops there,
+    naming the step and the likely cause, with metrics up to the step before, all strict JSON;
+    'skip' goes on, dropping exactly the updates from that step on that are non-finite."""
+    args = [*TINY[:5], "train.steps=8", "train.warmup_steps=1", "train.lr=1e3"]
+    stop_metrics, skip_metrics = tmp_path / "stop.jsonl", tmp_path / "skip.jsonl"
+    skip = plait("train", "--metrics", str(skip_metrics), *args, "train.nan_policy=skip")
+    assert skip.returncode == 0, skip.stderr[-3000:]
+    skipped = [_strict(line)["skipped_steps"] for line in skip_metrics.read_text().splitlines()]
+    first = skipped.index(1)  # the first step whose update was dropped
+    assert skipped[-1] >= 1 and "steps skipped" in skip.stderr
+    stop = plait("train", "--metrics", str(stop_metrics), *args)
+    assert stop.returncode == 1
+    assert f"step {first}: the gradient norm is nan" in stop.stderr
+    assert "learning rate" in stop.stderr
+    lines = stop_metrics.read_text().splitlines()
+    assert [_strict(line)["step"] for line in lines] == list(range(first))
+
+
 def test_torchrun_runs_plait_as_its_workers(tmp_path):
     metrics = tmp_path / "m.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
