@@ -74,6 +74,31 @@ def default_world(cfg: Config) -> int:
     return math.prod(getattr(cfg.parallel, a) or 1 for a in AXES)
 
 
+def check_metrics_path(path: str) -> None:
+    """The metrics file can be created (or overwritten) and written."""
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError("--metrics", f"{target} is a directory; name a file in it")
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError("--metrics", f"{ancestor} is a file, so {target} cannot be created; "
+                          "choose another path")
+    writable = os.access(target, os.W_OK) if target.exists() else os.access(ancestor, os.W_OK)
+    if not writable:
+        raise ConfigError("--metrics", f"{target} is not writable here; choose another path")
+
+
+def check_inputs(cfg: Config, metrics: str | None) -> None:
+    """What validate cannot see from the configuration alone: the data and the metrics path."""
+    from plait.train.data import check_source
+
+    check_source(cfg.data, cfg.model.args().vocab_size)
+    if metrics is not None:
+        check_metrics_path(metrics)
+
+
 def load(args: argparse.Namespace, say: bool = True) -> Config:
     """The configuration of a command: recipe, overrides, warm-up clipped to a short run (said
     once, on stderr)."""
@@ -92,12 +117,14 @@ def cmd_train(args: argparse.Namespace) -> None:
         if args.nproc is not None:
             raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
         validate(cfg, int(os.environ["WORLD_SIZE"]))
+        check_inputs(cfg, args.metrics if os.environ.get("RANK", "0") == "0" else None)
         from plait.train.run import run_training
 
         run_training(cfg, args.metrics)
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
     dims = validate(cfg, nproc)
+    check_inputs(cfg, None if args.dry_run else args.metrics)
     if args.dry_run:
         from plait.train.dry_run import print_dry_run
 
@@ -154,5 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.func(args)
     except ConfigError as e:
-        print(f"plait: error: {e}", file=sys.stderr)
+        from plait.launch import in_torchrun
+
+        # Under torchrun every worker finds the same fault: one of them says so.
+        if not in_torchrun() or os.environ.get("RANK", "0") == "0":
+            print(f"plait: error: {e}", file=sys.stderr)
         sys.exit(2)

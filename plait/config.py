@@ -159,9 +159,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if not path.is_file():
             raise ConfigError("--config", f"no file {path}; pass an existing TOML file")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", f"{path} is not valid TOML ({e})") from None
+        except UnicodeDecodeError:
+            raise ConfigError("--config", f"{path} is not UTF-8 text; pass a TOML file") from None
     for name, value in raw.items():
         if name not in SECTIONS or not isinstance(value, dict):
             raise ConfigError(name, f"unknown section; sections are {', '.join(SECTIONS)}")
@@ -212,6 +214,8 @@ def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
         return value
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if want is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         raise ConfigError(key, f"expected {want.__name__}, got {value!r}")
     return value
@@ -331,6 +335,11 @@ def _check_model(args: ModelArgs) -> ModelArgs:
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
         if getattr(args, name) < 1:
             raise ConfigError(f"model.{name}", f"must be >= 1, got {getattr(args, name)}")
+    if args.multiple_of < 1:
+        raise ConfigError("model.multiple_of", f"must be >= 1, got {args.multiple_of}")
+    for name in ("norm_eps", "rope_theta", "ffn_multiplier"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"model.{name}", f"must be > 0, got {getattr(args, name)}")
     if args.dim % args.n_heads:
         raise ConfigError(
             "model.dim", f"dim={args.dim} must be divisible by n_heads={args.n_heads}"
@@ -353,6 +362,22 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError("train.device", "no CUDA device here; use 'auto' or 'cpu'")
     if train.lr <= 0:
         raise ConfigError("train.lr", f"must be > 0, got {train.lr}")
+    for name, low, high in (("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0)):
+        value = getattr(train, name)
+        if not low <= value < high:
+            raise ConfigError(f"train.{name}", f"must be in [{low:g}, {high:g}), got {value}")
+    if not 0 <= train.min_lr_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio", f"must be in [0, 1], got {train.min_lr_ratio}")
+    for name in ("weight_decay", "grad_clip", "peak_tflops"):
+        if getattr(train, name) < 0:
+            raise ConfigError(f"train.{name}", f"must be >= 0, got {getattr(train, name)}")
+    if train.base_batch < 1:
+        raise ConfigError("train.base_batch", f"must be >= 1, got {train.base_batch}")
+    if train.eval_every < 0:
+        raise ConfigError("train.eval_every", f"must be >= 0 (0: after the last step only), "
+                          f"got {train.eval_every}")
+    if train.eval_batches < 1:
+        raise ConfigError("train.eval_batches", f"must be >= 1, got {train.eval_batches}")
     if train.precision not in ("fp32", "bf16"):
         raise ConfigError("train.precision", f"'fp32' or 'bf16', got '{train.precision}'")
     if train.lr_scaling not in ("none", "linear"):
@@ -381,6 +406,8 @@ def _check_data(data: DataConfig, args: ModelArgs) -> None:
         )
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", f"must be in (0, 1), got {data.val_fraction}")
+    if data.max_bytes < 1:
+        raise ConfigError("data.max_bytes", f"must be >= 1, got {data.max_bytes}")
     if data.source != "stdlib" and not Path(data.source).exists():
         raise ConfigError("data.source", f"no such file or folder '{data.source}'; or use 'stdlib'")
     if data.source.endswith(".bin") and args.vocab_size > 65536:

@@ -58,6 +58,36 @@ def read_corpus(source: str, max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
+def check_source(cfg: DataConfig, vocab_size: int) -> int:
+    """Before any worker starts: the source reads, holds whole uint16 token ids below the
+    vocabulary (.bin), and enough tokens for one window of seq_len + 1 in each split. Returns the
+    number of tokens; raises ConfigError naming data.source (or the model key to change)."""
+    path = Path(cfg.source)
+    try:
+        if cfg.source.endswith(".bin"):
+            size = path.stat().st_size
+            if size % 2:
+                raise ConfigError("data.source", f"{path} has {size} bytes, an odd number; a "
+                                  "uint16 .bin holds 2 bytes per token id (cut, or not ids?)")
+            tokens = np.fromfile(path, dtype=np.uint16, count=cfg.max_bytes // 2)
+            if len(tokens) and int(tokens.max()) >= vocab_size:
+                at = int(np.argmax(tokens >= vocab_size))
+                raise ConfigError("model.vocab_size", f"token id {int(tokens[at])} at position "
+                                  f"{at} of {path} is >= vocab_size={vocab_size}; raise "
+                                  "model.vocab_size or fix the data")
+        else:
+            tokens = read_corpus(cfg.source, cfg.max_bytes)
+    except OSError as e:
+        raise ConfigError("data.source", f"cannot read {path}: {e.strerror or e}") from None
+    n = len(tokens)
+    n_val, need = int(n * cfg.val_fraction), cfg.seq_len + 2
+    if n_val < need or n - n_val < need:
+        raise ConfigError("data.source", f"{n} tokens is too little: the training and validation "
+                          f"({cfg.val_fraction:g}) splits each need seq_len + 2 = {need}; use more "
+                          "text (or data.max_bytes) or a shorter data.seq_len")
+    return n
+
+
 class TokenData:
     """Train and validation streams with the batch sampler."""
 

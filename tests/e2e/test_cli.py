@@ -145,7 +145,7 @@ def test_a_non_finite_gradient_stops_the_run_at_that_step(tmp_path):
     first = skipped.index(1)  # the first step whose update was dropped
     assert skipped[-1] >= 1 and "steps skipped" in skip.stderr
     stop = plait("train", "--metrics", str(stop_metrics), *args)
-    assert stop.returncode == 1
+    assert stop.returncode == 1 and "Traceback" in stop.stderr  # the job ends, with its cause
     assert f"step {first}: the gradient norm is nan" in stop.stderr
     assert "learning rate" in stop.stderr
     lines = stop_metrics.read_text().splitlines()
@@ -166,6 +166,17 @@ def test_torchrun_runs_plait_as_its_workers(tmp_path):
     assert records[-1]["comm_bytes"] == records[-1]["model_state_bytes"]["params"]  # n = 2
 
 
+def test_under_torchrun_bad_input_is_said_once(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "plait", "train", "train.beta1=1.5", *TINY],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("plait: error: train.beta1") == 1
+
+
 def test_launcher_returns_results_by_rank():
     assert launch(3, workers.world_sum) == [6.0, 6.0, 6.0]
 
@@ -179,12 +190,13 @@ def test_a_failing_worker_brings_the_job_down_with_its_traceback():
     assert "rank one fails on purpose" in message and "Traceback" in message
 
 
-def test_cli_reports_a_worker_failure_with_status_1(tmp_path):
+def test_too_little_data_is_refused_before_the_workers_start(tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("too little text " * 4)
     proc = plait("train", "--nproc", "2", "parallel.dp=0", f"data.source={small}", *TINY)
-    assert proc.returncode == 1
-    assert "Traceback" in proc.stderr and "data.source" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("plait: error: data.source: 64 tokens is too little")
 
 
 def test_bench_comm_prints_every_collective():

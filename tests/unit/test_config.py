@@ -4,6 +4,7 @@ starts."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from plait import cli
@@ -88,11 +89,104 @@ BAD_INPUT = [
     (["train.warmup_steps=-1"], "train.warmup_steps"),
     (["--config", "/no/such/recipe.toml"], "--config"),
     (["--nproc", "zero"], "--nproc"),
+    # Numbers: finite and in range.
+    (["train.lr=nan"], "train.lr"),
+    (["train.lr=inf"], "train.lr"),
+    (["train.lr=-1"], "train.lr"),
+    (["train.lr=1e400"], "train.lr"),
+    (["train.beta1=1.5"], "train.beta1"),
+    (["train.beta2=-0.1"], "train.beta2"),
+    (["train.lr_scaling=linear", "train.base_batch=0"], "train.base_batch"),
+    (["train.lr_scaling=cubic"], "train.lr_scaling"),
+    (["train.grad_clip=-1"], "train.grad_clip"),
+    (["train.weight_decay=-0.1"], "train.weight_decay"),
+    (["train.min_lr_ratio=-0.5"], "train.min_lr_ratio"),
+    (["train.min_lr_ratio=2"], "train.min_lr_ratio"),
+    (["train.eval_every=-1"], "train.eval_every"),
+    (["train.eval_batches=0"], "train.eval_batches"),
+    (["train.peak_tflops=-1"], "train.peak_tflops"),
+    (["train.threads=0"], "train.threads"),
+    (["train.steps=0"], "train.steps"),
+    (["train.steps=3.5"], "train.steps"),
+    (["train.global_batch=0"], "train.global_batch"),
+    (["train.seed=1.5"], "train.seed"),
+    (["train.nan_policy=ignore"], "train.nan_policy"),
+    (["train.activation_checkpointing=true"], "train.activation_checkpointing"),
+    (["model.multiple_of=0"], "model.multiple_of"),
+    (["model.norm_eps=-1"], "model.norm_eps"),
+    (["model.rope_theta=0"], "model.rope_theta"),
+    (["model.ffn_multiplier=0"], "model.ffn_multiplier"),
+    (["model.dim=0"], "model.dim"),
+    (["model.n_layers=0"], "model.n_layers"),
+    (["model.n_heads=5"], "model.dim"),  # 192 is not a multiple of 5
+    (["model.dim=60", "model.n_heads=4"], "model.dim"),  # odd head dim: no rotary pairs
+    (["model.n_kv_heads=0"], "model.n_kv_heads"),
+    (["model.max_seq_len=0"], "model.max_seq_len"),
+    (["model.vocab_size=100"], "model.vocab_size"),  # bytes need 256
+    (["data.max_bytes=0"], "data.max_bytes"),
+    (["data.val_fraction=1.5"], "data.val_fraction"),
+    (["data.val_fraction=0"], "data.val_fraction"),
+    (["data.seq_len=0"], "data.seq_len"),
+    # Parallel keys.
+    (["parallel.zero=4"], "parallel.zero"),
+    (["parallel.reduce_dtype=fp16"], "parallel.reduce_dtype"),
+    (["parallel.offload=disk"], "parallel.offload"),
+    (["parallel.offload=optimizer"], "parallel.offload"),  # without ZeRO
+    (["parallel.offload=params", "parallel.zero=1"], "parallel.offload"),
+    (["parallel.bucket_mb=0"], "parallel.bucket_mb"),
+    (["parallel.allreduce=tree"], "parallel.allreduce"),
+    (["parallel.reshard_after_forward=maybe"], "parallel.reshard_after_forward"),
+    (["parallel.tp=0"], "parallel.tp"),
+    (["parallel.pp=0"], "parallel.pp"),
+    (["parallel.dp_shard=-1"], "parallel.dp_shard"),
+    (["parallel.microbatches=-1"], "parallel.microbatches"),
+    (["parallel.cp=2", "--nproc", "2"], "parallel.cp"),
+    (["parallel.ep=2", "--nproc", "2"], "parallel.ep"),
+    (["parallel.pp=2", "--nproc", "2", "parallel.pp_schedule=interleaved",
+      "parallel.pp_virtual=3"], "parallel.pp"),  # 6 chunks, 4 layers
+    (["parallel.pp=2", "--nproc", "2", "parallel.pp_split=[4, 0]"], "parallel.pp_split"),
+    (["--nproc", "0"], "--nproc"),
+    (["train=3"], "train=3"),  # not section.key=value
+    (["model.preset=tiny", "data.seq_len=65"], "data.seq_len"),  # beyond max_seq_len 64
+    # Files: the recipe, the data, the metrics path (created by the `files` fixture).
+    (["--config", "{files}/latin1.toml"], "--config"),
+    (["--config", "{files}/broken.toml"], "--config"),
+    (["--config", "{files}/sections.toml"], "optimizer"),
+    (["data.source={files}/empty.txt"], "data.source"),
+    (["data.source={files}/tiny.txt"], "data.source"),
+    (["data.source={files}/empty_dir"], "data.source"),
+    (["data.source={files}/three.bin"], "data.source"),
+    (["data.source={files}/odd.bin"], "data.source"),
+    (["data.source={files}/ids.bin"], "model.vocab_size"),
+    (["--metrics", "{files}/tiny.txt/m.jsonl"], "--metrics"),  # the parent is a file
+    (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
 ]
 
 
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "latin1.toml").write_bytes("[train]\n# caf\xe9\nsteps = 3\n".encode("latin-1"))
+    (root / "broken.toml").write_text("[train\nsteps = 3\n")
+    (root / "sections.toml").write_text("[optimizer]\nlr = 1\n")
+    (root / "empty.txt").write_text("")
+    (root / "tiny.txt").write_text("x" * 100)
+    (root / "empty_dir").mkdir()
+    (root / "three.bin").write_bytes(b"abc")
+    np.arange(100_001, dtype=np.uint16).astype(np.uint16).tofile(root / "odd.bin")
+    with open(root / "odd.bin", "ab") as f:
+        f.write(b"x")
+    (np.arange(100_000) % 300).astype(np.uint16).tofile(root / "ids.bin")  # ids up to 299
+    return root
+
+
+def test_the_table_is_large():
+    assert len(BAD_INPUT) >= 80
+
+
 @pytest.mark.parametrize("argv,field", BAD_INPUT, ids=[f for _, f in BAD_INPUT])
-def test_bad_input_exits_2_with_one_line(argv, field, no_launch, capsys):
+def test_bad_input_exits_2_with_one_line(argv, field, files, no_launch, capsys):
+    argv = [a.replace("{files}", str(files)) for a in argv]
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", *argv])
     assert exit_.value.code == 2
