@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable
 
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -33,7 +35,16 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1) -> list:
     if sys.platform.startswith("linux"):
         # Gloo otherwise picks the interface the hostname resolves to, which may not be loopback.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    config = LaunchConfig(
+    # The agent keeps per-run logs and error files in a folder; ours is removed afterwards (the
+    # failed worker's traceback is read into the exception before).
+    with tempfile.TemporaryDirectory(prefix="plait-launch-") as logs:
+        config = _config(nproc, logs)
+        results = elastic_launch(config, entrypoint)(*args)
+    return [results[r] for r in sorted(results)]
+
+
+def _config(nproc: int, logs: str) -> LaunchConfig:
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -43,9 +54,8 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1) -> list:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
-    results = elastic_launch(config, entrypoint)(*args)
-    return [results[r] for r in sorted(results)]
 
 
 __all__ = ["ChildFailedError", "in_torchrun", "launch"]

@@ -23,3 +23,4 @@ def world_sum():
     all_reduce(t, dist.group.WORLD)
     dist.destroy_process_group()
     return t.item()
+

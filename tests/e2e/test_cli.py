@@ -177,6 +177,15 @@ def test_under_torchrun_bad_input_is_said_once(tmp_path):
     assert proc.stderr.count("plait: error: train.beta1") == 1
 
 
+def test_a_run_leaves_no_temporary_folder(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = plait("train", *TINY[:5], "train.steps=1", "train.warmup_steps=0",
+                 env={**os.environ, "TMPDIR": str(scratch)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(scratch.iterdir()) == []
+
+
 def test_launcher_returns_results_by_rank():
     assert launch(3, workers.world_sum) == [6.0, 6.0, 6.0]
 
