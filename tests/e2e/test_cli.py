@@ -183,7 +183,10 @@ def test_a_run_leaves_no_temporary_folder(tmp_path):
     proc = plait("train", *TINY[:5], "train.steps=1", "train.warmup_steps=0",
                  env={**os.environ, "TMPDIR": str(scratch)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert list(scratch.iterdir()) == []
+    # Nothing per launch (torch's own inductor cache, one folder shared by every run, may be
+    # created on import and stays, as a cache does).
+    left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == []
 
 
 def test_launcher_returns_results_by_rank():
