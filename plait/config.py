@@ -66,6 +66,7 @@ class ParallelConfig:
     pp_split: list[int] = field(default_factory=list)  # layers per chunk; empty = balanced
     bucket_mb: float = 25.0  # gradient bucket size
     allreduce: str = "backend"  # "backend" | "ring" | "naive"
+    timeout_s: float = 300.0  # a collective not done by then ends the job, naming the late ranks
 
 
 @dataclass
@@ -323,6 +324,8 @@ def _check_parallel(par: ParallelConfig) -> None:
         raise ConfigError("parallel.offload", "offload shards through ZeRO; set parallel.zero")
     if par.offload == "params" and par.zero != 3:
         raise ConfigError("parallel.offload", "'params' needs parallel.zero=3 (sharded params)")
+    if par.timeout_s <= 0:
+        raise ConfigError("parallel.timeout_s", f"must be > 0 seconds, got {par.timeout_s}")
     if par.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb", f"must be > 0, got {par.bucket_mb}")
     if par.allreduce not in ("backend", "ring", "naive"):

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from plait.comm.watchdog import RECORDER
+
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -108,6 +110,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _run(op: Op, group: ProcessGroup, nbytes: int, call, async_op: bool) -> Pending | None:
     n = dist.get_world_size(group)
     LEDGER.record(op, n, nbytes)
+    RECORDER.record(op.value, group, nbytes)
     if not async_op:
         start = time.perf_counter()
         call(False)

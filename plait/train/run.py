@@ -5,11 +5,13 @@ torchrun; either way the usual environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from plait.comm.watchdog import Heartbeat, diagnose, is_timeout
 from plait.config import Config, validate
 from plait.mesh import build_mesh
 from plait.train.progress import print_summary
@@ -26,18 +28,45 @@ def worker_device(choice: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within parallel.timeout_s; the message names who is late."""
+
+
+def _heartbeat(timeout_s: float) -> tuple[object, Heartbeat, float] | None:
+    """This rank's heartbeat on the job's store (the launcher's, at MASTER_ADDR:MASTER_PORT)."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=60))
+    interval = min(2.0, timeout_s / 5)
+    return store, Heartbeat(store, dist.get_rank(), interval).start(), interval
+
+
 @record
 def run_training(cfg: Config, metrics_path: str | None = None) -> Summary:
-    """Train on the world the environment describes; rank 0 shows progress and the summary."""
+    """Train on the world the environment describes; rank 0 shows progress and the summary. A
+    collective that does not complete within parallel.timeout_s ends the job with a message
+    naming the ranks that did not arrive."""
     torch.set_num_threads(cfg.train.threads)
     device = worker_device(cfg.train.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    timeout_s = cfg.parallel.timeout_s
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=timeout_s))
+    watch = _heartbeat(timeout_s)
     try:
         dims = validate(cfg, dist.get_world_size())
         trainer = Trainer(cfg, dims, build_mesh(dims, device.type), device)
         summary = trainer.fit(metrics_path, show_progress=True)
         if dist.get_rank() == 0:
             print_summary(summary, dist.get_world_size())
-        return summary
+    except RuntimeError as e:
+        if watch is None or not is_timeout(e):
+            raise
+        store, _, interval = watch
+        raise CollectiveTimeout(f"rank {dist.get_rank()}: " + diagnose(
+            store, dist.get_world_size(), interval, timeout_s)) from e
     finally:
-        dist.destroy_process_group()
+        if watch is not None:
+            watch[1].stop()
+    dist.destroy_process_group()
+    return summary

@@ -1,7 +1,9 @@
 """The real thing: `plait train` launching workers through the elastic launcher, and torchrun."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -187,6 +189,57 @@ def test_a_run_leaves_no_temporary_folder(tmp_path):
     # created on import and stays, as a cache does).
     left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
     assert left == []
+
+
+def _worker_pid(parent: int, rank: int) -> int:
+    """The pid of local worker `rank` under the launcher `parent` (Linux /proc): the launcher
+    spawns its workers in rank order, so they are its spawned children by increasing pid."""
+    workers = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            workers.append(int(entry))
+    return sorted(workers)[rank]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds workers through /proc")
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
+    """SIGSTOP one rank mid-run: with parallel.timeout_s = 5 the job ends within the timeout plus
+    a margin, non-zero, and the message names rank 1 as the one that stopped answering."""
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait", "train", "--nproc", "2", "--metrics", str(metrics),
+         *TINY[:5], "train.steps=100000", "train.warmup_steps=1", "parallel.timeout_s=5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        stopped = _worker_pid(proc.pid, rank=1)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - start
+    finally:
+        proc.kill()
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    assert proc.returncode != 0
+    # The timeout, then the teardown: torch's launcher gives the other workers 30 s to handle
+    # SIGTERM before SIGKILL, which a stopped process never does.
+    assert elapsed < 5 + 30 + 15, elapsed
+    assert "did not complete within parallel.timeout_s=5 s" in err
+    assert "rank(s) that did not arrive: 1 (stopped answering" in err
+    assert "this rank's last collectives:" in err
 
 
 def test_launcher_returns_results_by_rank():

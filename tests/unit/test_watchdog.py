@@ -1,0 +1,43 @@
+"""The diagnosis of a timed-out collective names the late ranks from their heartbeats."""
+
+import json
+import time
+
+from plait.comm import watchdog
+
+
+class FakeStore(dict):
+    def set(self, key, value):
+        self[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return self[key]
+
+
+def test_a_rank_behind_and_a_stopped_rank_are_named(monkeypatch):
+    recorder = watchdog.FlightRecorder()
+    monkeypatch.setattr(watchdog, "RECORDER", recorder)
+    group = (0, 1, 2)
+    recorder.counts[group] = 7
+    recorder.entries.append(watchdog.Entry(7, "all_reduce", group, 64, time.time()))
+    store, now = FakeStore(), time.time()
+    beat = lambda count, age: json.dumps(  # noqa: E731
+        {"time": now - age, "last": f"all_reduce #{count}", "counts": [[list(group), count]]})
+    store.set("plait/beat/0", beat(7, 0.1))
+    store.set("plait/beat/1", beat(6, 0.5))  # alive, one collective behind
+    store.set("plait/beat/2", beat(7, 30.0))  # silent for 30 s
+    message = watchdog.diagnose(store, 3, interval=1.0, timeout_s=10)
+    assert message.startswith("all_reduce #7 on ranks [0, 1, 2] (64 B) did not complete within "
+                              "parallel.timeout_s=10 s")
+    assert "1 (alive, but issued 6 collective(s) on this group" in message
+    assert "2 (stopped answering 30 s ago" in message
+    assert "0 (" not in message.split("did not arrive:")[1].split(";")[0]
+    assert "per rank: 0: 7, 1: 6, 2: 7" in message
+
+
+def test_timeouts_are_recognised():
+    assert watchdog.is_timeout(RuntimeError("Timed out waiting 5000ms for recv operation"))
+    assert not watchdog.is_timeout(RuntimeError("Connection closed by peer"))
