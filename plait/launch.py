@@ -2,20 +2,67 @@
 
 A worker that raises brings the whole job down: the agent stops the other workers and the
 launcher raises `ChildFailedError` carrying the failed worker's traceback.
+
+Everything listens on loopback. torch's `TCPStore` server binds every interface whatever host it
+is given, so the local rendezvous (`plait-loopback`, torch's dynamic c10d rendezvous) hands its
+two stores (the rendezvous state, and the one the workers bootstrap from at MASTER_ADDR) a socket
+plait bound to 127.0.0.1 (`master_listen_fd`). The workers' gloo connections use the loopback
+interface (GLOO_SOCKET_IFNAME=lo).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import tempfile
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(timeout_s: float = 300.0) -> dist.TCPStore:
+    """A TCPStore server listening on 127.0.0.1 alone."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    return dist.TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+
+
+class _LoopbackRendezvous(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous, whose store for the workers listens on loopback only."""
+
+    def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
+        return loopback_store()
+
+    def get_backend(self) -> str:
+        return "plait-loopback"
+
+
+def _loopback_rendezvous(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    store = loopback_store(timeout_s=60)
+    backend = C10dRendezvousBackend(store, params.run_id)
+    return _LoopbackRendezvous.from_backend(params.run_id, store, backend, params.min_nodes,
+                                            params.max_nodes, local_addr=LOOPBACK)
+
+
+rendezvous_handler_registry.register("plait-loopback", _loopback_rendezvous)
 
 
 def in_torchrun() -> bool:
@@ -49,8 +96,9 @@ def _config(nproc: int, logs: str) -> LaunchConfig:
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"plait-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
+        rdzv_backend="plait-loopback",
+        rdzv_endpoint=f"{LOOPBACK}:0",
+        local_addr=LOOPBACK,
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",

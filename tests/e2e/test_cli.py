@@ -242,6 +242,50 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
     assert "this rank's last collectives:" in err
 
 
+def _listening(pids: set[int]) -> list[str]:
+    """Local addresses of the TCP sockets the processes `pids` listen on (Linux /proc)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address = fields[1].split(":")[0]
+                if len(address) == 8:  # IPv4, little-endian hex
+                    found.append(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+                else:
+                    found.append("::1" if address == "0" * 24 + "01000000" else address)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net")
+def test_every_listening_socket_of_a_job_is_on_loopback(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait", "train", "--nproc", "2", "--metrics", str(metrics),
+         *TINY[:5], "train.steps=100000", "train.warmup_steps=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        job = {proc.pid, _worker_pid(proc.pid, 0), _worker_pid(proc.pid, 1)}
+        addresses = _listening(job)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(addresses) >= 3  # the launcher's stores and the workers' gloo connections
+    assert set(addresses) <= {"127.0.0.1", "::1"}, addresses
+
+
 def test_launcher_returns_results_by_rank():
     assert launch(3, workers.world_sum) == [6.0, 6.0, 6.0]
 
