@@ -1,6 +1,7 @@
 """Configuration loading, and bad input: status 2 and one line naming the field, before any worker
 starts."""
 
+import os
 import subprocess
 import sys
 
@@ -158,6 +159,7 @@ BAD_INPUT = [
     (["data.source={files}/three.bin"], "data.source"),
     (["data.source={files}/odd.bin"], "data.source"),
     (["data.source={files}/ids.bin"], "model.vocab_size"),
+    (["data.source={files}/ids.bin", "parallel.tp=2", "--nproc", "2"], "model.vocab_size"),
     (["--metrics", "{files}/tiny.txt/m.jsonl"], "--metrics"),  # the parent is a file
     (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
 ]
@@ -193,6 +195,17 @@ def test_bad_input_exits_2_with_one_line(argv, field, files, no_launch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith(f"plait: error: {field}") or f"argument {field}" in err, err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: no read-only folder")
+def test_a_read_only_metrics_folder_is_refused(tmp_path, no_launch, capsys):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--metrics", str(folder / "m.jsonl")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("plait: error: --metrics")
 
 
 def test_bad_input_from_a_real_process():
