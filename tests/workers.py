@@ -23,4 +23,3 @@ def world_sum():
     all_reduce(t, dist.group.WORLD)
     dist.destroy_process_group()
     return t.item()
-

@@ -208,28 +208,39 @@ def _worker_pid(parent: int, rank: int) -> int:
     return sorted(workers)[rank]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds workers through /proc")
-def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
-    """SIGSTOP one rank mid-run: with parallel.timeout_s = 5 the job ends within the timeout plus
-    a margin, non-zero, and the message names rank 1 as the one that stopped answering."""
+@contextlib.contextmanager
+def running_job(tmp_path, *overrides):
+    """A 2-worker `plait train` started in the background, yielded once it has logged two
+    steps; killed on leaving."""
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen(
         [sys.executable, "-m", "plait", "train", "--nproc", "2", "--metrics", str(metrics),
-         *TINY[:5], "train.steps=100000", "train.warmup_steps=1", "parallel.timeout_s=5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stopped = None
+         *TINY[:5], "train.steps=100000", "train.warmup_steps=1", *overrides],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.1)
-        stopped = _worker_pid(proc.pid, rank=1)
-        os.kill(stopped, signal.SIGSTOP)
-        start = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - start
+        yield proc
     finally:
         proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds workers through /proc")
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
+    """SIGSTOP one rank mid-run: with parallel.timeout_s = 5 the job ends within the timeout plus
+    a margin, non-zero, and the message names rank 1 as the one that stopped answering."""
+    stopped = None
+    try:
+        with running_job(tmp_path, "parallel.timeout_s=5") as proc:
+            stopped = _worker_pid(proc.pid, rank=1)
+            os.kill(stopped, signal.SIGSTOP)
+            start = time.monotonic()
+            _, err = proc.communicate(timeout=120)
+            elapsed = time.monotonic() - start
+    finally:
         if stopped is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped, signal.SIGKILL)
@@ -267,21 +278,8 @@ def _listening(pids: set[int]) -> list[str]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net")
 def test_every_listening_socket_of_a_job_is_on_loopback(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "plait", "train", "--nproc", "2", "--metrics", str(metrics),
-         *TINY[:5], "train.steps=100000", "train.warmup_steps=1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.1)
-        job = {proc.pid, _worker_pid(proc.pid, 0), _worker_pid(proc.pid, 1)}
-        addresses = _listening(job)
-    finally:
-        proc.kill()
-        proc.wait()
+    with running_job(tmp_path) as proc:
+        addresses = _listening({proc.pid, _worker_pid(proc.pid, 0), _worker_pid(proc.pid, 1)})
     assert len(addresses) >= 3  # the launcher's stores and the workers' gloo connections
     assert set(addresses) <= {"127.0.0.1", "::1"}, addresses
 
