@@ -225,11 +225,5 @@ def block_activations(args, mode: str) -> Fraction | None:
     return None
 
 
-def activation_elements(cfg: Config, dims: ParallelDims) -> int:
-    """Elements of one micro-batch activation (rows, seq, dim): the unit of activation memory."""
-    M = microbatches(cfg.parallel, dims)
-    return cfg.train.global_batch // dims.dp // M * cfg.data.seq_len * cfg.model.args().dim
-
-
-__all__ = ["ChunkLayout", "Traffic", "activation_elements", "block_activations", "chunk_layouts",
-           "state_bytes", "step_traffic"]
+__all__ = ["ChunkLayout", "Traffic", "block_activations", "chunk_layouts", "state_bytes",
+           "step_traffic"]
