@@ -99,6 +99,14 @@ def check_inputs(cfg: Config, metrics: str | None) -> None:
         check_metrics_path(metrics)
 
 
+def speaks() -> bool:
+    """Whether this process reports to the user: always, except under torchrun, where every
+    worker runs the same checks and rank 0 alone says what they find."""
+    from plait.launch import in_torchrun
+
+    return not in_torchrun() or os.environ.get("RANK", "0") == "0"
+
+
 def load(args: argparse.Namespace, say: bool = True) -> Config:
     """The configuration of a command: recipe, overrides, warm-up clipped to a short run (said
     once, on stderr)."""
@@ -112,12 +120,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     from plait.launch import ChildFailedError, in_torchrun, launch
 
     torchrun = in_torchrun()
-    cfg = load(args, say=not torchrun or os.environ.get("RANK", "0") == "0")
+    cfg = load(args, say=speaks())
     if torchrun:  # we are one of torchrun's workers
         if args.nproc is not None:
             raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
         validate(cfg, int(os.environ["WORLD_SIZE"]))
-        check_inputs(cfg, args.metrics if os.environ.get("RANK", "0") == "0" else None)
+        check_inputs(cfg, args.metrics if speaks() else None)
         from plait.train.run import run_training
 
         run_training(cfg, args.metrics)
@@ -181,9 +189,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.func(args)
     except ConfigError as e:
-        from plait.launch import in_torchrun
-
-        # Under torchrun every worker finds the same fault: one of them says so.
-        if not in_torchrun() or os.environ.get("RANK", "0") == "0":
+        if speaks():
             print(f"plait: error: {e}", file=sys.stderr)
         sys.exit(2)

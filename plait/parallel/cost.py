@@ -42,6 +42,7 @@ from plait.comm.buckets import assign_buckets
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.parallel.fsdp import unit_prefixes
+from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.zero import flat_groups
 
@@ -93,7 +94,7 @@ def _padded(numel: int, k: int) -> int:
     return -(-numel // k) * k
 
 
-def _flats(cfg: Config, record: PlacementRecord, k: int) -> list[int]:
+def _flats(cfg: Config, record: PlacementRecord) -> list[int]:
     """Element counts of the ZeRO engine's flat parameters (unpadded)."""
     named = _meta(record)
     if cfg.parallel.zero == 3:
@@ -109,20 +110,13 @@ def _flats(cfg: Config, record: PlacementRecord, k: int) -> list[int]:
             for members, _ in flat_groups(named, cfg.parallel.bucket_mb)]
 
 
-def chunk_count(par, dims: ParallelDims) -> int:
-    """Pipeline chunks in all."""
-    return dims.pp * (par.pp_virtual if par.pp_schedule == "interleaved" and dims.pp > 1 else 1)
-
-
-def _split(par, dims: ParallelDims) -> bool:
-    return dims.pp > 1 and par.pp_schedule == "zb1"
-
-
 def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
                  chunks: list[ChunkLayout]) -> Traffic:
     par, train = cfg.parallel, cfg.train
     t = Traffic()
     M = microbatches(par, dims)
+    schedule = stage_schedule(par, dims.pp, M)  # the schedule the run executes
+    C, split = schedule.chunks, schedule.split_backward
     rows = train.global_batch // dims.dp // M
     seq, dim, T = cfg.data.seq_len, cfg.model.args().dim, dims.tp
     bf16 = train.precision == "bf16"
@@ -140,8 +134,8 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     # A split backward (zero-bubble) walks the graph twice on chunks after the first: the input
     # pass and the weight pass both run the backward collectives on the way to the norm gains.
     if T > 1:
-        twice = sum(c.layers for c in chunks if c.index > 0) if _split(par, dims) else 0
-        head_twice = int(last and _split(par, dims) and chunk_count(par, dims) > 1)
+        twice = sum(c.layers for c in chunks if c.index > 0) if split else 0
+        head_twice = int(last and split and C > 1)
         if par.sequence_parallel:
             t.add("tp", Op.ALL_GATHER, T, A * act_b,
                   M * (2 * blocks * (1 + recompute) + first + last))
@@ -159,7 +153,6 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
             t.add("tp", Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
 
     # Pipeline: activations forward, gradients back, per micro-batch and chunk boundary.
-    C = chunk_count(par, dims)
     message = A // (T if par.sequence_parallel else 1) * act_b
     for c in chunks:
         sends = (c.index < C - 1) + (c.index > 0)
@@ -178,7 +171,7 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
         reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
         gathers = 1 if par.zero < 3 else (2 * M if par.reshard_after_forward else 1)
         shard = "dp_shard" if R > 1 else "dp"
-        for numel in _flats(cfg, record, K):
+        for numel in _flats(cfg, record):
             padded = _padded(numel, K)
             t.add(shard, Op.REDUCE_SCATTER, K, padded * reduce_b)
             t.add(shard, Op.ALL_GATHER, K, padded * param_b, gathers)
@@ -201,7 +194,7 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     if par.zero == 0:
         return {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
     K = dims.shard
-    padded = sum(_padded(n, K) for n in _flats(cfg, record, K))
+    padded = sum(_padded(n, K) for n in _flats(cfg, record))
     param_b = 2 if bf16 else 4
     reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
     optimizer = (12 if bf16 else 8) * padded // K

@@ -156,8 +156,8 @@ class DataParallel(SyncedReplicas):
         for index, members in enumerate(assign_buckets(named, *caps)):
             bucket = FlatParam(members, None, 1, 0, index=index)
             bucket.grad = torch.zeros_like(bucket.full)  # kept: .grad of each is a view of it
-            bucket.grad_views = bucket.views(bucket.grad)
             self.buckets.append(bucket)
+        self._grad_views = [b.views(b.grad) for b in self.buckets]  # by bucket index
         self._next = 0  # buckets are launched in index order, the same on every rank
         self._in_flight: list[tuple[FlatParam, torch.Tensor, Pending]] = []
         if self.size > 1:
@@ -171,7 +171,7 @@ class DataParallel(SyncedReplicas):
                 return
             # Average on the way in (g / n, summed by the all-reduce), during backward, rather
             # than dividing the whole bucket after the wait, on the critical path.
-            torch.div(p.grad, self.size, out=bucket.grad_views[position])
+            torch.div(p.grad, self.size, out=self._grad_views[bucket.index][position])
             p.grad = None  # the bucket holds it now; backward can reuse the memory
             bucket.ready.add(position)
             self._next = launch_ready(self.buckets, self._next, self._launch)
@@ -199,7 +199,7 @@ class DataParallel(SyncedReplicas):
         for bucket, payload, pending in self._in_flight:
             pending.wait()
             self.compressor.decompress(bucket.index, payload, bucket.grad)
-            for p, view in zip(bucket.params, bucket.grad_views, strict=True):
+            for p, view in zip(bucket.params, self._grad_views[bucket.index], strict=True):
                 p.grad = view  # the optimizer reads the bucket in place
             bucket.ready.clear()
         self._in_flight.clear()

@@ -46,7 +46,6 @@ class FlatParam:
         for p in self.params:
             self.offsets.append(total)
             total += p.numel()
-        self.numel = total
         self.shard_numel = -(-total // size)  # ceil: the buffer is padded to N * shard_numel
         first = self.params[0]
         whole = torch.zeros(self.shard_numel * size, dtype=first.dtype, device=first.device)

@@ -88,10 +88,6 @@ class Unit:
         self.reducing: list[Pending] = []  # reduce-scatters in flight
         self.reduced = False  # this step's gradients are on their way to the slices
 
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for f in self.flats for p in f.params]
-
 
 class FullyShardedDataParallel(ShardedEngine):
     """ZeRO-3 over `shard` (the dp axis, or its sharding groups under HSDP), for a model or a
