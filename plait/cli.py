@@ -1,5 +1,5 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [--dry-run] [section.key=value ...]`
-`plait bench comm | step | pp --nproc N [--config FILE] [section.key=value ...]`
+`plait bench comm | step | pp | compression --nproc N [--config FILE] [section.key=value ...]`
 
 Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
 fix, before any worker starts.
@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from plait.comm.compression import METHODS
 from plait.config import AXES, Config, ConfigError, clip_warmup, load_config, validate
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs"
@@ -55,6 +56,16 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--png", default="runs/bench_pp/timeline.png", help="timeline picture")
     pp.add_argument("overrides", nargs="*", metavar="section.key=value")
     pp.set_defaults(func=cmd_bench_pp)
+    squeeze = suites.add_parser("compression", help="each gradient compression method on one "
+                                "recipe: loss, bytes, time; vs torch's DDP hooks")
+    squeeze.add_argument("--nproc", type=int, default=4)
+    squeeze.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    squeeze.add_argument("--methods", default=",".join(METHODS),
+                         help=f"comma-separated, from {', '.join(METHODS)}")
+    squeeze.add_argument("--png", default="runs/bench_compression/loss.png",
+                         help="loss curves picture")
+    squeeze.add_argument("overrides", nargs="*", metavar="section.key=value")
+    squeeze.set_defaults(func=cmd_bench_compression)
     return parser
 
 
@@ -174,6 +185,20 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_pp(args.nproc, load(args), args.steps, args.png)
+
+
+def cmd_bench_compression(args: argparse.Namespace) -> None:
+    if args.nproc < 2:
+        raise ConfigError("--nproc", f"compression needs data parallelism: >= 2, got {args.nproc}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ConfigError("--methods", f"comma-separated names from {', '.join(METHODS)}; "
+                          f"got {args.methods!r}")
+    from plait.bench import run_compression
+
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    run_compression(args.nproc, load(args), methods, args.png)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,11 +58,14 @@ def train_here(cfg, steps: int | None = None):
     return summary.losses, summary.val_loss, params, ledger, grad_bytes, grads
 
 
-def run_steps(cfg, steps: int = 4):
+def run_steps(cfg, steps: int = 4, probe=None):
     """The composition matrix's run: `steps` optimizer steps through the trainer's one step path;
-    per rank, what the matrix compares and accounts. The last step's ledger is read alone."""
+    per rank, what the matrix compares and accounts. The last step's ledger is read alone.
+    `probe(trainer)`, if given, is installed before the first step and returns a function whose
+    result after the last step is returned as "probe"."""
     dims = validate(cfg, dist.get_world_size())
     trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
+    probed = probe(trainer) if probe is not None else None
     losses = []
     for step in range(steps):
         LEDGER.reset()
@@ -83,4 +86,5 @@ def run_steps(cfg, steps: int = 4):
         "ledger": ledger,
         "state": trainer.parallelized.state_bytes(trainer.optimizer),
         "activation_bytes": result["activation_bytes"],
+        "probe": probed() if probed is not None else None,
     }

@@ -165,8 +165,60 @@ def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
     return rows
 
 
+def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> list[dict]:
+    """Each method on the same recipe, then torch's hooks (see bench/compression.py)."""
+    from plait.bench.compression import (
+        PEERS,
+        bench_plait,
+        bench_torch_hook,
+        draw_curves,
+        final_loss,
+        with_method,
+    )
+
+    cfg = with_free_dp(cfg)
+    for method in methods:
+        validate(with_method(cfg, method), nproc)
+    runs = {}
+    for method in methods:
+        Console().print(f"training with parallel.compression = {method} ...")
+        runs[method] = launch(nproc, bench_plait, with_method(cfg, method),
+                              threads=cfg.train.threads)[0]
+    for peer in PEERS:
+        Console().print(f"training with {peer} ...")
+        runs[peer] = launch(nproc, bench_torch_hook, cfg, peer, threads=cfg.train.threads)[0]
+    base = runs.get("none")
+    args, par = cfg.model.args(), cfg.parallel
+    table = Table(title=(
+        f"plait bench compression: {nproc} ranks, model dim {args.dim} x {args.n_layers} layers, "
+        f"{cfg.train.steps} steps of {cfg.train.global_batch} x {cfg.data.seq_len} tokens; topk "
+        f"ratio {par.compression_ratio}, PowerSGD rank {par.compression_rank}, start "
+        f"{par.compression_start}; train loss: mean of the last 10 steps"))
+    for col in ("method", "train loss", "val loss", "val gap", "bytes/step", "bytes ratio",
+                "step (ms)"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    rows = []
+    for name, run in runs.items():
+        row = {"method": name, "train_loss": final_loss(run["losses"]),
+               "val_loss": run["val_loss"], "bytes": run["bytes"], "step_s": run["step_s"]}
+        row["val_gap"] = run["val_loss"] / base["val_loss"] - 1 if base else None
+        row["bytes_ratio"] = run["bytes"] / base["bytes"] if base and run["bytes"] else None
+        rows.append(row)
+        table.add_row(name, f"{row['train_loss']:.4f}", f"{row['val_loss']:.4f}",
+                      f"{row['val_gap']:+.1%}" if row["val_gap"] is not None else "-",
+                      _size(int(run["bytes"])) if run["bytes"] is not None else "-",
+                      f"{row['bytes_ratio']:.3f}" if row["bytes_ratio"] is not None else "-",
+                      f"{run['step_s'] * 1e3:,.1f}")
+    Console(width=140).print(table)
+    draw_curves(runs, png)
+    Console().print(f"loss curves: {png}")
+    return rows
+
+
 def _size(n: int) -> str:
-    return f"{n // 2**20} MiB" if n >= 2**20 else f"{n // 2**10} KiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**10:.1f} KiB"
 
 
-__all__ = ["run_comm", "run_pp", "run_step"]
+__all__ = ["run_comm", "run_compression", "run_pp", "run_step"]

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.comm import all_reduce
 from plait.comm.allreduce import AllReduceAlgorithm
+from plait.comm.compression import build_compression
 from plait.config import ParallelConfig
 from plait.mesh import AXES, Axis, ParallelDims, hsdp_groups
 from plait.model.llama import Transformer
@@ -161,11 +162,14 @@ def place(model: Transformer, axes: dict[str, Axis], cfg: ParallelConfig, microb
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                         bf16: bool) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the dp axis (or, hybrid, over groups of
-    `parallel.dp_shard` of its ranks, replicated across the groups)."""
+    `parallel.dp_shard` of its ranks, replicated across the groups), reducing gradients with the
+    `parallel.compression` method."""
     dp = Axis.of(mesh, "dp")
+    compression = build_compression(cfg.compression, cfg.compression_ratio,
+                                    cfg.compression_rank, cfg.compression_start)
     if cfg.zero == 0:
         return DataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
-                            algorithm=AllReduceAlgorithm(cfg.allreduce))
+                            algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression)
     shard, replicate = dp, None
     if cfg.dp_shard and cfg.dp_shard < dp.size:
         dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
@@ -177,9 +181,11 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
     if cfg.zero == 3:
         return FullyShardedDataParallel(chunks, shard, **precision, offload=cfg.offload,
                                         replicate=replicate,
-                                        reshard_after_forward=cfg.reshard_after_forward)
+                                        reshard_after_forward=cfg.reshard_after_forward,
+                                        compression=compression)
     return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
-                            offload_optimizer=cfg.offload == "optimizer", replicate=replicate)
+                            offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
+                            compression=compression)
 
 
 __all__ = [

@@ -21,7 +21,8 @@ tp, an activation is A = r s dim elements:
   all-gather the parameters (per flat bucket, padded to a multiple of the sharding group); ZeRO-3
   all-gathers each unit before every forward and backward (2M per step, or once with
   reshard_after_forward = false) and reduce-scatters it once; hybrid sharding all-reduces each
-  gradient slice across the replicas.
+  gradient slice across the replicas. A compression method replaces each buffer's all-reduce or
+  reduce-scatter with its own messages (`Method.messages`, in `plait.comm.compression`).
 - the global gradient norm, every step: one float64 all-reduce per axis whose ranks hold
   different pieces.
 
@@ -39,6 +40,7 @@ import torch
 
 from plait.comm import Op, bus_bytes
 from plait.comm.buckets import assign_buckets
+from plait.comm.compression import Segment, build_compression, layout, members_numel
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.parallel.fsdp import unit_prefixes
@@ -94,20 +96,29 @@ def _padded(numel: int, k: int) -> int:
     return -(-numel // k) * k
 
 
-def _flats(cfg: Config, record: PlacementRecord) -> list[int]:
-    """Element counts of the ZeRO engine's flat parameters (unpadded)."""
-    named = _meta(record)
-    if cfg.parallel.zero == 3:
-        out = []
+def _flats(cfg: Config, record: PlacementRecord) -> list[list[Segment]]:
+    """The data-parallel engine's flat buffers (DDP's buckets, ZeRO's flat parameters), each as
+    the layout of its parameters (unpadded)."""
+    named, par = _meta(record), cfg.parallel
+    if par.zero == 0:
+        groups = assign_buckets(named, int(par.bucket_mb * 2**20),
+                                int(min(1.0, par.bucket_mb) * 2**20))
+    elif par.zero == 3:
+        groups = []
         for prefixes in unit_prefixes(record.params):
             members = [(n, p) for n, p in named if n.startswith(prefixes)]
             for decay in (True, False):
-                size = sum(p.numel() for _, p in members if (p.dim() >= 2) == decay)
-                if size:
-                    out.append(size)
-        return out
-    return [sum(p.numel() for _, p in members)
-            for members, _ in flat_groups(named, cfg.parallel.bucket_mb)]
+                groups.append([(n, p) for n, p in members if (p.dim() >= 2) == decay])
+    else:
+        groups = [members for members, _ in flat_groups(named, par.bucket_mb)]
+    return [layout(members) for members in groups if members]
+
+
+def _compression(cfg: Config):
+    """The configured method (for its formulas), or None."""
+    par = cfg.parallel
+    built = build_compression(par.compression, par.compression_ratio, par.compression_rank)
+    return built.method if built is not None else None
 
 
 def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
@@ -159,21 +170,27 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
         t.add("pp", Op.SEND, 2, message, M * sends)  # a send moves D whatever the group
         t.add("pp", Op.RECV, 2, 0, M * sends)
 
-    # Data parallelism.
+    # Data parallelism (compressed: once compression has started).
     K, R = dims.shard, dims.dp // dims.shard
+    method = _compression(cfg) if K > 1 else None
     if par.zero == 0:
-        buckets = assign_buckets(_meta(record), int(par.bucket_mb * 2**20),
-                                 int(min(1.0, par.bucket_mb) * 2**20))
-        for members in buckets:
-            t.add("dp", Op.ALL_REDUCE, dims.dp, 4 * sum(p.numel() for _, p in members))
+        for segments in _flats(cfg, record):
+            numel = members_numel(segments)
+            reduction = (method.messages(segments, numel, K, sharded=False) if method
+                         else [(Op.ALL_REDUCE, 4 * numel)])
+            for op, nbytes in reduction:
+                t.add("dp", op, K, nbytes)
     else:
         param_b = 2 if bf16 else 4
         reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
         gathers = 1 if par.zero < 3 else (2 * M if par.reshard_after_forward else 1)
         shard = "dp_shard" if R > 1 else "dp"
-        for numel in _flats(cfg, record):
-            padded = _padded(numel, K)
-            t.add(shard, Op.REDUCE_SCATTER, K, padded * reduce_b)
+        for segments in _flats(cfg, record):
+            padded = _padded(members_numel(segments), K)
+            reduction = (method.messages(segments, padded, K, sharded=True) if method
+                         else [(Op.REDUCE_SCATTER, padded * reduce_b)])
+            for op, nbytes in reduction:
+                t.add(shard, op, K, nbytes)
             t.add(shard, Op.ALL_GATHER, K, padded * param_b, gathers)
             t.add("dp_replicate", Op.ALL_REDUCE, R, padded // K * reduce_b)
 
@@ -187,20 +204,27 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
 def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:
     """Model-state bytes this rank holds after a step: parameters, gradients, optimizer state
     (AdamW: two fp32 moments; under bf16 ZeRO also the fp32 master: 2 + 2 + 12 per parameter),
-    ZeRO's shards padded to a multiple of the sharding group."""
+    ZeRO's shards padded to a multiple of the sharding group; with gradient compression, its
+    state ("compression")."""
     par = cfg.parallel
     bf16 = cfg.train.precision == "bf16" and par.zero > 0
     held = record.held_numel()
+    K = dims.shard if par.zero else 1
+    flats = [(s, _padded(members_numel(s), K)) for s in _flats(cfg, record)]
     if par.zero == 0:
-        return {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
-    K = dims.shard
-    padded = sum(_padded(n, K) for n in _flats(cfg, record))
-    param_b = 2 if bf16 else 4
-    reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
-    optimizer = (12 if bf16 else 8) * padded // K
-    params = param_b * (padded // K if par.zero == 3 else padded)
-    grads = param_b * held if par.zero == 1 else reduce_b * padded // K
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+        state = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
+    else:
+        padded = sum(numel for _, numel in flats)
+        param_b = 2 if bf16 else 4
+        reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
+        state = {"params": param_b * (padded // K if par.zero == 3 else padded),
+                 "grads": param_b * held if par.zero == 1 else reduce_b * padded // K,
+                 "optimizer": (12 if bf16 else 8) * padded // K}
+    method = _compression(cfg)
+    if method is not None:  # error feedback, PowerSGD's Q: fp32, once compression has run
+        state["compression"] = 4 * sum(method.state_numel(s, n) for s, n in flats) \
+            if dims.dp > 1 else 0
+    return state
 
 
 def block_activations(args, mode: str) -> Fraction | None:

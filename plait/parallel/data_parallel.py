@@ -7,6 +7,11 @@ owns), `finish_step()` after the optimizer step, `grad_pieces()` (this rank's av
 by parameter name, for the global norm), `storage_axis` (the ranks over which it partitions the
 replicas' storage, if it does) and `state_bytes(optimizer)`.
 
+Every engine takes an optional `Compression` (`plait.comm.compression`): while it is active, each
+flat buffer's reduction is the method's (an all-reduce for DDP, a reduce-scatter for ZeRO) instead
+of the plain one, launched and waited on at the same points, in the same bucket order on every
+rank; its state (error feedback, PowerSGD's Q) counts as model state, under "compression".
+
 Two engines that keep whole replicas, tested against each other:
 
 - `NaiveDataParallel`: after the step's last backward, one all-reduce of all gradients flattened
@@ -33,7 +38,7 @@ from torch.distributed import ProcessGroup
 from plait.comm import Pending, all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
 from plait.comm.buckets import assign_buckets
-from plait.comm.compression import Compressor, NoCompression
+from plait.comm.compression import Compression
 from plait.parallel.flat import FlatParam
 from plait.parallel.state import model_state_bytes
 
@@ -75,6 +80,7 @@ class SyncedReplicas(nn.Module):
     engine that keeps whole replicas (DDP); the sharded engines override them."""
 
     _sync = True
+    compression: Compression | None = None
     # The ranks over which the engine partitions the replicas' storage (ZeRO: its sharding
     # group), whose gradient pieces are disjoint parts of one whole; None for whole replicas.
     storage_axis = None
@@ -94,7 +100,20 @@ class SyncedReplicas(nn.Module):
         """After the optimizer step; replicas updated themselves."""
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return model_state_bytes(self.module, optimizer)
+        return self._with_compression(model_state_bytes(self.module, optimizer))
+
+    def _with_compression(self, state: dict[str, int]) -> dict[str, int]:
+        if self.compression is not None:
+            state["compression"] = self.compression.state_bytes()
+        return state
+
+    def _compressing(self, n: int) -> bool:
+        return self.compression is not None and self.compression.active(n)
+
+    def _step_done(self) -> None:
+        """End of the step's gradient reduction (counts steps towards compression's start)."""
+        if self.compression is not None:
+            self.compression.step_done()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -143,11 +162,11 @@ class DataParallel(SyncedReplicas):
         bucket_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND,
-        compressor: Compressor | None = None,
+        compression: Compression | None = None,
     ):
         super().__init__()
         self.module, self.group, self.algorithm = module, group, algorithm
-        self.compressor = compressor or NoCompression()
+        self.compression = compression
         self.size = dist.get_world_size(group)
         _broadcast_replicas(module, group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -159,7 +178,7 @@ class DataParallel(SyncedReplicas):
             self.buckets.append(bucket)
         self._grad_views = [b.views(b.grad) for b in self.buckets]  # by bucket index
         self._next = 0  # buckets are launched in index order, the same on every rank
-        self._in_flight: list[tuple[FlatParam, torch.Tensor, Pending]] = []
+        self._in_flight: list[tuple[FlatParam, Pending]] = []
         if self.size > 1:
             for bucket in self.buckets:
                 for position, p in enumerate(bucket.params):
@@ -179,9 +198,13 @@ class DataParallel(SyncedReplicas):
         return on_gradient
 
     def _launch(self, bucket: FlatParam) -> None:
-        payload = self.compressor.compress(bucket.index, bucket.grad)
-        pending = all_reduce_by(self.algorithm, payload, self.group)
-        self._in_flight.append((bucket, payload, pending))
+        """The bucket's all-reduce (in place: the mean comes back in `bucket.grad`)."""
+        if self._compressing(self.size):
+            pending = self.compression.method.all_reduce(bucket.key, bucket.grad,
+                                                         bucket.segments, self.group)
+        else:
+            pending = all_reduce_by(self.algorithm, bucket.grad, self.group)
+        self._in_flight.append((bucket, pending))
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
@@ -196,11 +219,11 @@ class DataParallel(SyncedReplicas):
                     if i not in b.ready]
             raise RuntimeError(f"gradients arrived outside the last backward for: {late}; "
                                "call finish_gradients after a backward run outside no_sync()")
-        for bucket, payload, pending in self._in_flight:
+        for bucket, pending in self._in_flight:
             pending.wait()
-            self.compressor.decompress(bucket.index, payload, bucket.grad)
             for p, view in zip(bucket.params, self._grad_views[bucket.index], strict=True):
                 p.grad = view  # the optimizer reads the bucket in place
             bucket.ready.clear()
         self._in_flight.clear()
         self._next = 0
+        self._step_done()

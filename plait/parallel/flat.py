@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.comm.compression import Segment, layout
 from plait.parallel.state import Slice
 
 
@@ -77,6 +78,16 @@ class FlatParam:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [self.view(flat, i) for i in range(len(self.params))]
+
+    @property
+    def key(self) -> str:
+        """A name for the buffer, unique in its engine: its first parameter's."""
+        return self.names[0]
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Where each parameter lies in the flat layout (for per-tensor compression)."""
+        return layout(zip(self.names, self.params, strict=True))
 
     @property
     def full_bytes(self) -> int:

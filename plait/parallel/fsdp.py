@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from plait.comm import Pending, all_gather
+from plait.comm.compression import Compression
 from plait.mesh import Axis
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.flat import FlatParam
@@ -102,10 +103,11 @@ class FullyShardedDataParallel(ShardedEngine):
         offload: str = "none",
         replicate: Axis | None = None,
         reshard_after_forward: bool = True,
+        compression: Compression | None = None,
     ):
         super().__init__()
         dp_size = shard.size * (replicate.size if replicate else 1)
-        self._init_sharding(chunks, dp_size, shard, replicate, reduce_dtype)
+        self._init_sharding(chunks, dp_size, shard, replicate, reduce_dtype, compression)
         self.reshard_after_forward = reshard_after_forward
         names = {p: n for n, p in chunks.named_parameters()}
         cpu = torch.device("cpu")
@@ -243,6 +245,7 @@ class FullyShardedDataParallel(ShardedEngine):
             unit.reduced = False
             for flat in unit.flats:
                 self._hand_over(flat)
+        self._step_done()
 
     def finish_step(self) -> None:
         """Nothing to gather (the next forward gathers each unit from its updated slice); under
@@ -252,12 +255,12 @@ class FullyShardedDataParallel(ShardedEngine):
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         flats = self.flats
-        return {
+        return self._with_compression({
             "params": nbytes(f.slice.shard for f in flats) + self.gathered_bytes,
             "grads": nbytes(f.grad_shard for f in flats),
             "optimizer": optimizer_state_bytes(optimizer)
             + sum(f.slice.master_bytes for f in flats),
-        }
+        })
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

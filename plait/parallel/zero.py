@@ -35,6 +35,7 @@ from torch import nn
 
 from plait.comm import all_gather, all_reduce, reduce_scatter
 from plait.comm.buckets import assign_buckets
+from plait.comm.compression import Compression
 from plait.mesh import Axis
 from plait.parallel.data_parallel import (
     SyncedReplicas,
@@ -61,8 +62,9 @@ class ShardedEngine(SyncedReplicas):
     across `replicate` (HSDP), the averaged gradient slices, the optimizer over slices."""
 
     def _init_sharding(self, module: nn.Module, dp_size: int, shard: Axis,
-                       replicate: Axis | None, reduce_dtype: torch.dtype) -> None:
-        self.module, self.reduce_dtype = module, reduce_dtype
+                       replicate: Axis | None, reduce_dtype: torch.dtype,
+                       compression: Compression | None) -> None:
+        self.module, self.reduce_dtype, self.compression = module, reduce_dtype, compression
         self.group, self.size, self.rank = shard.group, shard.size, shard.rank
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.dp_size = dp_size  # gradients are pre-divided by all of dp
@@ -75,9 +77,13 @@ class ShardedEngine(SyncedReplicas):
     def flats(self) -> list[FlatParam]:
         raise NotImplementedError
 
-    def _reduce_grad(self, flat: FlatParam, async_op: bool = True):
+    def _reduce_grad(self, flat: FlatParam):
+        """Start the reduce-scatter of a flat gradient into this rank's `grad_shard`."""
         flat.grad_shard = torch.empty_like(flat.slice.shard, dtype=self.reduce_dtype)
-        return reduce_scatter(flat.grad_shard, flat.grad, self.group, async_op=async_op)
+        if self._compressing(self.size):
+            return self.compression.method.reduce_scatter(
+                flat.key, flat.grad, flat.grad_shard, flat.segments, self.group)
+        return reduce_scatter(flat.grad_shard, flat.grad, self.group, async_op=True)
 
     def _hand_over(self, flat: FlatParam) -> None:
         """After the reduce-scatter: sum over the replicas (HSDP), then give the slice its
@@ -112,13 +118,14 @@ class ZeroDataParallel(ShardedEngine):
         reduce_dtype: torch.dtype = torch.float32,
         offload_optimizer: bool = False,
         replicate: Axis | None = None,
+        compression: Compression | None = None,
     ):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
         self.stage = stage
         dp_size = shard.size * (replicate.size if replicate else 1)
-        self._init_sharding(module, dp_size, shard, replicate, reduce_dtype)
+        self._init_sharding(module, dp_size, shard, replicate, reduce_dtype, compression)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # Offload: masters and optimizer state in host memory (a no-op when already on the CPU).
         master_device = torch.device("cpu") if offload_optimizer else None
@@ -166,6 +173,7 @@ class ZeroDataParallel(ShardedEngine):
             bucket.ready.clear()
         self._pending.clear()
         self._next = 0
+        self._step_done()
 
     @torch.no_grad()
     def finish_step(self) -> None:
@@ -181,9 +189,9 @@ class ZeroDataParallel(ShardedEngine):
             grads = [p.grad for b in self.buckets for p in b.params]
         else:
             grads = [b.grad_shard for b in self.buckets]
-        return {
+        return self._with_compression({
             "params": nbytes(b.full for b in self.buckets),
             "grads": nbytes(grads),
             "optimizer": optimizer_state_bytes(optimizer)
             + sum(b.slice.master_bytes for b in self.buckets),
-        }
+        })

@@ -46,15 +46,13 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
     console = Console(width=140)
     state = Table(title=f"plait train --dry-run: {dims.world_size} rank(s) ({degrees or 'one'}), "
                         f"zero {cfg.parallel.zero}, {cfg.train.precision}; model state per rank")
-    for col in ("rank", *shown, "chunks", "tensors", "parameters", "params MiB", "grads MiB",
-                "optimizer MiB"):
+    kinds = list(ranks[0]["state"])  # params, grads, optimizer (, compression)
+    for col in ("rank", *shown, "chunks", "tensors", "parameters", *(f"{k} MiB" for k in kinds)):
         state.add_column(col, justify="right")
     for r in ranks:
-        s = r["state"]
         state.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in shown),
                       ",".join(map(str, r["chunks"])), str(r["tensors"]),
-                      f"{r['elements']:,}", _mib(s["params"]), _mib(s["grads"]),
-                      _mib(s["optimizer"]))
+                      f"{r['elements']:,}", *(_mib(r["state"][k]) for k in kinds))
     console.print(state)
     comm = Table(title="collectives of one training step, per rank and group "
                        "(bytes by the ring convention)")

@@ -72,6 +72,8 @@ def print_summary(summary, world_size: int) -> None:
         ("grads per rank", _bytes(state["grads"])),
         ("optimizer state per rank", _bytes(state["optimizer"])),
     ]
+    if "compression" in state:  # error feedback, PowerSGD's Q
+        rows.append(("compression state per rank", _bytes(state["compression"])))
     if summary.skipped_steps:
         rows.append(("steps skipped (non-finite gradient)", str(summary.skipped_steps)))
     for row in rows:

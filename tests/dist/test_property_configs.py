@@ -22,6 +22,8 @@ FIELDS = {
     "parallel.pp_schedule": st.sampled_from(["gpipe", "1f1b", "interleaved", "zb1", "2f2b"]),
     "parallel.sequence_parallel": st.booleans(),
     "parallel.reshard_after_forward": st.booleans(),
+    "parallel.compression": st.sampled_from(["none", "fp16", "int8", "topk", "powersgd", "sign",
+                                             "zip"]),
     "train.activation_checkpointing": st.sampled_from(["none", "full", "selective", "half"]),
     "train.precision": st.sampled_from(["fp32", "bf16"]),
     "train.global_batch": st.integers(0, 12),

@@ -147,6 +147,22 @@ BAD_INPUT = [
       "parallel.pp_virtual=3"], "parallel.pp"),  # 6 chunks, 4 layers
     (["parallel.pp=2", "--nproc", "2", "parallel.pp_split=[4, 0]"], "parallel.pp_split"),
     (["--nproc", "0"], "--nproc"),
+    # Gradient compression: unknown, out of range, or where a method cannot apply.
+    (["parallel.compression=zip"], "parallel.compression"),
+    (["parallel.compression=topk", "parallel.compression_ratio=0"], "parallel.compression_ratio"),
+    (["parallel.compression=topk", "parallel.compression_ratio=1.5"],
+     "parallel.compression_ratio"),
+    (["parallel.compression=powersgd", "parallel.compression_rank=0"],
+     "parallel.compression_rank"),
+    (["parallel.compression_start=-1"], "parallel.compression_start"),
+    (["parallel.compression=topk", "parallel.zero=3"], "parallel.compression"),
+    (["parallel.compression=powersgd", "parallel.zero=3"], "parallel.compression"),
+    (["parallel.compression=sign", "parallel.zero=3"], "parallel.compression"),
+    (["parallel.compression=fp16", "parallel.zero=1", "parallel.dp_shard=2", "--nproc", "4"],
+     "parallel.compression"),
+    (["parallel.compression=int8", "parallel.allreduce=ring"], "parallel.compression"),
+    (["parallel.compression=bf16", "parallel.zero=2", "train.precision=bf16",
+      "parallel.reduce_dtype=bf16"], "parallel.compression"),
     (["train=3"], "train=3"),  # not section.key=value
     (["model.preset=tiny", "data.seq_len=65"], "data.seq_len"),  # beyond max_seq_len 64
     # Files: the recipe, the data, the metrics path (created by the `files` fixture).

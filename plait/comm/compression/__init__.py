@@ -1,36 +1,192 @@
-"""Gradient compression: the hook point of the data-parallel engine.
+"""Gradient compression: communication algorithms for the data-parallel gradient reduction.
 
-A `Compressor` turns a gradient bucket into the payload that is all-reduced (summed over the
-ranks), and the reduced payload back into the bucket. The engine calls `compress` when the bucket
-is full, all-reduces what it returns, and calls `decompress` before the optimizer reads the
-gradients. The bucket holds this rank's gradient already divided by the number of ranks, so the
-sum that comes back is the mean. Methods that need per-bucket memory (error feedback) key it by
-`bucket`.
+A method is not a filter around one all-reduce: it chooses its own collectives and keeps its own
+state. Each takes one flat gradient buffer of a data-parallel engine (a DDP bucket, or a ZeRO flat
+parameter padded to a multiple of the group) holding this rank's gradient already divided by the
+group size n, so that sums over the ranks are means, and offers the two reductions the engines
+need:
+
+    all_reduce(key, flat, segments, group)            DDP: `flat` <- the (approximate) mean
+    reduce_scatter(key, flat, out, segments, group)   ZeRO-1/2/3: `out` <- this rank's 1/n of it
+
+Both start the first collective asynchronously and return a `Chain`; `wait()` finishes it and runs
+what follows (decoding, a second collective). The engines launch buckets in index order and wait
+in index order on every rank, so the collectives of all ranks line up one by one: the order is
+deterministic, which is what PyTorch's PowerSGD hook lacks on gloo.
+
+`segments` say which parameter occupies which elements of the buffer (`Segment`): per-tensor
+methods (top-k, sign, PowerSGD) work tensor by tensor, so their result does not depend on how
+parameters were bucketed. `key` names the buffer, for the state kept between steps.
+
+| method   | file          | collectives per buffer                          | state           |
+|----------|---------------|-------------------------------------------------|-----------------|
+| fp16/bf16| `cast.py`     | the all-reduce / reduce-scatter in 2 bytes      | none            |
+| int8     | `int8.py`     | all-to-all of int8 + block scales (+ all-gather)| none            |
+| topk     | `topk.py`     | all-gather of values and indices                | error feedback  |
+| powersgd | `powersgd.py` | two all-reduces (P, then Q)                     | error, Q        |
+| sign     | `sign.py`     | all-gather of packed sign bits + scales         | error feedback  |
+
+Each method also states its traffic as a formula (`messages`) and its state size
+(`state_numel`), which `plait.parallel.cost` uses and the tests assert against the ledger.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from math import prod
+from typing import NamedTuple, Protocol
 
 import torch
+from torch.distributed import ProcessGroup
+
+from plait.comm.collectives import Op, Pending, all_gather
 
 
-class Compressor(Protocol):
-    def compress(self, bucket: int, flat: torch.Tensor) -> torch.Tensor:
-        """The payload to all-reduce (sum over ranks) for bucket number `bucket`."""
+class Segment(NamedTuple):
+    """One parameter's place in a flat buffer: elements [offset, offset + numel) with `shape`."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's elements of `flat`, 1-D."""
+        return flat[self.offset : self.offset + self.numel]
+
+
+def layout(members) -> list[Segment]:
+    """Segments of (name, tensor) pairs laid out back to back from element 0."""
+    out, offset = [], 0
+    for name, p in members:
+        out.append(Segment(name, offset, tuple(p.shape)))
+        offset += p.numel()
+    return out
+
+
+def members_numel(segments: list[Segment]) -> int:
+    """Elements the parameters occupy (the buffer may have padding after them)."""
+    return sum(s.numel for s in segments)
+
+
+def sum_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
+    """rows[0] + rows[1] + ... in that order: every rank (and a one-process simulation) adds the
+    same floats in the same order, so decoded results agree bit for bit."""
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return total
+
+
+class Chain:
+    """A first collective in flight and the work that follows it. `wait()` waits for the first,
+    then runs `then` (which may decode and issue further collectives, synchronously)."""
+
+    def __init__(self, first: Pending, then: Callable[[], None]):
+        self._first, self._then = first, then
+
+    def wait(self) -> None:
+        if self._then is not None:
+            self._first.wait()
+            self._then()
+            self._then = None
+
+
+def all_gather_sum(message: torch.Tensor, group: ProcessGroup, numel: int,
+                   decode: Callable[[torch.Tensor], torch.Tensor],
+                   write: Callable[[torch.Tensor], object]) -> Chain:
+    """For messages that do not sum (sparse, bits): all-gather every rank's 1-D `message`; then
+    `write` gets the sum of `decode(message)` over the ranks, in rank order, as (numel,) fp32."""
+    n = group.size()
+    gathered = torch.empty(n * message.numel(), dtype=message.dtype, device=message.device)
+    pending = all_gather(gathered, message, group, async_op=True)
+
+    def then() -> None:
+        dense = torch.zeros(numel, dtype=torch.float32, device=message.device)
+        for part in gathered.view(n, -1):
+            dense += decode(part)
+        write(dense)
+
+    return Chain(pending, then)
+
+
+def own_chunk(out: torch.Tensor, group: ProcessGroup) -> Callable[[torch.Tensor], object]:
+    """A writer for reduce-scatter: `out` <- this rank's 1/n of a full result."""
+    mine = slice(group.rank() * out.numel(), (group.rank() + 1) * out.numel())
+    return lambda full: out.copy_(full[mine])
+
+
+class Method(Protocol):
+    def all_reduce(self, key: str, flat: torch.Tensor, segments: list[Segment],
+                   group: ProcessGroup) -> Chain:
+        """`flat` (this rank's gradient / n) becomes the compressed mean over the group."""
         ...
 
-    def decompress(self, bucket: int, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the reduced gradient (the mean over ranks) into `out`."""
+    def reduce_scatter(self, key: str, flat: torch.Tensor, out: torch.Tensor,
+                       segments: list[Segment], group: ProcessGroup) -> Chain:
+        """`out` becomes this rank's 1/n of the compressed mean; `flat` may be overwritten."""
+        ...
+
+    def messages(self, segments: list[Segment], numel: int, n: int,
+                 sharded: bool) -> list[tuple[Op, int]]:
+        """The collectives one buffer of `numel` elements costs on n ranks: (op, D bytes) in the
+        convention of `plait.comm.collectives` (all-gather: D of the gathered output)."""
+        ...
+
+    def state_numel(self, segments: list[Segment], numel: int) -> int:
+        """fp32 elements of state kept per buffer between steps."""
+        ...
+
+    def state_bytes(self) -> int:
+        """Bytes of state this rank holds now."""
         ...
 
 
-class NoCompression:
-    """The identity: the bucket itself is all-reduced."""
+METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")
+WITH_ERROR_FEEDBACK = ("topk", "powersgd", "sign")
 
-    def compress(self, bucket: int, flat: torch.Tensor) -> torch.Tensor:
-        return flat
 
-    def decompress(self, bucket: int, payload: torch.Tensor, out: torch.Tensor) -> None:
-        if payload.data_ptr() != out.data_ptr():
-            out.copy_(payload)
+class Compression:
+    """A method and when it applies: from optimizer step `start` on (PowerSGD's authors start after
+    some uncompressed steps; error feedback starts empty then), and only where the group has more
+    than one rank (a group of one communicates nothing). The engine calls `step_done` once per
+    optimizer step, after its last wait."""
+
+    def __init__(self, method: Method, start: int = 0):
+        self.method, self.start, self.steps = method, start, 0
+
+    def active(self, n: int) -> bool:
+        return n > 1 and self.steps >= self.start
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def state_bytes(self) -> int:
+        return self.method.state_bytes()
+
+
+def build_compression(method: str, ratio: float = 0.01, rank: int = 4,
+                      start: int = 0) -> Compression | None:
+    """`parallel.compression` and its options (`ratio` for top-k, `rank` for PowerSGD); None for
+    "none": the engine's own uncompressed reduction."""
+    from plait.comm.compression import cast, int8, powersgd, sign, topk
+
+    if method == "none":
+        return None
+    build = {
+        "fp16": lambda: cast.Cast(torch.float16),
+        "bf16": lambda: cast.Cast(torch.bfloat16),
+        "int8": int8.Int8,
+        "topk": lambda: topk.TopK(ratio),
+        "powersgd": lambda: powersgd.PowerSGD(rank),
+        "sign": sign.Sign,
+    }[method]
+    return Compression(build(), start)
+
+
+__all__ = ["METHODS", "WITH_ERROR_FEEDBACK", "Chain", "Compression", "Method", "Segment",
+           "all_gather_sum", "build_compression", "layout", "members_numel", "own_chunk",
+           "sum_in_rank_order"]
