@@ -110,8 +110,7 @@ class Simulation:
             p = torch.linalg.qr(_rank_order_sum([m @ self.q[s.name] for m in ms])).Q
             q = _rank_order_sum([m.T @ p for m in ms])
             self.q[s.name] = q
-            approx = p @ q.T
-            for i, m in enumerate(ms):
-                self.error[(i, s.name)] = m - approx
-            result[part] = approx.reshape(-1)
+            for i, m in enumerate(ms):  # each rank keeps what its own M lost to the projection
+                self.error[(i, s.name)] = m - p @ p.T @ m
+            result[part] = (p @ q.T).reshape(-1)
         return result

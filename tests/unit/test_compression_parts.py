@@ -115,3 +115,31 @@ def test_layout_lays_tensors_back_to_back():
     segments = layout([("a", torch.empty(2, 3)), ("b", torch.empty(4))])
     assert segments == [Segment("a", 0, (2, 3)), Segment("b", 6, (4,))]
     assert segments[1].of(torch.arange(10)).tolist() == [6, 7, 8, 9]
+
+
+def test_error_feedback_loses_nothing_across_ranks():
+    """Over the ranks of a group, what the mean received plus what every rank still holds back is
+    exactly what they put in: sum_t result_t + sum_r e_r = sum_t sum_r g_r,t / n. (A rank that
+    subtracted the group's whole approximation from its own share, instead of its own part of
+    it, would lose (n - 1) approximations a step.)"""
+    def run(method_name, options):
+        compression = build_compression(method_name, **options)
+        segments = [Segment("w", 0, (24, 20)), Segment("b", 480, (20,))]
+        rank, n = dist.get_rank(), dist.get_world_size()
+        put_in, got = torch.zeros(500, dtype=torch.float64), torch.zeros(500, dtype=torch.float64)
+        for step in range(6):
+            g = torch.randn(500, generator=torch.Generator().manual_seed(10 * step + rank)) / n
+            put_in += g.double()
+            flat = g.clone()
+            compression.method.all_reduce("k", flat, segments, dist.group.WORLD).wait()
+            got += flat.double()
+        errors = compression.method.error
+        held = torch.cat([errors["k"]] if "k" in errors else
+                         [errors["w"].reshape(-1), torch.zeros(20)]).double()
+        summed = torch.stack([put_in, held])
+        dist.all_reduce(summed)
+        return got, summed[0], summed[1]
+
+    for method, options in (("topk", {"ratio": 0.05}), ("sign", {}), ("powersgd", {"rank": 2})):
+        got, put_in, held = run_world(run, 2, method, options)[0]
+        torch.testing.assert_close(got + held, put_in, rtol=0, atol=1e-5, msg=method)

@@ -119,6 +119,46 @@ def own_chunk(out: torch.Tensor, group: ProcessGroup) -> Callable[[torch.Tensor]
     return lambda full: out.copy_(full[mine])
 
 
+class GatheredWithFeedback:
+    """What top-k and sign share: messages that do not sum (sparse values, bits), with error
+    feedback. Each rank adds what it held back before to its gradient, M = g + e, encodes M
+    (`encode` returns the message and the dense values it carries), keeps e <- M - carried, and
+    all-gathers the message; every rank decodes the n messages and adds them in rank order. What
+    one step does not send is sent later. State: one fp32 error buffer per flat buffer."""
+
+    def __init__(self):
+        self.error: dict[str, torch.Tensor] = {}
+
+    def encode(self, m: torch.Tensor, segments: list[Segment]):
+        raise NotImplementedError
+
+    def decode(self, message: torch.Tensor, numel: int, segments: list[Segment]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _reduce(self, key, flat, segments, group, write) -> Chain:
+        error = self.error.setdefault(key, torch.zeros_like(flat, dtype=torch.float32))
+        error += flat  # M = g + e
+        message, carried = self.encode(error, segments)
+        error -= carried
+        numel = flat.numel()
+        return all_gather_sum(message, group, numel,
+                              lambda part: self.decode(part, numel, segments), write)
+
+    def all_reduce(self, key: str, flat: torch.Tensor, segments: list[Segment],
+                   group: ProcessGroup) -> Chain:
+        return self._reduce(key, flat, segments, group, flat.copy_)
+
+    def reduce_scatter(self, key: str, flat: torch.Tensor, out: torch.Tensor,
+                       segments: list[Segment], group: ProcessGroup) -> Chain:
+        return self._reduce(key, flat, segments, group, own_chunk(out, group))
+
+    def state_numel(self, segments, numel: int) -> int:
+        return numel
+
+    def state_bytes(self) -> int:
+        return sum(e.numel() * e.element_size() for e in self.error.values())
+
+
 class Method(Protocol):
     def all_reduce(self, key: str, flat: torch.Tensor, segments: list[Segment],
                    group: ProcessGroup) -> Chain:
@@ -187,6 +227,6 @@ def build_compression(method: str, ratio: float = 0.01, rank: int = 4,
     return Compression(build(), start)
 
 
-__all__ = ["METHODS", "WITH_ERROR_FEEDBACK", "Chain", "Compression", "Method", "Segment",
-           "all_gather_sum", "build_compression", "layout", "members_numel", "own_chunk",
-           "sum_in_rank_order"]
+__all__ = ["METHODS", "WITH_ERROR_FEEDBACK", "Chain", "Compression", "GatheredWithFeedback",
+           "Method", "Segment", "all_gather_sum", "build_compression", "layout", "members_numel",
+           "own_chunk", "sum_in_rank_order"]

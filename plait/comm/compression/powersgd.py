@@ -8,9 +8,9 @@ send), with Q (cols, r) kept from the last step (first: standard normal, seeded 
 name, so equal on every rank):
 
     P = M Q                  all-reduce P (summed: M holds g / n, so sums are means)
-    P = orthonormal(P)       the same on every rank: P is
+    P = orthonormal(P)       the same on every rank (all hold the same sum)
     Q = M^T P                all-reduce Q
-    M ~ P Q^T,   e <- M - P Q^T
+    mean ~ P Q^T,   e <- M - P P^T M   (this rank's own loss to the projection)
 
 Two all-reduces per buffer: the first carries every P and the uncompressed tensors, and starts
 during backward; the second carries every Q. Per rank 2 (n - 1) / n * 4 * (sum r (rows + cols) +
@@ -80,18 +80,20 @@ class PowerSGD:
                 s.of(result).copy_(first[offset : offset + s.numel])
                 offset += s.numel
             ps[:] = [torch.linalg.qr(p).Q for p in ps]
-            qs = [m.T @ p for m, p in zip(ms, ps, strict=True)]
+            qs = [m.T @ p for m, p in zip(ms, ps, strict=True)]  # this rank's, before the sum
             if qs:
                 second = torch.cat([q.reshape(-1) for q in qs])
                 all_reduce(second, group)
                 offset = 0
                 for (s, _), m, p, q in zip(low, ms, ps, qs, strict=True):
+                    # What this rank's own M lost to the projection on P stays for later:
+                    # M - P P^T M (Vogels et al., Algorithm 2); summed over the ranks it is
+                    # exactly what the mean lost.
+                    self.error[s.name] = m - p @ q.T
                     q.copy_(second[offset : offset + q.numel()].view_as(q))
                     offset += q.numel()
-                    approx = p @ q.T
                     self.q[s.name] = q  # warm start
-                    self.error[s.name] = m - approx
-                    s.of(result).copy_(approx.reshape(-1))
+                    s.of(result).copy_((p @ q.T).reshape(-1))
             write(result)
 
         return Chain(pending, then)

@@ -8,16 +8,15 @@ all-gathered and every rank decodes and adds the n of them in rank order. Per ra
 (n - 1) * (ceil(D / 8) + 4T) bytes for D elements in T tensors, about (n - 1) D / 8 against the
 fp32 all-reduce's 2 (n - 1) / n * 4D. Under ZeRO each rank keeps its slice of the result.
 
-State: one fp32 error buffer of the buffer's size per rank.
+State: one fp32 error buffer of the buffer's size per rank (`GatheredWithFeedback`).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed import ProcessGroup
 
 from plait.comm.collectives import Op
-from plait.comm.compression import Chain, Segment, all_gather_sum, members_numel, own_chunk
+from plait.comm.compression import GatheredWithFeedback, Segment, members_numel
 
 _BIT = 2 ** torch.arange(8, dtype=torch.uint8)  # bit i of a byte is element i of its eight
 
@@ -34,51 +33,30 @@ def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     return (packed[:, None] & _BIT.to(packed.device)).ne(0).view(-1)[:count]
 
 
-class Sign:
-    def __init__(self):
-        self.error: dict[str, torch.Tensor] = {}
-
-    def _encode(self, key: str, flat: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        error = self.error.setdefault(key, torch.zeros_like(flat, dtype=torch.float32))
-        error += flat  # M = g + e
+class Sign(GatheredWithFeedback):
+    def encode(self, m: torch.Tensor, segments: list[Segment]):
+        """Packed bits then the fp32 scales; and the scale * sign values they stand for."""
         total = members_numel(segments)
-        bits = error[:total] >= 0
-        scales = torch.stack([s.of(error).abs().mean() for s in segments])
-        error[:total] -= self._values(bits, scales, segments)
-        return torch.cat([pack_bits(bits), scales.view(torch.uint8)])
+        bits = m[:total] >= 0
+        scales = torch.stack([s.of(m).abs().mean() for s in segments])
+        carried = torch.zeros_like(m)
+        carried[:total] = self._values(bits, scales, segments)
+        return torch.cat([pack_bits(bits), scales.view(torch.uint8)]), carried
+
+    def decode(self, message: torch.Tensor, numel: int, segments) -> torch.Tensor:
+        total = members_numel(segments)
+        nbits = -(-total // 8)
+        scales = message[nbits:].clone().view(torch.float32)  # a copy: aligned for the view
+        dense = torch.zeros(numel, dtype=torch.float32, device=message.device)
+        dense[:total] = self._values(unpack_bits(message[:nbits], total), scales, segments)
+        return dense
 
     @staticmethod
     def _values(bits, scales, segments) -> torch.Tensor:
         """scale of its tensor * (+1 | -1) per element."""
         signs = bits.float() * 2 - 1
-        return signs * torch.repeat_interleave(scales, torch.tensor([s.numel for s in segments]))
-
-    def _reduce(self, key, flat, segments, group, write) -> Chain:
-        message = self._encode(key, flat, segments)
-        total = members_numel(segments)
-        nbits = -(-total // 8)
-
-        def decode(part: torch.Tensor) -> torch.Tensor:
-            dense = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-            scales = part[nbits:].clone().view(torch.float32)  # aligned for the view
-            dense[:total] = self._values(unpack_bits(part[:nbits], total), scales, segments)
-            return dense
-
-        return all_gather_sum(message, group, flat.numel(), decode, write)
-
-    def all_reduce(self, key: str, flat: torch.Tensor, segments: list[Segment],
-                   group: ProcessGroup) -> Chain:
-        return self._reduce(key, flat, segments, group, flat.copy_)
-
-    def reduce_scatter(self, key: str, flat: torch.Tensor, out: torch.Tensor,
-                       segments: list[Segment], group: ProcessGroup) -> Chain:
-        return self._reduce(key, flat, segments, group, own_chunk(out, group))
+        return signs * torch.repeat_interleave(scales, torch.tensor([s.numel for s in segments],
+                                                                    device=bits.device))
 
     def messages(self, segments, numel: int, n: int, sharded: bool) -> list[tuple[Op, int]]:
         return [(Op.ALL_GATHER, n * (-(-members_numel(segments) // 8) + 4 * len(segments)))]
-
-    def state_numel(self, segments, numel: int) -> int:
-        return numel
-
-    def state_bytes(self) -> int:
-        return sum(e.numel() * e.element_size() for e in self.error.values())

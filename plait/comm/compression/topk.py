@@ -9,7 +9,7 @@ and every rank adds the n sparse vectors into a dense result, in rank order. Per
 (n - 1) * 8K bytes for K = sum of the tensors' k, against 2 (n - 1) / n * 4D for fp32 (at 1% and
 n = 4: 1/25). Under ZeRO each rank keeps its slice of the result.
 
-State: one fp32 error buffer of the buffer's size per rank.
+State: one fp32 error buffer of the buffer's size per rank (`GatheredWithFeedback`).
 """
 
 from __future__ import annotations
@@ -17,59 +17,36 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed import ProcessGroup
 
 from plait.comm.collectives import Op
-from plait.comm.compression import Chain, Segment, all_gather_sum, own_chunk
+from plait.comm.compression import GatheredWithFeedback, Segment
 
 
 def k_of(numel: int, ratio: float) -> int:
     return max(1, math.ceil(ratio * numel))
 
 
-class TopK:
+class TopK(GatheredWithFeedback):
     def __init__(self, ratio: float):
+        super().__init__()
         self.ratio = ratio
-        self.error: dict[str, torch.Tensor] = {}
 
-    def _select(self, key: str, flat: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
-        """This rank's message: (2K,) int32, the K values' bits then their indices."""
-        error = self.error.setdefault(key, torch.zeros_like(flat, dtype=torch.float32))
-        error += flat  # M = g + e; what is not sent stays in `error`
-        chosen = []
-        for s in segments:
-            top = torch.topk(s.of(error).abs(), k_of(s.numel, self.ratio), sorted=False).indices
-            chosen.append(top + s.offset)
-        index = torch.cat(chosen)
-        values = error[index]
-        error[index] = 0
-        return torch.cat([values.view(torch.int32), index.to(torch.int32)])
+    def encode(self, m: torch.Tensor, segments: list[Segment]):
+        """(2K,) int32: the K values' bits, then their indices; and M at those indices."""
+        index = torch.cat([
+            torch.topk(s.of(m).abs(), k_of(s.numel, self.ratio), sorted=False).indices + s.offset
+            for s in segments])
+        values = m[index]
+        carried = torch.zeros_like(m)
+        carried[index] = values
+        return torch.cat([values.view(torch.int32), index.to(torch.int32)]), carried
 
-    def _reduce(self, key, flat, segments, group, write) -> Chain:
-        message = self._select(key, flat, segments)
+    def decode(self, message: torch.Tensor, numel: int, segments) -> torch.Tensor:
         k = message.numel() // 2
-
-        def decode(part: torch.Tensor) -> torch.Tensor:
-            dense = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-            dense[part[k:].long()] = part[:k].view(torch.float32)
-            return dense
-
-        return all_gather_sum(message, group, flat.numel(), decode, write)
-
-    def all_reduce(self, key: str, flat: torch.Tensor, segments: list[Segment],
-                   group: ProcessGroup) -> Chain:
-        return self._reduce(key, flat, segments, group, flat.copy_)
-
-    def reduce_scatter(self, key: str, flat: torch.Tensor, out: torch.Tensor,
-                       segments: list[Segment], group: ProcessGroup) -> Chain:
-        return self._reduce(key, flat, segments, group, own_chunk(out, group))
+        dense = torch.zeros(numel, dtype=torch.float32, device=message.device)
+        dense[message[k:].long()] = message[:k].view(torch.float32)
+        return dense
 
     def messages(self, segments, numel: int, n: int, sharded: bool) -> list[tuple[Op, int]]:
         k = sum(k_of(s.numel, self.ratio) for s in segments)
         return [(Op.ALL_GATHER, n * 8 * k)]
-
-    def state_numel(self, segments, numel: int) -> int:
-        return numel
-
-    def state_bytes(self) -> int:
-        return sum(e.numel() * e.element_size() for e in self.error.values())
