@@ -67,9 +67,7 @@ class ParallelConfig:
     pp_split: list[int] = field(default_factory=list)  # layers per chunk; empty = balanced
     bucket_mb: float = 25.0  # gradient bucket size
     allreduce: str = "backend"  # "backend" | "ring" | "naive"
-    # Gradient compression of the data-parallel reduction (plait/comm/compression/): "none" |
-    # "fp16" | "bf16" | "int8" | "topk" | "powersgd" | "sign"
-    compression: str = "none"
+    compression: str = "none"  # of the dp gradient reduction: plait/comm/compression/ METHODS
     compression_ratio: float = 0.01  # topk: fraction of each tensor's elements sent
     compression_rank: int = 4  # powersgd: rank of the approximation
     compression_start: int = 0  # optimizer steps reduced uncompressed first
@@ -343,33 +341,28 @@ def _check_parallel(par: ParallelConfig) -> None:
 
 
 def _check_compression(par: ParallelConfig, dims: ParallelDims, precision: str) -> None:
-    field = "parallel.compression"
-    if par.compression not in METHODS:
-        raise ConfigError(field, f"one of {', '.join(METHODS)}; got '{par.compression}'")
-    if not 0 < par.compression_ratio <= 1:
-        raise ConfigError("parallel.compression_ratio",
-                          f"a fraction in (0, 1] of each tensor, got {par.compression_ratio}")
-    if par.compression_rank < 1:
-        raise ConfigError("parallel.compression_rank", f"must be >= 1, got {par.compression_rank}")
-    if par.compression_start < 0:
-        raise ConfigError("parallel.compression_start",
-                          f"must be >= 0 steps, got {par.compression_start}")
-    if par.compression == "none":
-        return
-    if par.zero == 3 and par.compression in WITH_ERROR_FEEDBACK:
-        raise ConfigError(field, f"'{par.compression}' keeps a full-size error-feedback copy of "
-                          "every gradient on every rank, which ZeRO-3 exists not to hold; use "
-                          "parallel.zero <= 2, or fp16, bf16 or int8")
-    if dims.shard < dims.dp:
-        raise ConfigError(field, "hybrid sharding reduces twice (within and across the "
-                          "dp_shard groups); compression covers one reduction: leave "
-                          "parallel.dp_shard at 0")
-    if par.allreduce != "backend":
-        raise ConfigError(field, f"a method chooses its own collectives; parallel.allreduce="
-                          f"'{par.allreduce}' applies to uncompressed all-reduces: set one")
-    if par.zero and precision == "bf16" and par.reduce_dtype == "bf16":
-        raise ConfigError(field, "parallel.reduce_dtype='bf16' already compresses the "
-                          "reduction; set it to 'fp32' (or use parallel.compression='bf16')")
+    field, method = "parallel.compression", par.compression
+    if method not in METHODS:
+        raise ConfigError(field, f"one of {', '.join(METHODS)}; got '{method}'")
+    for key, ok, want in (("ratio", 0 < par.compression_ratio <= 1, "a fraction in (0, 1]"),
+                          ("rank", par.compression_rank >= 1, "must be >= 1"),
+                          ("start", par.compression_start >= 0, "must be >= 0 steps")):
+        if not ok:
+            raise ConfigError(f"{field}_{key}", f"{want}, got {getattr(par, f'compression_{key}')}")
+    why = None
+    if method != "none" and par.zero == 3 and method in WITH_ERROR_FEEDBACK:
+        why = (f"'{method}' keeps a full-size error-feedback copy of every gradient per rank, "
+               "which ZeRO-3 exists not to hold; use parallel.zero <= 2, or fp16, bf16 or int8")
+    elif method != "none" and dims.shard < dims.dp:
+        why = ("hybrid sharding reduces twice (within and across dp_shard groups), compression "
+               "covers one reduction: leave parallel.dp_shard at 0")
+    elif method != "none" and par.allreduce != "backend":
+        why = (f"a method chooses its own collectives; parallel.allreduce='{par.allreduce}' is "
+               "for uncompressed all-reduces: set one")
+    elif method != "none" and par.zero and precision == "bf16" and par.reduce_dtype == "bf16":
+        why = "parallel.reduce_dtype='bf16' already compresses the reduction: set it to 'fp32'"
+    if why:
+        raise ConfigError(field, why)
 
 
 def _check_model(args: ModelArgs) -> ModelArgs:
