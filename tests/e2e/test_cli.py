@@ -361,3 +361,23 @@ def test_bench_pp_tables_every_schedule_and_draws_the_timeline(tmp_path):
     # Simulated and closed-form bubbles printed side by side agree (2 stages, 4 micro-batches).
     assert [c.strip() for c in rows["1f1b"].split("│")[2:4]] == ["0.200", "0.200"]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_compression_tables_each_method_and_the_torch_hooks(tmp_path):
+    png = tmp_path / "loss.png"
+    proc = plait("bench", "compression", "--nproc", "2", "--methods", "none,int8,topk",
+                 "--png", str(png), *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("│")}
+    assert set(rows) == {"none", "int8", "topk", "torch fp16_compress_hook",
+                         "torch powerSGD_hook"}
+    assert rows["none"][4] == "1.000"  # bytes ratio
+    assert 0 < float(rows["topk"][4]) < float(rows["int8"][4]) < 0.5
+    assert rows["torch powerSGD_hook"][3] == "-"  # torch's bytes are not in plait's ledger
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_compression_refuses_an_unknown_method():
+    proc = plait("bench", "compression", "--methods", "none,zip")
+    assert proc.returncode == 2 and proc.stderr.startswith("plait: error: --methods")
