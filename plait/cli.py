@@ -1,5 +1,6 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [--dry-run] [section.key=value ...]`
 `plait bench comm | step | pp | compression --nproc N [--config FILE] [section.key=value ...]`
+`plait compare A.jsonl B.jsonl [--rtol R]`
 
 Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
 fix, before any worker starts.
@@ -66,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="loss curves picture")
     squeeze.add_argument("overrides", nargs="*", metavar="section.key=value")
     squeeze.set_defaults(func=cmd_bench_compression)
+    compare = sub.add_parser("compare", help="two runs' losses step by step; exit 1 at the first "
+                             "step beyond tolerance")
+    compare.add_argument("a", metavar="A.jsonl")
+    compare.add_argument("b", metavar="B.jsonl")
+    compare.add_argument("--rtol", type=float, default=1e-5,
+                         help="relative tolerance on each step's loss (default 1e-5: float32 "
+                         "reduction order)")
+    compare.set_defaults(func=cmd_compare)
     return parser
 
 
@@ -199,6 +208,26 @@ def cmd_bench_compression(args: argparse.Namespace) -> None:
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_compression(args.nproc, load(args), methods, args.png)
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from plait.train.compare import MetricsFileError, compare_losses
+
+    if not args.rtol >= 0:
+        raise ConfigError("--rtol", f"a relative tolerance >= 0, got {args.rtol}")
+    try:
+        result = compare_losses(args.a, args.b, args.rtol)
+    except MetricsFileError as e:
+        raise ConfigError("compare", str(e)) from None
+    for path, extra in result.only_in.items():
+        if extra:
+            print(f"note: {extra} step(s) only in {path}; compared the {result.steps} both have")
+    if result.first_bad is not None:
+        step, a, b, rel = result.first_bad
+        print(f"step {step}: loss {a} vs {b}, relative difference {rel:.3g} > rtol {args.rtol}")
+        sys.exit(1)
+    print(f"{result.steps} steps agree within rtol {args.rtol} (largest relative difference "
+          f"{result.worst:.3g})")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -381,3 +381,39 @@ def test_bench_compression_tables_each_method_and_the_torch_hooks(tmp_path):
 def test_bench_compression_refuses_an_unknown_method():
     proc = plait("bench", "compression", "--methods", "none,zip")
     assert proc.returncode == 2 and proc.stderr.startswith("plait: error: --methods")
+
+
+def _metrics(path, losses):
+    path.write_text("".join(json.dumps({"step": i, "loss": x}) + "\n"
+                            for i, x in enumerate(losses)))
+    return str(path)
+
+
+def test_compare_names_the_first_step_beyond_tolerance(tmp_path):
+    a = _metrics(tmp_path / "a.jsonl", [5.0, 4.0, 3.0, 2.5])
+    same = _metrics(tmp_path / "same.jsonl", [5.0, 4.0 * (1 + 1e-7), 3.0, 2.5])
+    off = _metrics(tmp_path / "off.jsonl", [5.0, 4.0, 3.01, 2.6])
+    short = _metrics(tmp_path / "short.jsonl", [5.0, 4.0])
+    nan = _metrics(tmp_path / "nan.jsonl", [5.0, None, 3.0, 2.5])  # a run's null: not finite
+    assert plait("compare", a, same).returncode == 0
+    proc = plait("compare", a, off)
+    assert proc.returncode == 1 and proc.stdout.startswith("step 2: loss 3.0 vs 3.01"), proc.stdout
+    assert plait("compare", a, off, "--rtol", "0.05").returncode == 0
+    proc = plait("compare", a, short)
+    assert proc.returncode == 0 and "2 step(s) only in" in proc.stdout
+    assert plait("compare", a, nan).returncode == 1
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    for args in ([a, str(tmp_path / "missing.jsonl")], [a, str(tmp_path / "bad.jsonl")],
+                 [a, a, "--rtol", "-1"]):
+        proc = plait("compare", *args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_compare_two_layouts_of_one_run(tmp_path):
+    """What the equivalence tests check, by the user's hand: 1 and 2 data-parallel ranks."""
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    for n, path in (("1", one), ("2", two)):
+        proc = plait("train", "--nproc", n, "--metrics", str(path), *TINY)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = plait("compare", str(one), str(two))
+    assert proc.returncode == 0 and proc.stdout.startswith("4 steps agree"), proc.stdout
