@@ -1,4 +1,4 @@
-"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--dry-run] [section.key=value ...]`
+"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--dry-run] [...]`
 `plait bench comm | step | pp | compression --nproc N [--config FILE] [section.key=value ...]`
 `plait compare A.jsonl B.jsonl [--rtol R]`
 
@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
     train.add_argument("--nproc", type=int, help="local workers (default: the config's degrees)")
     train.add_argument("--metrics", help="write one JSON object per step here (rank 0)")
+    train.add_argument("--tensorboard", metavar="DIR",
+                       help="also write every metric as a TensorBoard scalar here (rank 0)")
     train.add_argument("--dry-run", action="store_true",
                        help="print what each rank would hold and communicate; start nothing")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -94,29 +96,32 @@ def default_world(cfg: Config) -> int:
     return math.prod(getattr(cfg.parallel, a) or 1 for a in AXES)
 
 
-def check_metrics_path(path: str) -> None:
-    """The metrics file can be created (or overwritten) and written."""
+def check_output_path(path: str, option: str = "--metrics", folder: bool = False) -> None:
+    """A file (or, `folder`, a directory) that can be created (or overwritten) and written."""
     target = Path(path)
-    if target.is_dir():
-        raise ConfigError("--metrics", f"{target} is a directory; name a file in it")
+    if target.is_dir() != folder and target.exists():
+        raise ConfigError(option, f"{target} is a {'file' if folder else 'directory'}; name a "
+                          f"{'folder' if folder else 'file in it'}")
     ancestor = target.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise ConfigError("--metrics", f"{ancestor} is a file, so {target} cannot be created; "
+        raise ConfigError(option, f"{ancestor} is a file, so {target} cannot be created; "
                           "choose another path")
     writable = os.access(target, os.W_OK) if target.exists() else os.access(ancestor, os.W_OK)
     if not writable:
-        raise ConfigError("--metrics", f"{target} is not writable here; choose another path")
+        raise ConfigError(option, f"{target} is not writable here; choose another path")
 
 
-def check_inputs(cfg: Config, metrics: str | None) -> None:
-    """What validate cannot see from the configuration alone: the data and the metrics path."""
+def check_inputs(cfg: Config, metrics: str | None, tensorboard: str | None = None) -> None:
+    """What validate cannot see from the configuration alone: the data and the output paths."""
     from plait.train.data import check_source
 
     check_source(cfg.data, cfg.model.args().vocab_size)
     if metrics is not None:
-        check_metrics_path(metrics)
+        check_output_path(metrics)
+    if tensorboard is not None:
+        check_output_path(tensorboard, "--tensorboard", folder=True)
 
 
 def speaks() -> bool:
@@ -145,14 +150,20 @@ def cmd_train(args: argparse.Namespace) -> None:
         if args.nproc is not None:
             raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
         validate(cfg, int(os.environ["WORLD_SIZE"]))
-        check_inputs(cfg, args.metrics if speaks() else None)
+        if speaks():
+            check_inputs(cfg, args.metrics, args.tensorboard)
+        else:
+            check_inputs(cfg, None)
         from plait.train.run import run_training
 
-        run_training(cfg, args.metrics)
+        run_training(cfg, args.metrics, args.tensorboard)
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
     dims = validate(cfg, nproc)
-    check_inputs(cfg, None if args.dry_run else args.metrics)
+    if args.dry_run:
+        check_inputs(cfg, None)
+    else:
+        check_inputs(cfg, args.metrics, args.tensorboard)
     if args.dry_run:
         from plait.train.dry_run import print_dry_run
 
@@ -161,7 +172,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from plait.train.run import run_training
 
     try:
-        launch(nproc, run_training, cfg, args.metrics, threads=cfg.train.threads)
+        launch(nproc, run_training, cfg, args.metrics, args.tensorboard,
+               threads=cfg.train.threads)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)

@@ -49,13 +49,19 @@ def peak_flops(device: torch.device, configured_tflops: float) -> float:
 
 
 class MetricsWriter:
-    """One JSON object per line; only the rank that owns it writes."""
+    """One JSON object per line (the contract); optionally every number in it also as a
+    TensorBoard scalar, nested keys joined by "/" (`model_state_bytes/params`). Only the rank
+    that owns it writes."""
 
-    def __init__(self, path: str | None):
-        self._file = None
+    def __init__(self, path: str | None, tensorboard_dir: str | None = None):
+        self._file = self._board = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "w")  # noqa: SIM115 - held for the run
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict) -> None:
         """Strict JSON: a non-finite number (a skipped step's loss) is written as null."""
@@ -64,7 +70,24 @@ class MetricsWriter:
                      for k, v in record.items()}
             self._file.write(json.dumps(clean, allow_nan=False) + "\n")
             self._file.flush()
+        if self._board:
+            for tag, value in _scalars(record):
+                self._board.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         if self._file:
             self._file.close()
+        if self._board:
+            self._board.close()
+
+
+def _scalars(record: dict, prefix: str = ""):
+    """(tag, value) for every finite number of a metrics record, nested dicts flattened."""
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif isinstance(value, int | float) and not isinstance(value, bool) \
+                and math.isfinite(value):
+            yield prefix + key, value

@@ -43,7 +43,8 @@ def _heartbeat(timeout_s: float) -> tuple[object, Heartbeat, float] | None:
 
 
 @record
-def run_training(cfg: Config, metrics_path: str | None = None) -> Summary:
+def run_training(cfg: Config, metrics_path: str | None = None,
+                 tensorboard_dir: str | None = None) -> Summary:
     """Train on the world the environment describes; rank 0 shows progress and the summary. A
     collective that does not complete within parallel.timeout_s ends the job with a message
     naming the ranks that did not arrive."""
@@ -56,7 +57,7 @@ def run_training(cfg: Config, metrics_path: str | None = None) -> Summary:
     try:
         dims = validate(cfg, dist.get_world_size())
         trainer = Trainer(cfg, dims, build_mesh(dims, device.type), device)
-        summary = trainer.fit(metrics_path, show_progress=True)
+        summary = trainer.fit(metrics_path, show_progress=True, tensorboard_dir=tensorboard_dir)
         if dist.get_rank() == 0:
             print_summary(summary, dist.get_world_size())
     except RuntimeError as e:

@@ -137,10 +137,12 @@ class Trainer:
         broadcast(t, src=0, group=world)
         return t.item()
 
-    def fit(self, metrics_path: str | None = None, show_progress: bool = False) -> Summary:
+    def fit(self, metrics_path: str | None = None, show_progress: bool = False,
+            tensorboard_dir: str | None = None) -> Summary:
         cfg, summary = self.train_cfg, Summary()
         peak = self._peak_flops() * dist.get_world_size()
-        writer = MetricsWriter(metrics_path if self.is_logger else None)
+        writer = MetricsWriter(metrics_path if self.is_logger else None,
+                               tensorboard_dir if self.is_logger else None)
         progress = Progress(cfg.steps, enabled=show_progress and self.is_logger)
         times, comm = [], []
         for step in range(cfg.steps):

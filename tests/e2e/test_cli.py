@@ -417,3 +417,20 @@ def test_compare_two_layouts_of_one_run(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     proc = plait("compare", str(one), str(two))
     assert proc.returncode == 0 and proc.stdout.startswith("4 steps agree"), proc.stdout
+
+
+def test_tensorboard_gets_every_metric_as_a_scalar(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics, board = tmp_path / "m.jsonl", tmp_path / "tb"
+    proc = plait("train", "--nproc", "2", "--metrics", str(metrics), "--tensorboard", str(board),
+                 *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = EventAccumulator(str(board))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "lr", "mfu", "comm_bytes", "model_state_bytes/params", "val_loss"} <= tags
+    rows = read_metrics(metrics)
+    assert [e.step for e in events.Scalars("loss")] == [r["step"] for r in rows]
+    for event, row in zip(events.Scalars("loss"), rows, strict=True):
+        assert event.value == pytest.approx(row["loss"], rel=1e-6)  # stored as float32

@@ -178,6 +178,8 @@ BAD_INPUT = [
     (["data.source={files}/ids.bin", "parallel.tp=2", "--nproc", "2"], "model.vocab_size"),
     (["--metrics", "{files}/tiny.txt/m.jsonl"], "--metrics"),  # the parent is a file
     (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
+    (["--tensorboard", "{files}/tiny.txt"], "--tensorboard"),  # a file
+    (["--tensorboard", "{files}/tiny.txt/runs"], "--tensorboard"),  # under a file
 ]
 
 
