@@ -72,7 +72,7 @@ def bench_torch_hook(cfg: Config, peer: str) -> dict | None:
             group, matrix_approximation_rank=cfg.parallel.compression_rank,
             start_powerSGD_iter=max(2, cfg.parallel.compression_start))
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     opt = build_optimizer([p for p in params if p.dim() >= 2],
                           [p for p in params if p.dim() < 2], train)
     data, rank, n = TokenData(cfg.data, train.seed), mesh["dp"].get_local_rank(), dims.dp

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.comm.compression import Segment, layout
+from plait.comm.compression import Segment, layout, members_numel
 from plait.parallel.state import Slice
 
 
@@ -43,10 +43,10 @@ class FlatParam:
         self.names = [n for n, _ in members]
         self.params = [p for _, p in members]
         self.decay, self.rank = decay, rank
-        self.offsets, total = [], 0
-        for p in self.params:
-            self.offsets.append(total)
-            total += p.numel()
+        # Where each parameter lies in the flat layout (also what per-tensor compression reads).
+        self.segments: list[Segment] = layout(members)
+        self.offsets = [s.offset for s in self.segments]
+        total = members_numel(self.segments)
         self.shard_numel = -(-total // size)  # ceil: the buffer is padded to N * shard_numel
         first = self.params[0]
         whole = torch.zeros(self.shard_numel * size, dtype=first.dtype, device=first.device)
@@ -83,11 +83,6 @@ class FlatParam:
     def key(self) -> str:
         """A name for the buffer, unique in its engine: its first parameter's."""
         return self.names[0]
-
-    @property
-    def segments(self) -> list[Segment]:
-        """Where each parameter lies in the flat layout (for per-tensor compression)."""
-        return layout(zip(self.names, self.params, strict=True))
 
     @property
     def full_bytes(self) -> int:

@@ -32,7 +32,7 @@ Each method also states its traffic as a formula (`messages`) and its state size
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from math import prod
 from typing import NamedTuple, Protocol
 
@@ -72,11 +72,13 @@ def members_numel(segments: list[Segment]) -> int:
     return sum(s.numel for s in segments)
 
 
-def sum_in_rank_order(rows: torch.Tensor) -> torch.Tensor:
-    """rows[0] + rows[1] + ... in that order: every rank (and a one-process simulation) adds the
-    same floats in the same order, so decoded results agree bit for bit."""
-    total = rows[0].clone()
-    for row in rows[1:]:
+def sum_in_rank_order(rows: Iterable[torch.Tensor]) -> torch.Tensor:
+    """rows[0] + rows[1] + ... in that order (taken one at a time, so a generator holds one row
+    at once): every rank (and a one-process simulation) adds the same floats in the same order,
+    so decoded results agree bit for bit."""
+    rows = iter(rows)
+    total = next(rows).clone()
+    for row in rows:
         total += row
     return total
 
@@ -95,20 +97,17 @@ class Chain:
             self._then = None
 
 
-def all_gather_sum(message: torch.Tensor, group: ProcessGroup, numel: int,
+def all_gather_sum(message: torch.Tensor, group: ProcessGroup,
                    decode: Callable[[torch.Tensor], torch.Tensor],
                    write: Callable[[torch.Tensor], object]) -> Chain:
     """For messages that do not sum (sparse, bits): all-gather every rank's 1-D `message`; then
-    `write` gets the sum of `decode(message)` over the ranks, in rank order, as (numel,) fp32."""
+    `write` gets the sum of `decode(message)` (dense fp32) over the ranks, in rank order."""
     n = group.size()
     gathered = torch.empty(n * message.numel(), dtype=message.dtype, device=message.device)
     pending = all_gather(gathered, message, group, async_op=True)
 
     def then() -> None:
-        dense = torch.zeros(numel, dtype=torch.float32, device=message.device)
-        for part in gathered.view(n, -1):
-            dense += decode(part)
-        write(dense)
+        write(sum_in_rank_order(decode(part) for part in gathered.view(n, -1)))
 
     return Chain(pending, then)
 
@@ -141,8 +140,8 @@ class GatheredWithFeedback:
         message, carried = self.encode(error, segments)
         error -= carried
         numel = flat.numel()
-        return all_gather_sum(message, group, numel,
-                              lambda part: self.decode(part, numel, segments), write)
+        return all_gather_sum(message, group, lambda part: self.decode(part, numel, segments),
+                              write)
 
     def all_reduce(self, key: str, flat: torch.Tensor, segments: list[Segment],
                    group: ProcessGroup) -> Chain:
