@@ -1,6 +1,6 @@
-"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--dry-run] [...]`
-`plait bench comm | step | pp | compression --nproc N [--config FILE] [section.key=value ...]`
-`plait compare A.jsonl B.jsonl [--rtol R]`
+"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR] ...`
+`plait bench comm | step | pp | compression | scaling --nproc N [--config FILE] [key=value ...]`
+`plait compare A.jsonl B.jsonl [--rtol R]`, `plait report METRICS [--out DIR]`
 
 Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
 fix, before any worker starts.
@@ -9,6 +9,7 @@ fix, before any worker starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -35,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics", help="write one JSON object per step here (rank 0)")
     train.add_argument("--tensorboard", metavar="DIR",
                        help="also write every metric as a TensorBoard scalar here (rank 0)")
+    train.add_argument("--trace", metavar="DIR", help="write a Chrome/Perfetto trace of each "
+                       "rank's steps here (and the pipeline timeline with pp > 1)")
+    train.add_argument("--trace-steps", type=int, default=1, metavar="N",
+                       help="how many steps to trace, from the second (default 1)")
     train.add_argument("--dry-run", action="store_true",
                        help="print what each rank would hold and communicate; start nothing")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -69,6 +74,17 @@ def _parser() -> argparse.ArgumentParser:
                          help="loss curves picture")
     squeeze.add_argument("overrides", nargs="*", metavar="section.key=value")
     squeeze.set_defaults(func=cmd_bench_compression)
+    scaling = suites.add_parser("scaling", help="one recipe at several world sizes: tokens/s, "
+                                "speedup, efficiency, exposed communication; vs torch")
+    scaling.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
+    scaling.add_argument("--weak", action="store_true",
+                         help="fixed rows per rank (the batch grows); default: fixed global batch")
+    scaling.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    scaling.add_argument("--steps", type=int, default=5, help="timed steps per world size")
+    scaling.add_argument("--png", default="runs/bench_scaling/speedup.png",
+                         help="speedup picture")
+    scaling.add_argument("overrides", nargs="*", metavar="section.key=value")
+    scaling.set_defaults(func=cmd_bench_scaling)
     compare = sub.add_parser("compare", help="two runs' losses step by step; exit 1 at the first "
                              "step beyond tolerance")
     compare.add_argument("a", metavar="A.jsonl")
@@ -77,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
                          help="relative tolerance on each step's loss (default 1e-5: float32 "
                          "reduction order)")
     compare.set_defaults(func=cmd_compare)
+    report = sub.add_parser("report", help="PNGs of a run's metrics: loss, throughput, "
+                            "communication, memory")
+    report.add_argument("metrics", metavar="METRICS",
+                        help="a metrics file (plait train --metrics), or the folder holding it")
+    report.add_argument("--out", help="folder for the PNGs (default: report/ beside the file)")
+    report.set_defaults(func=cmd_report)
     return parser
 
 
@@ -113,15 +135,27 @@ def check_output_path(path: str, option: str = "--metrics", folder: bool = False
         raise ConfigError(option, f"{target} is not writable here; choose another path")
 
 
-def check_inputs(cfg: Config, metrics: str | None, tensorboard: str | None = None) -> None:
+def outputs(args: argparse.Namespace):
+    from plait.train.trainer import Outputs
+
+    return Outputs(args.metrics, args.tensorboard, args.trace, args.trace_steps)
+
+
+def check_inputs(cfg: Config, out=None) -> None:
     """What validate cannot see from the configuration alone: the data and the output paths."""
     from plait.train.data import check_source
 
     check_source(cfg.data, cfg.model.args().vocab_size)
-    if metrics is not None:
-        check_output_path(metrics)
-    if tensorboard is not None:
-        check_output_path(tensorboard, "--tensorboard", folder=True)
+    if out is None:
+        return
+    if out.metrics is not None:
+        check_output_path(out.metrics)
+    if out.tensorboard is not None:
+        check_output_path(out.tensorboard, "--tensorboard", folder=True)
+    if out.trace is not None:
+        check_output_path(out.trace, "--trace", folder=True)
+        if out.trace_steps < 1:
+            raise ConfigError("--trace-steps", f"at least 1 step, got {out.trace_steps}")
 
 
 def speaks() -> bool:
@@ -150,20 +184,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         if args.nproc is not None:
             raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
         validate(cfg, int(os.environ["WORLD_SIZE"]))
-        if speaks():
-            check_inputs(cfg, args.metrics, args.tensorboard)
-        else:
-            check_inputs(cfg, None)
+        out = outputs(args)
+        if not speaks():  # every worker writes its trace, rank 0 alone the rest
+            out = dataclasses.replace(out, metrics=None, tensorboard=None)
+        check_inputs(cfg, out)
         from plait.train.run import run_training
 
-        run_training(cfg, args.metrics, args.tensorboard)
+        run_training(cfg, outputs(args))
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
     dims = validate(cfg, nproc)
-    if args.dry_run:
-        check_inputs(cfg, None)
-    else:
-        check_inputs(cfg, args.metrics, args.tensorboard)
+    check_inputs(cfg, None if args.dry_run else outputs(args))
     if args.dry_run:
         from plait.train.dry_run import print_dry_run
 
@@ -172,8 +203,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from plait.train.run import run_training
 
     try:
-        launch(nproc, run_training, cfg, args.metrics, args.tensorboard,
-               threads=cfg.train.threads)
+        launch(nproc, run_training, cfg, outputs(args), threads=cfg.train.threads)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)
@@ -222,6 +252,23 @@ def cmd_bench_compression(args: argparse.Namespace) -> None:
     run_compression(args.nproc, load(args), methods, args.png)
 
 
+def cmd_bench_scaling(args: argparse.Namespace) -> None:
+    try:
+        sizes = [int(n) for n in args.nproc.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
+        raise ConfigError("--nproc", "increasing world sizes >= 1, comma-separated (1,2,4); got "
+                          f"{args.nproc!r}")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    check_output_path(args.png, "--png")
+    from plait.bench import run_scaling
+
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    run_scaling(sizes, load(args), args.steps, args.weak, args.png)
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
     from plait.train.compare import MetricsFileError, compare_losses
 
@@ -240,6 +287,22 @@ def cmd_compare(args: argparse.Namespace) -> None:
         sys.exit(1)
     print(f"{result.steps} steps agree within rtol {args.rtol} (largest relative difference "
           f"{result.worst:.3g})")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from plait.train.compare import MetricsFileError
+    from plait.train.report import write_report
+
+    if args.out is not None:
+        check_output_path(args.out, "--out", folder=True)
+    try:
+        written, missing = write_report(args.metrics, args.out)
+    except MetricsFileError as e:
+        raise ConfigError("report", str(e)) from None
+    for note in missing:
+        print(f"note: left out {note}")
+    for path in written:
+        print(path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,11 +9,13 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.bench.comm import SIZES, bench_comm
-from plait.bench.pp import bench_pp, draw_timelines, measured_bubble, with_schedule
+from plait.bench.pp import bench_pp, measured_bubble, with_schedule
 from plait.bench.step import bench_step, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
 from plait.config import Config, ConfigError, microbatches, validate
 from plait.launch import launch
+from plait.train.progress import each
+from plait.train.report import draw_timelines
 
 
 def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
@@ -38,7 +40,7 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
     for n in world_sizes(nproc):
         validate(cfg, n)  # every world size is checked before any worker starts
     rows = []
-    for n in world_sizes(nproc):
+    for n in each(world_sizes(nproc), "bench step: ranks"):
         t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads)[0]
         rows.append({"ranks": n, **t})
     t1 = {k: rows[0][k] for k in ("plait", "torch")}
@@ -180,13 +182,12 @@ def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> li
     for method in methods:
         validate(with_method(cfg, method), nproc)
     runs = {}
-    for method in methods:
-        Console().print(f"training with parallel.compression = {method} ...")
-        runs[method] = launch(nproc, bench_plait, with_method(cfg, method),
-                              threads=cfg.train.threads)[0]
-    for peer in PEERS:
-        Console().print(f"training with {peer} ...")
-        runs[peer] = launch(nproc, bench_torch_hook, cfg, peer, threads=cfg.train.threads)[0]
+    for name in each([*methods, *PEERS], "bench compression: training with"):
+        if name in PEERS:
+            runs[name] = launch(nproc, bench_torch_hook, cfg, name, threads=cfg.train.threads)[0]
+        else:
+            runs[name] = launch(nproc, bench_plait, with_method(cfg, name),
+                                threads=cfg.train.threads)[0]
     base = runs.get("none")
     args, par = cfg.model.args(), cfg.parallel
     table = Table(title=(
@@ -215,10 +216,51 @@ def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> li
     return rows
 
 
+def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str) -> list[dict]:
+    """The recipe at each world size (bench/scaling.py); a table and the speedup picture."""
+    import os
+
+    from plait.bench.scaling import at_world, bench_scaling, draw_speedup, scaling_rows
+
+    configs = [at_world(cfg, n, sizes[0], weak) for n in sizes]
+    for n, c in zip(sizes, configs, strict=True):
+        validate(c, n)  # every world size is checked before any worker starts
+    cores = os.cpu_count() or 1
+    if sizes[-1] > cores:
+        Console(stderr=True).print(
+            f"[yellow]warning:[/] {sizes[-1]} ranks on {cores} cores: from {cores + 1} ranks on, "
+            "ranks share cores, so those rows measure contention for the cores, not scaling")
+    results = []
+    for n in each(sizes, "bench scaling: ranks"):
+        c = configs[sizes.index(n)]
+        results.append((n, c, launch(n, bench_scaling, c, steps, threads=c.train.threads)[0]))
+    rows = scaling_rows(results)
+    args, kind = cfg.model.args(), "weak" if weak else "strong"
+    batch = (f"{cfg.train.global_batch // sizes[0]} rows per rank" if weak
+             else f"global batch {cfg.train.global_batch}")
+    title = (f"plait bench scaling ({kind}): model dim {args.dim} x {args.n_layers} layers, "
+             f"{batch} x {cfg.data.seq_len} tokens; median of {steps} steps; {cores} cores")
+    table = Table(title=title)
+    for col in ("ranks", "batch", "plait tok/s", "speedup", "efficiency", "exposed comm",
+                "torch tok/s", "torch speedup", "torch efficiency", "plait / torch"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        p, t = r["plait"], r.get("torch")
+        peer = ([f"{t['tokens_per_s']:,.0f}", f"{t['speedup']:.2f}", f"{t['efficiency']:.0%}",
+                 f"{p['step_s'] / t['step_s']:.3f}"] if t else ["-"] * 4)
+        table.add_row(str(r["ranks"]), str(r["global_batch"]), f"{p['tokens_per_s']:,.0f}",
+                      f"{p['speedup']:.2f}", f"{p['efficiency']:.0%}", f"{r['exposed']:.1%}",
+                      *peer)
+    Console(width=140).print(table)
+    draw_speedup(rows, f"{kind} scaling, {cores} cores", png, cores)
+    Console().print(f"speedup: {png}")
+    return rows
+
+
 def _size(n: int) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.2f} MiB"
     return f"{n / 2**10:.1f} KiB"
 
 
-__all__ = ["run_comm", "run_compression", "run_pp", "run_step"]
+__all__ = ["run_comm", "run_compression", "run_pp", "run_scaling", "run_step"]

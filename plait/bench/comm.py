@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from plait import comm
 from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
 from plait.comm.collectives import Op, bus_bytes
+from plait.train.progress import each
 
 SIZES = [2**10, 2**14, 2**18, 2**20, 2**22, 2**24]  # bytes: 1 KiB to 16 MiB
 
@@ -83,8 +84,9 @@ def bench_comm(sizes: list[int], min_seconds: float) -> list[dict] | None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     group, n, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    rows = []
-    for name, op, make in _cases(n, rank, group):
+    rows, cases = [], {name: (op, make) for name, op, make in _cases(n, rank, group)}
+    for name in each(list(cases), "bench comm", enabled=rank == 0):
+        op, make = cases[name]
         for size in sizes:
             size -= size % (4 * n)  # whole fp32 shards for every rank
             t = _time(make(size), group, min_seconds)

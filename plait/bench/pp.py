@@ -28,12 +28,13 @@ from torch.distributed.pipelining import (
 
 from plait import comm
 from plait.bench.step import start_worker
+from plait.comm.trace import TRACER, pipeline_spans
 from plait.config import Config
 from plait.model import build_model
 from plait.parallel import parallelize
-from plait.parallel.pipeline.executor import StepTrace
 from plait.parallel.pipeline.stage import split_model
 from plait.train.data import TokenData
+from plait.train.progress import each
 
 TORCH_PEERS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                "interleaved": ScheduleInterleaved1F1B}
@@ -52,18 +53,19 @@ def _time_plait(cfg: Config, mesh, batches, steps: int):
     par = parallelize(model, mesh, cfg.parallel, microbatches=len(batches))
     del model
     opt = torch.optim.AdamW([p for g in par.optimizer_groups() for p in g], lr=1e-4)
-    times, trace = [], StepTrace()
+    times = []
     for i in range(steps + 1):  # one warm-up step
         comm.all_reduce(torch.zeros(1), mesh["pp"].get_group())  # start together
         opt.zero_grad(set_to_none=True)
+        if i == steps:  # the last step's actions, for the timeline
+            TRACER.start(dist.get_rank())
         start = time.perf_counter()
-        par.pipeline.run(batches, trace=trace if i == steps else None)
+        par.pipeline.run(batches)
         par.finish_gradients()
         opt.step()
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times), [(a.kind.value, a.microbatch, a.chunk, s, e)
-                                      for a, s, e in trace.spans]
+    return statistics.median(times), pipeline_spans(TRACER.take())
 
 
 def _time_torch(cfg: Config, name: str, rank: int, P: int, x, y, steps: int) -> float:
@@ -104,7 +106,7 @@ def bench_pp(cfg: Config, schedules: list[str], steps: int) -> dict:
     M = cfg.parallel.microbatches or P
     batches = list(zip(x.split(len(x) // M), y.split(len(x) // M), strict=True))
     out = {}
-    for name in schedules:
+    for name in each(schedules, "bench pp: schedule", enabled=rank == 0):
         plait_s, spans = _time_plait(with_schedule(cfg, name), mesh, batches, steps)
         torch_s = _time_torch(cfg, name, rank, P, x, y, steps) if name in TORCH_PEERS else None
         out[name] = {"plait": plait_s, "torch": torch_s, "spans": spans}
@@ -118,33 +120,3 @@ def measured_bubble(stage_spans: list[list[tuple]]) -> float:
     end = max(s[4] for spans in stage_spans for s in spans)
     busy = [sum(s[4] - s[3] for s in spans) for spans in stage_spans]
     return max(1 - b / (end - begin) for b in busy)
-
-
-def draw_timelines(results: dict[str, list[list[tuple]]], path: str) -> None:
-    """One panel per schedule, one row per stage, a bar per action (F, B, W)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
-    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 0.9 * len(results) *
-                             len(next(iter(results.values())))), squeeze=False)
-    for ax, (name, stage_spans) in zip(axes[:, 0], results.items(), strict=True):
-        begin = min(s[3] for spans in stage_spans for s in spans)
-        for stage, spans in enumerate(stage_spans):
-            for kind, mb, chunk, start, end in spans:
-                # Interleaved: a stage's later chunks drawn lighter.
-                alpha = 1.0 if chunk < len(stage_spans) else 0.6
-                ax.broken_barh([((start - begin) * 1e3, (end - start) * 1e3)],
-                               (stage - 0.4, 0.8), facecolors=colors[kind], edgecolor="white",
-                               alpha=alpha)
-                ax.text((start + end - 2 * begin) / 2 * 1e3, stage, f"{kind}{mb}",
-                        ha="center", va="center", fontsize=6, color="white")
-        ax.set_yticks(range(len(stage_spans)), [f"stage {s}" for s in range(len(stage_spans))])
-        ax.invert_yaxis()
-        ax.set_title(f"{name}: measured step timeline", fontsize=9)
-        ax.set_xlabel("ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)

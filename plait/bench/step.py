@@ -82,7 +82,7 @@ def plait_step(cfg: Config, dims, mesh):
     return lambda: trainer.train_step(0)
 
 
-def _torch_runner(model, mesh, cfg: Config, batches) -> _Runner:
+def torch_runner(model, mesh, cfg: Config, batches) -> _Runner:
     group, par = mesh["dp"].get_group(), cfg.parallel
     if par.zero == 3:
         for block in model.layers.values():
@@ -162,7 +162,7 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
 
     runners = {
         "plait": plait_step(cfg, dims, mesh),
-        "torch": _torch_runner(model(), mesh, cfg, batches).step,
+        "torch": torch_runner(model(), mesh, cfg, batches).step,
     }
     if not cfg.parallel.zero:
         local = model()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from plait.comm.trace import TRACER
 from plait.comm.watchdog import RECORDER
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
@@ -90,16 +91,21 @@ LEDGER = CommLedger()
 
 
 class Pending:
-    """An asynchronous collective in flight; `wait()` blocks and books the time blocked."""
+    """An asynchronous collective in flight; `wait()` blocks and books the time blocked (and,
+    when tracing, the span from launch to the end of the wait)."""
 
-    def __init__(self, work: dist.Work | None):
-        self._work = work
+    def __init__(self, work: dist.Work | None, traced: tuple | None = None):
+        self._work, self._traced = work, traced  # (name, launched at, args)
 
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
             self._work.wait()
-            LEDGER.wait_s += time.perf_counter() - start
+            end = time.perf_counter()
+            LEDGER.wait_s += end - start
+            if self._traced is not None:
+                name, launched, args = self._traced
+                TRACER.overlapping(name, "collective", launched, end, **args)
             self._work = None
 
 
@@ -110,13 +116,19 @@ def _nbytes(t: torch.Tensor) -> int:
 def _run(op: Op, group: ProcessGroup, nbytes: int, call, async_op: bool) -> Pending | None:
     n = dist.get_world_size(group)
     LEDGER.record(op, n, nbytes)
-    RECORDER.record(op.value, group, nbytes)
-    if not async_op:
-        start = time.perf_counter()
-        call(False)
-        LEDGER.wait_s += time.perf_counter() - start
-        return None
-    return Pending(call(True))
+    entry = RECORDER.record(op.value, group, nbytes)
+    start, traced = time.perf_counter(), None
+    if TRACER.on:
+        traced = (op.value, start, {"ranks": list(entry.ranks), "tensor_bytes": nbytes,
+                                    "bus_bytes": float(bus_bytes(op, n, nbytes))})
+    if async_op:
+        return Pending(call(True), traced)
+    call(False)
+    end = time.perf_counter()
+    LEDGER.wait_s += end - start
+    if traced is not None:
+        TRACER.complete(op.value, "collective", start, end, **traced[2])
+    return None
 
 
 def all_reduce(

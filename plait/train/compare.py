@@ -14,24 +14,29 @@ class MetricsFileError(ValueError):
     """A metrics file that cannot be read as plait's JSONL (one object per step with a loss)."""
 
 
-def read_losses(path: str) -> dict[int, float | None]:
-    """step -> loss (None where the run wrote null: a non-finite loss)."""
+def read_metrics(path: str) -> dict[int, dict]:
+    """step -> that step's record (its loss None where the run wrote null: non-finite)."""
     file = Path(path)
     if not file.is_file():
         raise MetricsFileError(f"{path}: no such file")
-    losses = {}
+    records = {}
     for number, line in enumerate(file.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            losses[int(record["step"])] = record["loss"]
+            record["loss"]  # noqa: B018 - every step has one
+            records[int(record["step"])] = record
         except (ValueError, KeyError, TypeError):
             raise MetricsFileError(f"{path}:{number}: not a metrics line with 'step' and 'loss' "
                                    "(write one with plait train --metrics FILE)") from None
-    if not losses:
+    if not records:
         raise MetricsFileError(f"{path}: no steps")
-    return losses
+    return records
+
+
+def read_losses(path: str) -> dict[int, float | None]:
+    return {step: record["loss"] for step, record in read_metrics(path).items()}
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Live progress on rank 0: a rich progress bar on a terminal, a plain log line otherwise (CI logs,
-pipes), and the end-of-run summary table."""
+pipes), for training and for every long command (`each`); and the end-of-run summary table."""
 
 from __future__ import annotations
 
@@ -13,6 +13,27 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichProgress
 from rich.table import Table
+
+
+def each(items: list, what: str, enabled: bool = True):
+    """Yield the items of a long command (a bench suite's runs) under a progress bar on a
+    terminal, a line per item otherwise; silent when not enabled (ranks other than 0)."""
+    console = Console(stderr=True)
+    if not enabled:
+        yield from items
+    elif console.is_terminal:
+        with RichProgress(TextColumn(f"[bold]{what}"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("{task.description}"), TimeElapsedColumn(),
+                          console=console, transient=True) as bar:
+            task = bar.add_task("", total=len(items))
+            for item in items:
+                bar.update(task, description=str(item))
+                yield item
+                bar.advance(task)
+    else:
+        for i, item in enumerate(items, 1):
+            console.print(f"{what} {i}/{len(items)}: {item}", highlight=False)
+            yield item
 
 
 class Progress:

@@ -4,6 +4,7 @@ torchrun; either way the usual environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 
@@ -15,7 +16,7 @@ from plait.comm.watchdog import Heartbeat, diagnose, is_timeout
 from plait.config import Config, validate
 from plait.mesh import build_mesh
 from plait.train.progress import print_summary
-from plait.train.trainer import Summary, Trainer
+from plait.train.trainer import Outputs, Summary, Trainer
 
 
 def worker_device(choice: str = "auto") -> torch.device:
@@ -43,8 +44,7 @@ def _heartbeat(timeout_s: float) -> tuple[object, Heartbeat, float] | None:
 
 
 @record
-def run_training(cfg: Config, metrics_path: str | None = None,
-                 tensorboard_dir: str | None = None) -> Summary:
+def run_training(cfg: Config, outputs: Outputs | None = None) -> Summary:
     """Train on the world the environment describes; rank 0 shows progress and the summary. A
     collective that does not complete within parallel.timeout_s ends the job with a message
     naming the ranks that did not arrive."""
@@ -57,7 +57,7 @@ def run_training(cfg: Config, metrics_path: str | None = None,
     try:
         dims = validate(cfg, dist.get_world_size())
         trainer = Trainer(cfg, dims, build_mesh(dims, device.type), device)
-        summary = trainer.fit(metrics_path, show_progress=True, tensorboard_dir=tensorboard_dir)
+        summary = trainer.fit(dataclasses.replace(outputs or Outputs(), progress=True))
         if dist.get_rank() == 0:
             print_summary(summary, dist.get_world_size())
     except RuntimeError as e:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from plait.comm import LEDGER, all_reduce, broadcast
+from plait.comm.trace import TRACER
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.model import build_model, count_params
@@ -26,10 +27,23 @@ from plait.train.data import TokenData
 from plait.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from plait.train.progress import Progress
+from plait.train.tracing import STEP, finish_trace, traced_steps
 
 
 class NonFiniteGradient(RuntimeError):
     """The global gradient norm of a step is NaN or infinite (train.nan_policy = "stop")."""
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where a run reports besides its summary: rank 0 writes the metrics, the TensorBoard
+    scalars and the progress; every rank writes its trace."""
+
+    metrics: str | None = None
+    tensorboard: str | None = None
+    trace: str | None = None
+    trace_steps: int = 1
+    progress: bool = False
 
 
 @dataclass
@@ -60,7 +74,7 @@ class Trainer:
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
         self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
-        self.dp_rank, self.dp = mesh["dp"].get_local_rank(), dims.dp
+        self.dp_rank, self.dp, self.dims = mesh["dp"].get_local_rank(), dims.dp, dims
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_step = self.tokens_per_step * flops_per_token(
             args, n_params, cfg.data.seq_len
@@ -88,11 +102,13 @@ class Trainer:
         inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.dp_rank, self.dp)
         with self.activations:  # peak bytes saved for backward during the step
             loss_sum = self.parallelized.pipeline.run(self._microbatches(inputs, targets))
-        self.parallelized.finish_gradients()
+        with TRACER.span("finish gradients"):
+            self.parallelized.finish_gradients()
         # The global norm, every step: for clipping, and because a NaN or infinite loss or
         # gradient anywhere shows in it, the same on every rank (it is reduced over the axes
         # whose ranks hold different gradients; replicas hold equal ones).
-        norm_sq = self.parallelized.grad_norm_sq()
+        with TRACER.span("gradient norm"):
+            norm_sq = self.parallelized.grad_norm_sq()
         result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,
                   "skipped": False}
         if not math.isfinite(norm_sq.item()):
@@ -106,8 +122,9 @@ class Trainer:
             return result
         if self.train_cfg.grad_clip > 0:
             clip_grad_norm_(self._optimized(), self.train_cfg.grad_clip, norm_sq)
-        self.optimizer.step()
-        self.parallelized.finish_step()
+        with TRACER.span("optimizer"):
+            self.optimizer.step()
+            self.parallelized.finish_step()
         return result
 
     def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -137,21 +154,25 @@ class Trainer:
         broadcast(t, src=0, group=world)
         return t.item()
 
-    def fit(self, metrics_path: str | None = None, show_progress: bool = False,
-            tensorboard_dir: str | None = None) -> Summary:
+    def fit(self, outputs: Outputs = Outputs()) -> Summary:
         cfg, summary = self.train_cfg, Summary()
         peak = self._peak_flops() * dist.get_world_size()
-        writer = MetricsWriter(metrics_path if self.is_logger else None,
-                               tensorboard_dir if self.is_logger else None)
-        progress = Progress(cfg.steps, enabled=show_progress and self.is_logger)
+        writer = MetricsWriter(outputs.metrics if self.is_logger else None,
+                               outputs.tensorboard if self.is_logger else None)
+        progress = Progress(cfg.steps, enabled=outputs.progress and self.is_logger)
+        traced = traced_steps(cfg.steps, outputs.trace_steps) if outputs.trace else range(0)
         times, comm = [], []
         for step in range(cfg.steps):
             LEDGER.reset()
+            if step in traced:  # the step's own work: not the logging and validation after it
+                TRACER.start(dist.get_rank())
             start = time.perf_counter()
-            result = self.train_step(step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            with TRACER.span(f"step {step}", STEP, step=step):
+                result = self.train_step(step)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
+            TRACER.pause()
             # comm_bytes is the step's training traffic; the logging reduction below is not in it.
             ledger = LEDGER.snapshot()
             loss = self._global_mean(result["loss"])
@@ -169,6 +190,7 @@ class Trainer:
                 "mfu": self.flops_per_step / elapsed / peak,
                 "comm_bytes": ledger["bytes"],
                 "comm_calls": ledger["calls"],
+                "comm_wait_s": ledger["wait_s"],  # blocked in collectives: the exposed part
                 "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
                 "activation_bytes": result["activation_bytes"],
             }
@@ -182,6 +204,8 @@ class Trainer:
             progress.update(step, loss, record["tokens_per_s"], record.get("val_loss"))
         progress.close()
         writer.close()
+        if outputs.trace:
+            finish_trace(outputs.trace, self.dims, self.device)
         # The first step pays one-off costs (allocations, warm caches): leave it out of rates.
         steady = statistics.median(times[1:] or times)
         summary.tokens_per_s = self.tokens_per_step / steady

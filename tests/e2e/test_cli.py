@@ -434,3 +434,77 @@ def test_tensorboard_gets_every_metric_as_a_scalar(tmp_path):
     assert [e.step for e in events.Scalars("loss")] == [r["step"] for r in rows]
     for event, row in zip(events.Scalars("loss"), rows, strict=True):
         assert event.value == pytest.approx(row["loss"], rel=1e-6)  # stored as float32
+
+
+def _png(path):
+    return path.stat().st_size > 5_000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory):
+    """pp 2 x dp 2, 4 steps, the metrics and a trace of steps 1 and 2."""
+    root = tmp_path_factory.mktemp("traced")
+    metrics, out = root / "metrics.jsonl", root / "trace"
+    proc = plait("train", "--nproc", "4", "--metrics", str(metrics), "--trace", str(out),
+                 "--trace-steps", "2", "parallel.pp=2", "parallel.microbatches=2", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def test_trace_holds_each_ranks_actions_and_collectives(traced_run):
+    """Every rank's trace loads as JSON and holds the traced steps' pipeline actions; each
+    collective is on one of the rank's mesh groups, and rank 0's add up to the step's
+    comm_bytes in the metrics (the ledger and the trace see the same collectives)."""
+    from plait.mesh import ParallelDims
+    from plait.train.tracing import _by_step
+
+    dims, out = ParallelDims(pp=2, dp=2), traced_run / "trace"
+    rows = read_metrics(traced_run / "metrics.jsonl")
+    for rank in range(4):
+        trace = json.loads((out / f"rank{rank}.json").read_text())
+        assert trace["otherData"]["coords"] == dims.coords(rank)
+        by_step = _by_step(trace["traceEvents"])
+        assert sorted(by_step) == [1, 2]
+        groups = {tuple(dims.group_ranks(axis, rank)) for axis in ("pp", "dp")}
+        for step, events in by_step.items():
+            actions = sorted((e["args"]["kind"], e["args"]["microbatch"]) for e in events
+                             if e.get("cat") == "pipeline")
+            assert actions == [("B", 0), ("B", 1), ("F", 0), ("F", 1)]
+            collectives = [e for e in events if e.get("cat") == "collective" and e["ph"] in "Xb"]
+            assert collectives and {tuple(e["args"]["ranks"]) for e in collectives} <= groups
+            if rank == 0:
+                moved = sum(e["args"]["bus_bytes"] for e in collectives)
+                assert moved == rows[step]["comm_bytes"]
+    merged = json.loads((out / "trace.json").read_text())
+    assert {e["pid"] for e in merged["traceEvents"]} == {0, 1, 2, 3}
+    assert _png(out / "pipeline.png")
+
+
+def test_report_draws_a_run_and_says_what_it_left_out(traced_run, tmp_path):
+    proc = plait("report", str(traced_run), "--out", str(tmp_path / "all"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("loss", "throughput", "comm", "memory"):
+        assert _png(tmp_path / "all" / f"{name}.png"), name
+    losses_only = _metrics(tmp_path / "losses.jsonl", [5.0, 4.0, 3.0])
+    proc = plait("report", losses_only)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _png(tmp_path / "report" / "loss.png")  # default: report/ beside the file
+    assert proc.stdout.count("note: left out") == 3
+    assert not (tmp_path / "report" / "comm.png").exists()
+
+
+def test_bench_scaling_tables_speedup_and_efficiency(tmp_path):
+    png = tmp_path / "speedup.png"
+    proc = plait("bench", "scaling", "--nproc", "1,2", "--weak", "--steps", "1", "--png",
+                 str(png), *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("│")}
+    assert set(rows) == {"1", "2"}
+    assert [rows["1"][0], rows["2"][0]] == ["8", "16"]  # weak: the batch grows with the ranks
+    assert rows["1"][2:5] == ["1.00", "100%", "0.0%"]  # speedup, efficiency, exposed at 1 rank
+    assert rows["1"][6:8] == ["1.00", "100%"]  # torch DDP ran beside it
+    speedup, efficiency = float(rows["2"][2]), float(rows["2"][3].rstrip("%")) / 100
+    assert efficiency == pytest.approx(speedup / 2, abs=0.006)  # both printed rounded
+    assert ("contention" in proc.stderr) == (2 > os.cpu_count())
+    assert _png(png)

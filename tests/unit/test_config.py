@@ -180,6 +180,22 @@ BAD_INPUT = [
     (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
     (["--tensorboard", "{files}/tiny.txt"], "--tensorboard"),  # a file
     (["--tensorboard", "{files}/tiny.txt/runs"], "--tensorboard"),  # under a file
+    (["--trace", "{files}/tiny.txt"], "--trace"),  # a file
+    (["--trace", "{files}/traces", "--trace-steps", "0"], "--trace-steps"),
+]
+
+# The other commands' own options, refused the same way before anything starts.
+OTHER_BAD_INPUT = [
+    (["bench", "scaling", "--nproc", "2,1"], "--nproc"),  # not increasing
+    (["bench", "scaling", "--nproc", "0,1"], "--nproc"),
+    (["bench", "scaling", "--nproc", "two"], "--nproc"),
+    (["bench", "scaling", "--steps", "0"], "--steps"),
+    (["bench", "scaling", "--png", "{files}/empty_dir"], "--png"),  # a directory
+    (["bench", "scaling", "parallel.tp=3"], "parallel"),  # tp 3 at world size 1
+    (["report", "{files}/missing.jsonl"], "report"),
+    (["report", "{files}/tiny.txt"], "report"),  # not metrics lines
+    (["report", "{files}/empty_dir"], "report"),  # no *.jsonl in it
+    (["report", "{files}/tiny.txt", "--out", "{files}/three.bin"], "--out"),
 ]
 
 
@@ -213,6 +229,16 @@ def test_bad_input_exits_2_with_one_line(argv, field, files, no_launch, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert err.startswith(f"plait: error: {field}") or f"argument {field}" in err, err
+
+
+@pytest.mark.parametrize("argv,field", OTHER_BAD_INPUT, ids=[" ".join(a[:2]) + f" {f}"
+                                                             for a, f in OTHER_BAD_INPUT])
+def test_other_commands_refuse_bad_input_in_one_line(argv, field, files, no_launch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([a.replace("{files}", str(files)) for a in argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"plait: error: {field}"), err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: no read-only folder")

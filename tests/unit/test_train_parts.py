@@ -66,3 +66,32 @@ def test_flops_per_token_is_6n_plus_attention():
     expected = 6 * (n - args.vocab_size * args.dim) + 12 * args.n_layers * 64 * args.dim
     assert flops_per_token(args, n, 64) == expected
     assert math.isclose(6 * n, flops_per_token(args, n, 0), rel_tol=0.2)
+
+
+def test_the_tracer_records_only_while_on_and_hands_events_over_once():
+    from plait.comm.trace import Tracer, pipeline_spans
+    from plait.train.tracing import _by_step, traced_steps
+
+    tracer = Tracer()
+    with tracer.span("before"):
+        pass
+    assert tracer.events == []  # off: nothing recorded
+    tracer.start(rank=3)
+    with tracer.span("step 1", "step", step=1):
+        tracer.complete("F0", "pipeline", 10.0, 10.5, kind="F", microbatch=0, chunk=0)
+        tracer.overlapping("all_reduce", "collective", 10.1, 10.9, ranks=[2, 3])
+    tracer.pause()
+    with tracer.span("after"):
+        pass
+    events = tracer.take()
+    assert [e["name"] for e in events] == ["F0", "all_reduce", "all_reduce", "step 1"]
+    assert [e["ph"] for e in events] == ["X", "b", "e", "X"]
+    assert {e["pid"] for e in events} == {3} and tracer.take() == []
+    begin, end = events[1:3]
+    assert begin["id"] == end["id"] and end["ts"] - begin["ts"] == pytest.approx(0.8e6)
+    assert pipeline_spans(events) == [("F", 0, 0, pytest.approx(events[0]["ts"] / 1e6),
+                                       pytest.approx(events[0]["ts"] / 1e6 + 0.5))]
+    # Steps are told apart by their spans; the first step is not traced unless it is the only.
+    assert list(traced_steps(10, 2)) == [1, 2] and list(traced_steps(1, 3)) == [0]
+    assert list(traced_steps(3, 5)) == [1, 2]
+    assert set(_by_step(events)) == {1}

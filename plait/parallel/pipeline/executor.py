@@ -21,14 +21,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from plait.comm import Pending, recv, send
-from plait.parallel.pipeline.schedules import Action, Kind, Schedule
+from plait.comm.trace import PIPELINE, TRACER
+from plait.parallel.pipeline.schedules import Kind, Schedule
 
 
 @dataclass
@@ -45,13 +46,6 @@ class Activation:
     dim: int
     seq_shards: int = 1  # tp under sequence parallelism: chunks exchange sequence shards
     dtype: torch.dtype = torch.float32
-
-
-@dataclass
-class StepTrace:
-    """What the executor did, for measured timelines: (action, start, end) in seconds."""
-
-    spans: list[tuple[Action, float, float]] = field(default_factory=list)
 
 
 class PipelineExecutor:
@@ -80,9 +74,10 @@ class PipelineExecutor:
     def _tag(self, backward: bool, chunk: int, microbatch: int) -> int:
         return (chunk * self.schedule.microbatches + microbatch) * 2 + backward
 
-    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]], trace=None) -> float:
+    def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Execute this stage's actions over the micro-batches; returns the sum of the (scaled)
-        losses computed here (0 on stages without the last chunk)."""
+        losses computed here (0 on stages without the last chunk). Each action is traced (when
+        tracing) from the end of its receive, so the waiting shows as idle in the timeline."""
         s, M = self.schedule, len(microbatches)
         saved: dict[tuple[int, int], _Saved] = {}
         sends: list[tuple[Pending, torch.Tensor]] = []
@@ -141,8 +136,8 @@ class PipelineExecutor:
                 params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
                 with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
                     torch.autograd.backward(item.output, item.grad, inputs=params)
-            if trace is not None:
-                trace.spans.append((a, start, time.perf_counter()))
+            TRACER.complete(f"{a.kind.value}{a.microbatch}", PIPELINE, start, time.perf_counter(),
+                            kind=a.kind.value, microbatch=a.microbatch, chunk=a.chunk)
         for pending, _ in sends:
             pending.wait()
         return loss_sum
