@@ -86,5 +86,6 @@ def run_steps(cfg, steps: int = 4, probe=None):
         "ledger": ledger,
         "state": trainer.parallelized.state_bytes(trainer.optimizer),
         "activation_bytes": result["activation_bytes"],
+        "activations_left": trainer.activations.bytes,  # kept past the step: a leak
         "probe": probed() if probed is not None else None,
     }

@@ -25,7 +25,9 @@ def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     local = x.transpose(0, 1).contiguous()  # (s / T, b, ...): gathering along dim 0
     out = local.new_empty((n * local.shape[0], *local.shape[1:]))
     all_gather(out, local, group)
-    return out.transpose(0, 1)
+    # Contiguous once here: a transposed view would make every matmul that reads it (q, k, v;
+    # w1, w3) save a contiguous copy of its own for backward.
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

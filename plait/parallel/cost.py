@@ -227,20 +227,4 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     return state
 
 
-def block_activations(args, mode: str) -> Fraction | None:
-    """Activations one block keeps for its backward, in units of A = rows x seq x dim elements
-    (one tensor-parallel rank of size 1): "full" keeps the block input alone; "selective" keeps
-    every matmul's input and output: the block input, the norm output, q, k and v, the attention
-    output, the mid-block residual, the second norm output, and the three (rows, seq, ffn_dim)
-    tensors of the feed-forward (w1 x, w3 x, the gate). "none" also keeps the intermediates of
-    the norms, rotary embedding, attention and gate (not modelled here)."""
-    if mode == "full":
-        return Fraction(1)
-    if mode == "selective":
-        return 6 + Fraction(2 * args.n_kv_heads, args.n_heads) + Fraction(3 * args.ffn_dim,
-                                                                          args.dim)
-    return None
-
-
-__all__ = ["ChunkLayout", "Traffic", "block_activations", "chunk_layouts", "state_bytes",
-           "step_traffic"]
+__all__ = ["ChunkLayout", "Traffic", "chunk_layouts", "state_bytes", "step_traffic"]

@@ -42,8 +42,13 @@ class SavedActivations:
         return id(t) in self._params or (t._base is not None and id(t._base) in self._params)
 
     def _pack(self, t: torch.Tensor) -> _Held:
+        # Held detached (same storage; autograd re-attaches what it needs on unpack): a saved
+        # graph output held with its grad_fn makes a cycle through C++ that no collector frees
+        # once a graph is kept (retain_graph=True, as a split backward keeps it): a leak of every
+        # such tensor, every step (pytorch/pytorch#189025).
         if self._is_param(t) or t.device.type == "meta":
             return _Held(self, None, t)
+        t = t.detach()
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key == 0:  # empty

@@ -4,7 +4,8 @@ starting a process.
 For each rank coordinate, the straight line of `parallelize` runs on a `meta` model with dry axes
 (`plait.parallel.place`: the same transforms, no communication), and the formulas of
 `plait.parallel.cost`, which the composition matrix asserts equal to real runs, give the
-model-state bytes and the collectives of one training step, per group.
+model-state bytes and the collectives of one training step, per group;
+`plait.parallel.activations` the peak bytes kept for backward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from plait.config import Config, microbatches
 from plait.mesh import AXES, Axis, ParallelDims
 from plait.model import build_model
 from plait.parallel import cost, place
+from plait.parallel.activations import activation_bytes
 
 
 def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
@@ -31,6 +33,7 @@ def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
         "tensors": len(record.params),
         "elements": record.held_numel(),
         "state": cost.state_bytes(cfg, dims, record),
+        "activations": activation_bytes(cfg, dims, cost.chunk_layouts(chunks)),
         "traffic": cost.step_traffic(cfg, dims, record, cost.chunk_layouts(chunks)),
     }
 
@@ -47,12 +50,14 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
     state = Table(title=f"plait train --dry-run: {dims.world_size} rank(s) ({degrees or 'one'}), "
                         f"zero {cfg.parallel.zero}, {cfg.train.precision}; model state per rank")
     kinds = list(ranks[0]["state"])  # params, grads, optimizer (, compression)
-    for col in ("rank", *shown, "chunks", "tensors", "parameters", *(f"{k} MiB" for k in kinds)):
+    for col in ("rank", *shown, "chunks", "tensors", "parameters", *(f"{k} MiB" for k in kinds),
+                "activations MiB"):
         state.add_column(col, justify="right")
     for r in ranks:
         state.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in shown),
                       ",".join(map(str, r["chunks"])), str(r["tensors"]),
-                      f"{r['elements']:,}", *(_mib(r["state"][k]) for k in kinds))
+                      f"{r['elements']:,}", *(_mib(r["state"][k]) for k in kinds),
+                      _mib(r["activations"]))
     console.print(state)
     comm = Table(title="collectives of one training step, per rank and group "
                        "(bytes by the ring convention)")

@@ -144,6 +144,10 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
         dry = describe_rank(cfg, dims, r["rank"])
         assert (dict(dry["traffic"].calls), dry["traffic"].bytes) == r["ledger"]
         assert dry["state"] == r["state"]
+        # The activations kept for backward (the step's peak, counted by storage) equal their
+        # formula, plait.parallel.activations, exactly.
+        assert dry["activations"] == r["activation_bytes"], f"rank {r['rank']}"
+        assert r["activations_left"] == 0, f"rank {r['rank']}"
         assert dry["elements"] == sum(p.numel() for p in r["params"].values()) or \
             cfg.parallel.zero == 3  # ZeRO-3's held_params are gathered whole
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),

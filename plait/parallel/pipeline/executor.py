@@ -136,6 +136,9 @@ class PipelineExecutor:
                 params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
                 with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
                     torch.autograd.backward(item.output, item.grad, inputs=params)
+                # Free the graph now, not at the next action: its nodes on the input's path alone
+                # (run by B, not by this pass) still hold their saved tensors.
+                del item
             TRACER.complete(f"{a.kind.value}{a.microbatch}", PIPELINE, start, time.perf_counter(),
                             kind=a.kind.value, microbatch=a.microbatch, chunk=a.chunk)
         for pending, _ in sends:

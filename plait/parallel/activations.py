@@ -1,0 +1,139 @@
+"""Activation bytes per rank, from formulas: the peak of what autograd keeps for backward during
+a step (the `activation_bytes` metric, counted by storage in `train/activation_memory.py`), for
+the planner and `--dry-run`, checked against measurement in the composition matrix.
+
+Per micro-batch of r rows and s tokens, with A = r s dim elements, F = r s ffn_dim, T = tp and
+S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
+
+    none       per norm its input and x / rms(x) (A / S each) and its output as the matmuls read
+               it (A: gathered under sequence parallelism); q, k, v (k and v repeated to every
+               query head) and the attention output (4 A / T); w1 x, w3 x, silu(w1 x) and the
+               gate (4 F / T); per token an rsqrt per norm (2 r s / S) and the attention's
+               log-sum-exp per head (r s heads / T)
+    selective  the matmuls' inputs and outputs: block input and mid-block residual (A / S each),
+               the norm outputs the matmuls read (A each), q, k, v at their own head counts and
+               the attention output (/ T), w1 x, w3 x and the gate (3 F / T)
+    full       the block input (A / S)
+
+In bf16 (`_Sizes`): matmul outputs take 2 bytes; under autocast over fp32 weights each matmul
+keeps its own bf16 cast of its input (three of the attention norm's output, two of the feed-
+forward norm's) and of its weight; with bf16 weights (ZeRO) the residual stream is bf16 and each
+norm keeps its fp32 upcast and a bf16 x / rms(x). Each chunk's forward keeps the rotary tables;
+the first chunk the embedding's indices, the last chunk the final norm, the softmax of the logits
+(r s V / T, fp32) and the targets. A stage holds what its schedule has in flight: the peak,
+walking its actions, of what each F adds and each B (W under a split backward) frees.
+
+The composition matrix asserts these equal to the measured peak on every rank of every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from plait.config import Config, microbatches
+from plait.mesh import ParallelDims
+from plait.parallel.pipeline import stage_schedule
+from plait.parallel.pipeline.schedules import Kind
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Bytes per element of what a block keeps, by precision: `stream` for the residual stream
+    (the parameters' dtype), `matmul` for matmul outputs (bf16 under autocast), and per norm
+    `norm_local` (per element of its sequence shard) and `norm_out` (what the matmuls read,
+    gathered under sequence parallelism)."""
+
+    stream: int
+    matmul: int
+    norm_local: int
+    norm_out: int
+    weight_casts: bool  # autocast over fp32 weights keeps a bf16 copy of each matmul weight
+
+    @property
+    def norm_outs(self) -> int:
+        """Bytes per element of both norms' outputs as the matmuls keep them: autocast casts the
+        input of each matmul separately, so q, k, v keep three casts and w1, w3 two."""
+        return 5 * self.norm_out if self.weight_casts else 2 * self.norm_out
+
+
+def _sizes(cfg: Config) -> _Sizes:
+    if cfg.train.precision != "bf16":
+        return _Sizes(4, 4, 8, 4, False)  # the norm keeps its input and x / rms(x) (fp32)
+    if cfg.parallel.zero:  # bf16 parameters: the norm's fp32 upcast and its bf16 x / rms(x)
+        return _Sizes(2, 2, 6, 2, False)
+    return _Sizes(4, 2, 8, 2, True)  # autocast: the matmul reads a bf16 cast of the norm output
+
+
+def block_bytes(cfg: Config, T: int, rows: int) -> int:
+    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T."""
+    args, mode, b = cfg.model.args(), cfg.train.activation_checkpointing, _sizes(cfg)
+    S = T if cfg.parallel.sequence_parallel and T > 1 else 1
+    tokens = rows * cfg.data.seq_len
+    A, Ff = tokens * args.dim, tokens * args.ffn_dim
+    kv = Fraction(args.n_kv_heads, args.n_heads)
+    if mode == "full":
+        return b.stream * A // S
+    if b.weight_casts:
+        linear = 2 * args.dim * args.head_dim * (args.n_heads + args.n_kv_heads) \
+            + 3 * args.dim * args.ffn_dim
+        casts = 2 * linear // T
+    else:
+        casts = 0
+    if mode == "selective":
+        kept = (2 * b.stream * Fraction(A, S) + b.norm_outs * A
+                + b.matmul * Fraction(A * (2 + 2 * kv) + 3 * Ff, T))
+    else:
+        kept = (2 * b.norm_local * Fraction(A, S) + b.norm_outs * A
+                + b.matmul * Fraction(4 * A + 4 * Ff, T)
+                + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * args.n_heads, T))
+    return int(kept) + casts
+
+
+def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last: bool,
+                 rows: int) -> int:
+    """One chunk's activations for one micro-batch of `rows` rows."""
+    args, T, b = cfg.model.args(), dims.tp, _sizes(cfg)
+    S = T if cfg.parallel.sequence_parallel and T > 1 else 1
+    tokens = rows * cfg.data.seq_len
+    A = tokens * args.dim
+    total = layers * block_bytes(cfg, T, rows)
+    if layers:  # the rotary tables (cos, sin: seq x head_dim / 2 each), one pair per forward
+        total += 4 * cfg.data.seq_len * args.head_dim
+    if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
+        total += 9 * tokens
+    if last:
+        # Final norm (as a block's), the head's weight cast under autocast, the fp32 softmax
+        # of the logits, and the targets: at tp = 1 a contiguous int64 copy (and a float32
+        # scalar), vocabulary-parallel the local target (int64) and its mask (bool).
+        total += (b.norm_local * A // S + b.norm_out * A + 4 * tokens // S
+                  + 4 * tokens * args.vocab_size // T)
+        total += 2 * args.dim * args.vocab_size // T if b.weight_casts else 0
+        total += 9 * tokens if T > 1 else (8 * tokens if rows > 1 else 0) + 4
+    return total
+
+
+def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
+    """Peak bytes this rank keeps for backward in a step; `chunks` are its ChunkLayouts."""
+    par = cfg.parallel
+    M = microbatches(par, dims)
+    schedule = stage_schedule(par, dims.pp, M)
+    rows = cfg.train.global_batch // dims.dp // M
+    stage = chunks[0].index % dims.pp
+    per_chunk = {c.index: _chunk_bytes(cfg, dims, c.layers, c.first, c.last, rows)
+                 for c in chunks}
+    release = Kind.W if schedule.split_backward else Kind.B
+    held = peak = 0
+    for a in schedule.actions[stage]:
+        if a.kind is Kind.F:
+            held += per_chunk[a.chunk]
+            peak = max(peak, held)
+        elif a.kind is release:
+            held -= per_chunk[a.chunk]
+    # The token window of the rank's batch (inputs and targets are views of one (rows, seq + 1)
+    # int64 tensor), saved whole by the embedding at tp = 1, and by the loss when a micro-batch
+    # is one row (its targets then flatten to a view).
+    first, last = any(c.first for c in chunks), any(c.last for c in chunks)
+    if dims.tp == 1 and (first or last and rows == 1):
+        peak += 8 * (cfg.train.global_batch // dims.dp) * (cfg.data.seq_len + 1)
+    return peak
