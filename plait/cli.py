@@ -1,6 +1,7 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR] ...`
 `plait bench comm | step | pp | compression | scaling --nproc N [--config FILE] [key=value ...]`
-`plait compare A.jsonl B.jsonl [--rtol R]`, `plait report METRICS [--out DIR]`
+`plait plan --gpus N [--gpu h100] [...]`, `plait compare A.jsonl B.jsonl [--rtol R]`,
+`plait report METRICS [--out DIR]`
 
 Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
 fix, before any worker starts.
@@ -93,6 +94,19 @@ def _parser() -> argparse.ArgumentParser:
                          help="relative tolerance on each step's loss (default 1e-5: float32 "
                          "reduction order)")
     compare.set_defaults(func=cmd_compare)
+    plan = sub.add_parser("plan", help="choose the layout for a model on a cluster: memory, "
+                          "time, warnings; before any GPU-hour")
+    plan.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    plan.add_argument("--gpus", type=int, required=True, help="devices in the job")
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--gpu", default="h100", help="a100, h100, h200, b200, or cpu (this machine)")
+    plan.add_argument("--intra-node-gbps", type=float, help="GB/s each way within a node")
+    plan.add_argument("--inter-node-gbps", type=float, help="GB/s each way per GPU between nodes")
+    plan.add_argument("--top", type=int, default=5, help="plans shown")
+    plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
+    plan.add_argument("--write-recipe", metavar="FILE", help="write the best plan as a recipe")
+    plan.add_argument("overrides", nargs="*", metavar="section.key=value")
+    plan.set_defaults(func=cmd_plan)
     report = sub.add_parser("report", help="PNGs of a run's metrics: loss, throughput, "
                             "communication, memory")
     report.add_argument("metrics", metavar="METRICS",
@@ -287,6 +301,34 @@ def cmd_compare(args: argparse.Namespace) -> None:
         sys.exit(1)
     print(f"{result.steps} steps agree within rtol {args.rtol} (largest relative difference "
           f"{result.worst:.3g})")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from plait.plan.hardware import DEVICES, Cluster, device
+    from plait.plan.show import as_json, choose, pinned, print_plans, write_recipe
+
+    for option, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
+                          ("--top", args.top)):
+        if value < 1:
+            raise ConfigError(option, f"at least 1, got {value}")
+    for option, value in (("--intra-node-gbps", args.intra_node_gbps),
+                          ("--inter-node-gbps", args.inter_node_gbps)):
+        if value is not None and not value > 0:
+            raise ConfigError(option, f"a bandwidth > 0 in GB/s, got {value}")
+    if args.gpu not in (*DEVICES, "cpu"):
+        raise ConfigError("--gpu", f"one of {', '.join(DEVICES)}, cpu; got {args.gpu!r}")
+    if args.write_recipe is not None:
+        check_output_path(args.write_recipe, "--write-recipe")
+    cfg = load(args)
+    cluster = Cluster(args.gpus, args.gpus_per_node,
+                      device(args.gpu, args.intra_node_gbps, args.inter_node_gbps))
+    plans = choose(cfg, cluster, pinned(cfg, args.overrides))
+    if args.json:
+        print(as_json(plans, args.top))
+    else:
+        print_plans(plans, cluster, args.top, plans[0].params)
+    if args.write_recipe:
+        write_recipe(args.write_recipe, cfg, plans[0], cluster)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

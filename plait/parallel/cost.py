@@ -32,6 +32,7 @@ matmul outputs are bf16 under any bf16 training (autocast).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -99,18 +100,24 @@ def _padded(numel: int, k: int) -> int:
 def _flats(cfg: Config, record: PlacementRecord) -> list[list[Segment]]:
     """The data-parallel engine's flat buffers (DDP's buckets, ZeRO's flat parameters), each as
     the layout of its parameters (unpadded)."""
-    named, par = _meta(record), cfg.parallel
-    if par.zero == 0:
-        groups = assign_buckets(named, int(par.bucket_mb * 2**20),
-                                int(min(1.0, par.bucket_mb) * 2**20))
-    elif par.zero == 3:
+    return _flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb)
+
+
+@functools.lru_cache(maxsize=512)
+def _flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float) -> list[list[Segment]]:
+    """Cached by the record's identity: a record is complete once `place` returns, and the
+    planner prices many layouts on each."""
+    named = _meta(record)
+    if zero == 0:
+        groups = assign_buckets(named, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))
+    elif zero == 3:
         groups = []
         for prefixes in unit_prefixes(record.params):
             members = [(n, p) for n, p in named if n.startswith(prefixes)]
             for decay in (True, False):
                 groups.append([(n, p) for n, p in members if (p.dim() >= 2) == decay])
     else:
-        groups = [members for members, _ in flat_groups(named, par.bucket_mb)]
+        groups = [members for members, _ in flat_groups(named, bucket_mb)]
     return [layout(members) for members in groups if members]
 
 

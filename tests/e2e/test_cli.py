@@ -508,3 +508,23 @@ def test_bench_scaling_tables_speedup_and_efficiency(tmp_path):
     assert efficiency == pytest.approx(speedup / 2, abs=0.006)  # both printed rounded
     assert ("contention" in proc.stderr) == (2 > os.cpu_count())
     assert _png(png)
+
+
+def test_plan_predicts_the_runs_bytes(traced_run):
+    """DESIGN's contract: for a configuration that runs, the plan's memory and communication
+    equal the run's model_state_bytes, activation_bytes and comm_bytes (rank 0)."""
+    pins = ["parallel.pp=2", "parallel.tp=1", "parallel.zero=0", "parallel.dp_shard=0",
+            "parallel.microbatches=2", "parallel.pp_schedule=1f1b",
+            "parallel.sequence_parallel=false", "train.activation_checkpointing=none"]
+    proc = plait("plan", "--gpus", "4", "--gpu", "cpu", "--json", *pins, *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = json.loads(proc.stdout)
+    assert len(plans) == 1  # every degree pinned: that plan alone
+    plan, last = plans[0], read_metrics(traced_run / "metrics.jsonl")[-1]
+    assert {k: plan["memory_bytes"][k] for k in ("params", "grads", "optimizer")} == \
+        last["model_state_bytes"]
+    assert plan["memory_bytes"]["activations"] == last["activation_bytes"]
+    assert plan["comm_bytes"] == last["comm_bytes"]
+    for key in ("dp", "tp", "pp", "zero", "microbatches", "step_time_s", "tokens_per_s", "mfu",
+                "bubble", "warnings", "params"):
+        assert key in plan, key

@@ -196,6 +196,11 @@ OTHER_BAD_INPUT = [
     (["report", "{files}/tiny.txt"], "report"),  # not metrics lines
     (["report", "{files}/empty_dir"], "report"),  # no *.jsonl in it
     (["report", "{files}/tiny.txt", "--out", "{files}/three.bin"], "--out"),
+    (["plan", "--gpus", "0"], "--gpus"),
+    (["plan", "--gpus", "8", "--gpu", "tpu"], "--gpu"),
+    (["plan", "--gpus", "8", "--inter-node-gbps", "0"], "--inter-node-gbps"),
+    (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),
+    (["plan", "--gpus", "3", "model.preset=tiny", "parallel.tp=2"], "plan"),  # no valid layout
 ]
 
 

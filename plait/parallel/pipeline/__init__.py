@@ -6,6 +6,8 @@ executor."""
 
 from __future__ import annotations
 
+import functools
+
 from plait.config import ParallelConfig
 from plait.mesh import Axis
 from plait.model.llama import Transformer
@@ -20,10 +22,16 @@ def stage_schedule(cfg: ParallelConfig, stages: int, microbatches: int) -> Sched
     """The checked schedule this configuration runs (one stage: accumulation, whatever it
     names: every schedule of one stage is F B F B ...)."""
     if stages == 1:
-        schedule = build_schedule("1f1b", 1, microbatches)
-    else:
-        V = cfg.pp_virtual if cfg.pp_schedule == "interleaved" else 1
-        schedule = build_schedule(cfg.pp_schedule, stages, microbatches, V)
+        return _checked("1f1b", 1, microbatches, 1)
+    V = cfg.pp_virtual if cfg.pp_schedule == "interleaved" else 1
+    return _checked(cfg.pp_schedule, stages, microbatches, V)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(name: str, stages: int, microbatches: int, virtual: int) -> Schedule:
+    """Built and checked once (the planner prices thousands of layouts; schedules are data that
+    nothing modifies)."""
+    schedule = build_schedule(name, stages, microbatches, virtual)
     check(schedule)
     return schedule
 

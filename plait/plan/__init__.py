@@ -1,0 +1,276 @@
+"""`plait plan`: which layout to train a model with on a cluster, priced before any GPU-hour.
+
+Every candidate layout (tp, pp, dp, ZeRO stage, hybrid sharding, micro-batches, schedule,
+checkpointing, sequence parallelism) that `validate` accepts is priced per pipeline stage with the
+engine's own formulas, run on a `meta` model in one process as `--dry-run` does:
+
+    model state    `parallel.cost.state_bytes`        (asserted equal to real runs)
+    collectives    `parallel.cost.step_traffic`       (asserted equal to real runs)
+    activations    `parallel.activations`             (asserted equal to real runs)
+
+so a plan's `memory_bytes` and `comm_bytes` are, for a configuration that runs, that run's
+`model_state_bytes`, `activation_bytes` and `comm_bytes` on rank 0. Time is a model: matmul FLOPs
+at the device's peak times an efficiency; each collective by alpha-beta on the links its group
+crosses (tp innermost on the mesh, so within a node first); tensor- and pipeline-parallel traffic
+on the critical path, data-parallel traffic hidden behind backward (ZeRO-3: the whole step) as
+far as it lasts; the schedule's simulated bubble stretching the pipelined part. A plan fits when
+its worst stage's model state, activations and ZeRO-3's two gathered units stay under 90% of the
+device's memory (the rest: the CUDA context, allocator fragmentation, temporaries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from dataclasses import dataclass, field
+
+from plait.config import Config, ConfigError, microbatches, validate
+from plait.mesh import AXES, Axis, ParallelDims
+from plait.model import ModelArgs, build_model
+from plait.parallel import cost, place
+from plait.parallel.activations import activation_bytes
+from plait.parallel.fsdp import unit_prefixes
+from plait.parallel.pipeline import stage_schedule
+from plait.parallel.pipeline.simulator import simulate
+from plait.plan.hardware import Cluster
+
+HEADROOM = 0.9  # of device memory a plan may use
+STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}  # x (n - 1)
+DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "microbatches", "pp_schedule",
+           "activation_checkpointing", "sequence_parallel")
+
+
+@dataclass
+class Plan:
+    degrees: dict
+    params: int
+    memory_bytes: dict  # rank 0: params, grads, optimizer, activations, total
+    peak_memory_bytes: int  # the worst stage's total, buffers included: what must fit
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble: float
+    comm_bytes: float  # rank 0, per step
+    warnings: list[str] = field(default_factory=list)
+    fits: bool = True
+
+    def as_json(self) -> dict:
+        return {**self.degrees, **{k: v for k, v in dataclasses.asdict(self).items()
+                                   if k != "degrees"}}
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed(args: ModelArgs, pp: int, tp: int, schedule: str, virtual: int, split: tuple,
+            stage: int):
+    """One stage's placement record and chunk layouts (what the formulas need)."""
+    from plait.config import ParallelConfig
+
+    par = ParallelConfig(pp=pp, tp=tp, pp_schedule=schedule, pp_virtual=virtual,
+                         pp_split=list(split))
+    sizes = {"pp": pp, "tp": tp}
+    axes = {a: Axis.dry(a, stage if a == "pp" else 0, sizes.get(a, 1)) for a in AXES}
+    chunks, _, record = place(build_model(args, 0, device="meta"), axes, par, pp)
+    return record, cost.chunk_layouts(chunks)
+
+
+def _stage(cfg: Config, dims: ParallelDims, stage: int):
+    par = cfg.parallel
+    return _placed(cfg.model.args(), dims.pp, dims.tp, par.pp_schedule if dims.pp > 1 else "1f1b",
+                   par.pp_virtual, tuple(par.pp_split), stage)
+
+
+def _group_shape(dims: ParallelDims, group: str) -> tuple[int, int]:
+    """(stride, size) on the row-major mesh of a group the traffic names."""
+    stride = {a: 1 for a in AXES}
+    for inner, outer in zip(AXES[::-1], AXES[::-1][1:], strict=False):
+        stride[outer] = stride[inner] * getattr(dims, inner)
+    K = dims.shard
+    return {"dp_shard": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K)}.get(
+        group, (stride.get(group, 1), getattr(dims, group, 1)))
+
+
+def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster) -> dict[str, float]:
+    """Seconds per group: each call's latency steps plus its bytes over the group's link."""
+    out = {}
+    for group, ops in traffic.groups.items():
+        stride, size = _group_shape(dims, group)
+        bandwidth, alpha = cluster.link(stride, size)
+        out[group] = sum(calls * (STEPS.get(op.value, 1) * (size - 1) * alpha)
+                         + float(moved) / bandwidth for op, (calls, moved) in ops.items())
+    return out
+
+
+def _flops(cfg: Config, dims: ParallelDims, record, chunks) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs incl. recomputation) of one step on this stage's rank."""
+    args = cfg.model.args()
+    tokens = cfg.train.global_batch * cfg.data.seq_len / dims.dp
+    layers = sum(c.layers for c in chunks)
+    matmul = sum(p.local_numel for n, p in record.params.items()
+                 if not n.startswith("tok_embeddings"))
+    attention = 12 * layers * cfg.data.seq_len * args.dim / dims.tp
+    model = tokens * (6 * matmul + attention)
+    extra = {"full": tokens * (2 * matmul + attention / 3),  # one more forward
+             "selective": tokens * attention / 3}.get(cfg.train.activation_checkpointing, 0.0)
+    return model, model + extra
+
+
+def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
+    """Price one configuration (validated for dims.world_size)."""
+    par, dev = cfg.parallel, cluster.device
+    M = microbatches(par, dims)
+    bubble = simulate(stage_schedule(par, dims.pp, M)).bubble if dims.pp > 1 else 0.0
+    per_stage, step = [], 0.0
+    for stage in range(dims.pp):
+        record, chunks = _stage(cfg, dims, stage)
+        state = cost.state_bytes(cfg, dims, record)
+        act = activation_bytes(cfg, dims, chunks)
+        traffic = cost.step_traffic(cfg, dims, record, chunks)
+        model_flops, flops = _flops(cfg, dims, record, chunks)
+        compute = flops / (dev.peak_flops * dev.efficiency)
+        comm = _comm_seconds(traffic, dims, cluster)
+        data = sum(t for g, t in comm.items() if g.startswith("dp"))
+        hidden = compute if par.zero == 3 else compute * 2 / 3  # backward
+        pipelined = (compute + comm.get("tp", 0.0) + comm.get("pp", 0.0)) / (1 - bubble)
+        step = max(step, pipelined + max(0.0, data - hidden))
+        buffers = _gathered_units(record, cfg) if par.zero == 3 else 0
+        per_stage.append((state, act, traffic, buffers, model_flops))
+    state, act, traffic, _, _ = per_stage[0]
+    memory = {**{k: state[k] for k in ("params", "grads", "optimizer")}, "activations": act}
+    memory["total"] = sum(state.values()) + act
+    peak = max(sum(s.values()) + a + b for s, a, _, b, _ in per_stage)
+    model_flops = sum(f for *_, f in per_stage) * dims.dp * dims.tp
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    return Plan(degrees=_degrees(cfg, dims), params=_params(cfg), memory_bytes=memory,
+                peak_memory_bytes=peak, step_time_s=step, tokens_per_s=tokens / step,
+                mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
+                comm_bytes=float(traffic.total),
+                fits=peak <= HEADROOM * dev.memory_bytes)
+
+
+def _gathered_units(record, cfg: Config) -> int:
+    """ZeRO-3 holds at most two units whole at once (the current and the prefetched)."""
+    size = 2 if cfg.train.precision == "bf16" else 4
+    units = [sum(p.local_numel for n, p in record.params.items() if n.startswith(prefixes))
+             for prefixes in unit_prefixes(record.params)]
+    return size * sum(sorted(units)[-2:])
+
+
+@functools.lru_cache(maxsize=64)
+def _count(args: ModelArgs) -> int:
+    return sum(p.numel() for p in build_model(args, 0, device="meta").parameters())
+
+
+def _params(cfg: Config) -> int:
+    return _count(cfg.model.args())
+
+
+def _degrees(cfg: Config, dims: ParallelDims) -> dict:
+    par = cfg.parallel
+    return {"dp": dims.dp, "dp_shard": par.dp_shard, "tp": dims.tp, "pp": dims.pp,
+            "cp": dims.cp, "ep": dims.ep, "zero": par.zero,
+            "microbatches": microbatches(par, dims), "pp_schedule": par.pp_schedule,
+            "activation_checkpointing": cfg.train.activation_checkpointing,
+            "sequence_parallel": par.sequence_parallel}
+
+
+def with_degrees(cfg: Config, **degrees) -> Config:
+    """cfg with the given plan degrees (train.activation_checkpointing among them)."""
+    train = {k: v for k, v in degrees.items() if k == "activation_checkpointing"}
+    par = {k: v for k, v in degrees.items() if k not in train}
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **par),
+                               train=dataclasses.replace(cfg.train, **train))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: Config, cluster: Cluster, fixed: dict):
+    """Every layout validate accepts on cluster.gpus ranks; `fixed` pins degrees. Left out
+    unless pinned, as dominated: GPipe (1F1B's bubble with more activations in flight) and tp
+    without sequence parallelism (the same bytes, more activations)."""
+    N, G, args = cluster.gpus, cluster.gpus_per_node, cfg.model.args()
+    for tp, pp in itertools.product(_divisors(N), _divisors(N)):
+        if N % (tp * pp) or args.n_layers % pp or fixed.get("tp", tp) != tp \
+                or fixed.get("pp", pp) != pp:
+            continue
+        dp = N // (tp * pp)
+        choice = {
+            "tp": [tp], "pp": [pp], "zero": [0, 1, 2, 3],
+            "pp_schedule": ["1f1b", "interleaved", "zb1"] if pp > 1 else ["1f1b"],
+            "activation_checkpointing": ["none", "selective", "full"],
+            "sequence_parallel": [tp > 1],
+            "microbatches": [pp * k for k in (1, 2, 4, 8)],
+            # Hybrid sharding: shard within a node, replicate across nodes.
+            "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else []),
+        }
+        choice.update({k: [v] for k, v in fixed.items()})
+        keys = list(choice)
+        for values in itertools.product(*(choice[k] for k in keys)):
+            d = dict(zip(keys, values, strict=True))
+            if d["dp_shard"] and not d["zero"]:
+                continue
+            c = with_degrees(cfg, **d, dp=0)
+            try:
+                yield c, validate(c, N)
+            except ConfigError:
+                continue
+
+
+def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
+    """Every valid layout priced, the ones that fit first, fastest first; warnings attached."""
+    plans = []
+    for c, dims in candidates(cfg, cluster, fixed):
+        plan = estimate(c, dims, cluster)
+        plan.warnings = warnings(plan, c, dims, cluster)
+        plans.append(plan)
+    return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.peak_memory_bytes))
+
+
+def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
+    """The anti-patterns of the field, as they apply to plan p (of cfg on dims)."""
+    d, out, dev = p.degrees, [], cluster.device
+    if d["tp"] > cluster.gpus_per_node:
+        out.append(f"tensor parallelism across nodes: tp={d['tp']} > {cluster.gpus_per_node} GPUs "
+                   "per node, so its all-reduces in every layer cross the inter-node links; keep "
+                   "tp within a node")
+    elif d["tp"] > 1 and dev.intra_gbps < 100:
+        out.append(f"tensor parallelism over slow links ({dev.intra_gbps:g} GB/s): its "
+                   "all-reduces in every layer dominate; prefer ZeRO or pipeline stages")
+    if cfg.train.global_batch < cluster.gpus:
+        out.append(f"{cfg.train.global_batch / cluster.gpus:g} samples per GPU: fewer samples "
+                   "than GPUs; raise train.global_batch or use fewer GPUs")
+    if d["pp"] > 1 and (d["pp"] - 1) / d["microbatches"] > 0.5:
+        out.append(f"pipeline bubble {p.bubble:.0%} of the step: {d['pp']} stages with "
+                   f"{d['microbatches']} micro-batches idle (p-1)/m = "
+                   f"{(d['pp'] - 1) / d['microbatches']:.0%} of the compute; use at least 4 x pp "
+                   "micro-batches or fewer stages")
+    if d["pp"] == 1 and d["microbatches"] > 1:
+        if estimate(with_degrees(cfg, microbatches=1), dims, cluster).fits:
+            out.append(f"gradient accumulation ({d['microbatches']} micro-batches) although the "
+                       "batch fits in one: it only adds passes")
+    if not p.fits:
+        out.append(f"does not fit: {p.peak_memory_bytes / 1e9:.1f} GB per GPU of "
+                   f"{dev.memory_bytes / 1e9:.0f} GB ({HEADROOM:.0%} usable)")
+    return out
+
+
+def reasons(p: Plan, cluster: Cluster) -> list[str]:
+    """Why plan p, in the field's words."""
+    d = p.degrees
+    out = [f"fits in {p.peak_memory_bytes / 1e9:.1f} of {cluster.device.memory_bytes / 1e9:.0f} "
+           f"GB per GPU with " + (f"ZeRO-{d['zero']}" if d["zero"] else "plain data parallelism")
+           + (f", activation checkpointing {d['activation_checkpointing']}"
+              if d["activation_checkpointing"] != "none" else "")]
+    if d["tp"] > 1:
+        where = "within a node" if d["tp"] <= cluster.gpus_per_node else "across nodes"
+        out.append(f"tensor parallelism {d['tp']} {where}"
+                   + (" with sequence parallelism" if d["sequence_parallel"] else ""))
+    if d["pp"] > 1:
+        out.append(f"{d['pp']} pipeline stages, {d['pp_schedule']}, {d['microbatches']} "
+                   f"micro-batches: bubble {p.bubble:.0%}")
+    if d["dp"] > 1:
+        out.append(f"data parallelism {d['dp']}" + (f" (hybrid: shards of {d['dp_shard']})"
+                                                    if d["dp_shard"] else ""))
+    return out

@@ -1,0 +1,78 @@
+"""The machines a plan is priced on: per device its dense bf16 peak and memory, per link its
+bandwidth and latency (the alpha-beta model: a collective of n steps moving B bytes per rank takes
+n alpha + B / beta).
+
+Sources, vendors' datasheets (dense, no sparsity): A100 SXM 80 GB, 312 TFLOP/s bf16, NVLink 3 at
+600 GB/s both directions (300 each way); H100 SXM 80 GB, 989 TFLOP/s, NVLink 4 at 900 GB/s (450);
+H200 SXM 141 GB, 989 TFLOP/s, NVLink 4; B200 180 GB, 2.25 PFLOP/s, NVLink 5 at 1.8 TB/s (900).
+Between nodes one 400 Gb/s InfiniBand NDR port per GPU (50 GB/s; 200 Gb/s HDR, 25 GB/s, in the
+A100 generation). `cpu` is this machine: one rank per core, its measured fp32 matmul rate, gloo on
+loopback.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float  # per device, dense bf16 (fp32 for the CPU)
+    memory_bytes: float
+    intra_gbps: float  # GB/s each way per device, within a node
+    inter_gbps: float  # GB/s each way per device, between nodes
+    intra_alpha_s: float = 5e-6  # per message step
+    inter_alpha_s: float = 10e-6
+    efficiency: float = 0.55  # share of peak the matmuls reach in a real step (MFU ~40-55%)
+
+
+DEVICES = {
+    "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 300, 25),
+    "h100": Device("H100 SXM 80GB", 989e12, 80 * GB, 450, 50),
+    "h200": Device("H200 SXM 141GB", 989e12, 141 * GB, 450, 50),
+    "b200": Device("B200 180GB", 2250e12, 180 * GB, 900, 50),
+}
+
+
+def cpu_device() -> Device:
+    """This machine, measured: one core's fp32 matmul rate, loopback gloo (about 1 GB/s and 1 ms
+    per step on 2 cores, from `plait bench comm`)."""
+    from plait.train.metrics import measure_cpu_flops
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (os.cpu_count() or 1)
+    return Device("cpu (this machine, per core)", measure_cpu_flops(), memory, 1.0, 1.0,
+                  intra_alpha_s=1e-3, inter_alpha_s=1e-3, efficiency=1.0)
+
+
+def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None) -> Device:
+    """A named device (KeyError if unknown), links overridden where given."""
+    found = cpu_device() if name == "cpu" else DEVICES[name]
+    if intra_gbps is not None:
+        found = replace(found, intra_gbps=intra_gbps)
+    if inter_gbps is not None:
+        found = replace(found, inter_gbps=inter_gbps)
+    return found
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    device: Device
+
+    def within_node(self, stride: int, size: int) -> bool:
+        """Whether a group of `size` ranks `stride` apart on the row-major mesh lies in one node
+        (ranks fill nodes in order)."""
+        span = stride * size
+        return span <= self.gpus_per_node and self.gpus_per_node % span == 0
+
+    def link(self, stride: int, size: int) -> tuple[float, float]:
+        """(bytes/s each way, alpha) of such a group's slowest link."""
+        d = self.device
+        if self.within_node(stride, size):
+            return d.intra_gbps * GB, d.intra_alpha_s
+        return d.inter_gbps * GB, d.inter_alpha_s

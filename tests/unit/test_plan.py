@@ -1,0 +1,103 @@
+"""The planner prices layouts with the engine's own formulas (what the composition matrix asserts
+equal to real runs), so its bytes equal `--dry-run`'s; it flags each anti-pattern; it reproduces
+the ZeRO paper's model-state table. The end-to-end check against a real run's metrics is in
+tests/e2e/test_cli.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from training import tiny_config
+
+from plait.config import ConfigError, load_config, validate
+from plait.plan import estimate, rank_plans, with_degrees
+from plait.plan.hardware import DEVICES, Cluster, Device
+from plait.plan.show import choose
+from plait.train.dry_run import describe_rank
+
+# A made-up device with round numbers, so no test measures this machine.
+TOY = Device("toy", peak_flops=1e12, memory_bytes=1e9, intra_gbps=10, inter_gbps=1)
+
+
+@pytest.mark.parametrize("overrides,gpus", [
+    ([], 2), (["parallel.zero=1"], 4), (["parallel.zero=3", "parallel.dp_shard=2"], 4),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], 4),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.zero=2"], 4),
+    (["parallel.pp=2", "parallel.tp=2", "train.activation_checkpointing=full",
+      "train.precision=bf16", "parallel.zero=3"], 8),
+])
+def test_a_plan_prices_bytes_as_the_dry_run_does(overrides, gpus):
+    cfg = tiny_config("model.n_layers=4", *overrides)
+    dims = validate(cfg, gpus)
+    plan = estimate(cfg, dims, Cluster(gpus, 8, TOY))
+    rank0 = describe_rank(cfg, dims, 0)
+    assert plan.memory_bytes == {**{k: rank0["state"][k] for k in ("params", "grads", "optimizer")},
+                                 "activations": rank0["activations"],
+                                 "total": sum(rank0["state"].values()) + rank0["activations"]}
+    assert plan.comm_bytes == float(rank0["traffic"].total)
+    worst = max(sum(r["state"].values()) + r["activations"]
+                for r in (describe_rank(cfg, dims, k) for k in range(gpus)))
+    assert plan.peak_memory_bytes >= worst  # ZeRO-3 adds its two gathered units
+    assert 0 < plan.mfu <= TOY.efficiency and plan.step_time_s > 0
+
+
+def test_pinning_every_degree_prices_that_plan_alone():
+    cfg = tiny_config("model.n_layers=4")
+    fixed = {"tp": 2, "pp": 2, "zero": 1, "dp_shard": 0, "microbatches": 4,
+             "pp_schedule": "1f1b", "sequence_parallel": True, "activation_checkpointing": "none"}
+    plans = rank_plans(cfg, Cluster(8, 8, TOY), fixed)
+    assert len(plans) == 1 and plans[0].degrees == {**fixed, "dp": 2, "cp": 1, "ep": 1}
+
+
+def _warned(cfg, gpus, per_node, fixed, text):
+    plans = rank_plans(cfg, Cluster(gpus, per_node, TOY), fixed)
+    assert plans, fixed
+    return any(text in w for w in plans[0].warnings)
+
+
+def test_each_anti_pattern_is_flagged():
+    cfg = tiny_config("model.n_layers=4")
+    base = {"zero": 0, "activation_checkpointing": "none", "dp_shard": 0}
+    assert _warned(cfg, 2, 1, {**base, "tp": 2, "pp": 1, "microbatches": 1},
+                   "tensor parallelism across nodes")
+    assert not _warned(cfg, 2, 2, {**base, "tp": 2, "pp": 1, "microbatches": 1},
+                       "tensor parallelism across nodes")
+    slow = Cluster(2, 2, dataclasses.replace(TOY, intra_gbps=10))
+    assert any("slow links" in w for w in rank_plans(cfg, slow, {**base, "tp": 2})[0].warnings)
+    assert _warned(cfg, 4, 8, {**base, "tp": 1, "pp": 4, "microbatches": 4,
+                               "pp_schedule": "1f1b"}, "pipeline bubble")
+    assert not _warned(cfg, 4, 8, {**base, "tp": 1, "pp": 4, "microbatches": 8,
+                                   "pp_schedule": "1f1b"}, "pipeline bubble")
+    assert _warned(cfg, 2, 8, {**base, "tp": 1, "pp": 1, "microbatches": 2},
+                   "gradient accumulation")
+    few = tiny_config("model.n_layers=4", "train.global_batch=2")
+    assert _warned(few, 4, 8, {**base, "tp": 2, "pp": 2, "microbatches": 2,
+                               "pp_schedule": "1f1b"}, "samples per GPU")
+
+
+def test_a_model_that_fits_nowhere_names_the_smallest_change():
+    cfg = load_config(None, ["model.preset='7b'", "train.global_batch=8", "data.seq_len=1024"])
+    with pytest.raises(ConfigError) as refused:
+        choose(cfg, Cluster(1, 8, DEVICES["h100"]), {"pp": 1, "tp": 1})
+    assert "does not fit" in str(refused.value) and "use 2 GPUs" in str(refused.value)
+
+
+def test_the_zero_paper_model_state_table():
+    """ZeRO (Rajbhandari et al. 2020), figure 1: a 7.5B-parameter model on 64 GPUs holds 120,
+    31.4, 16.6 and 1.9 GB of model state per device at stages 0, 1, 2, 3 (mixed precision,
+    Adam: 2 + 2 + 12 bytes per parameter, K = 12). plait's DDP is fp32 (4 + 4 + 8: the same
+    16 bytes); stages 1-3 in bf16 with bf16 gradient reduction. The 7B preset with 36 layers and
+    a 26,147-token vocabulary has 7,500,001,280 parameters."""
+    cfg = load_config(None, ["model.preset='7b'", "model.n_layers=36", "model.vocab_size=26147",
+                             "train.global_batch=64", "data.seq_len=1024"])
+    paper = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in paper.items():
+        c = cfg if stage == 0 else with_degrees(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="bf16")),
+            zero=stage, reduce_dtype="bf16")
+        dims = validate(c, 64)
+        plan = estimate(c, dims, Cluster(64, 8, DEVICES["h100"]))
+        assert abs(plan.params / 7.5e9 - 1) < 1e-4
+        state = sum(plan.memory_bytes[k] for k in ("params", "grads", "optimizer"))
+        assert state / 1e9 == pytest.approx(gb, abs=0.1), stage
