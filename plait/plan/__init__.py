@@ -25,6 +25,7 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 
+from plait.comm import Op
 from plait.config import Config, ConfigError, microbatches, validate
 from plait.mesh import AXES, Axis, ParallelDims
 from plait.model import ModelArgs, build_model
@@ -36,7 +37,8 @@ from plait.parallel.pipeline.simulator import simulate
 from plait.plan.hardware import Cluster
 
 HEADROOM = 0.9  # of device memory a plan may use
-STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}  # x (n - 1)
+# Message steps of a ring collective on n ranks, in units of n - 1 (send: one step).
+STEPS = {Op.ALL_REDUCE: 2, Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_TO_ALL: 1}
 DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "microbatches", "pp_schedule",
            "activation_checkpointing", "sequence_parallel")
 
@@ -96,7 +98,7 @@ def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster) -> dict[str, fl
     for group, ops in traffic.groups.items():
         stride, size = _group_shape(dims, group)
         bandwidth, alpha = cluster.link(stride, size)
-        out[group] = sum(calls * (STEPS.get(op.value, 1) * (size - 1) * alpha)
+        out[group] = sum(calls * (STEPS.get(op, 1) * (size - 1) * alpha)
                          + float(moved) / bandwidth for op, (calls, moved) in ops.items())
     return out
 
