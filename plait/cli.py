@@ -204,7 +204,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         check_inputs(cfg, out)
         from plait.train.run import run_training
 
-        run_training(cfg, outputs(args))
+        run_training(cfg, out)  # the trainer writes metrics on rank 0 alone anyway
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
     dims = validate(cfg, nproc)

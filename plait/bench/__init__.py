@@ -222,8 +222,8 @@ def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str)
 
     from plait.bench.scaling import at_world, bench_scaling, draw_speedup, scaling_rows
 
-    configs = [at_world(cfg, n, sizes[0], weak) for n in sizes]
-    for n, c in zip(sizes, configs, strict=True):
+    configs = {n: at_world(cfg, n, sizes[0], weak) for n in sizes}
+    for n, c in configs.items():
         validate(c, n)  # every world size is checked before any worker starts
     cores = os.cpu_count() or 1
     if sizes[-1] > cores:
@@ -232,7 +232,7 @@ def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str)
             "ranks share cores, so those rows measure contention for the cores, not scaling")
     results = []
     for n in each(sizes, "bench scaling: ranks"):
-        c = configs[sizes.index(n)]
+        c = configs[n]
         results.append((n, c, launch(n, bench_scaling, c, steps, threads=c.train.threads)[0]))
     rows = scaling_rows(results)
     args, kind = cfg.model.args(), "weak" if weak else "strong"

@@ -117,17 +117,17 @@ def _run(op: Op, group: ProcessGroup, nbytes: int, call, async_op: bool) -> Pend
     n = dist.get_world_size(group)
     LEDGER.record(op, n, nbytes)
     entry = RECORDER.record(op.value, group, nbytes)
-    start, traced = time.perf_counter(), None
+    start, args = time.perf_counter(), None
     if TRACER.on:
-        traced = (op.value, start, {"ranks": list(entry.ranks), "tensor_bytes": nbytes,
-                                    "bus_bytes": float(bus_bytes(op, n, nbytes))})
+        args = {"ranks": list(entry.ranks), "tensor_bytes": nbytes,
+                "bus_bytes": float(bus_bytes(op, n, nbytes))}
     if async_op:
-        return Pending(call(True), traced)
+        return Pending(call(True), (op.value, start, args) if args is not None else None)
     call(False)
     end = time.perf_counter()
     LEDGER.wait_s += end - start
-    if traced is not None:
-        TRACER.complete(op.value, "collective", start, end, **traced[2])
+    if args is not None:
+        TRACER.complete(op.value, "collective", start, end, **args)
     return None
 
 

@@ -34,7 +34,7 @@ from fractions import Fraction
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.parallel.pipeline import stage_schedule
-from plait.parallel.pipeline.schedules import Kind
+from plait.parallel.pipeline.simulator import peak_held
 
 
 @dataclass(frozen=True)
@@ -122,14 +122,7 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     stage = chunks[0].index % dims.pp
     per_chunk = {c.index: _chunk_bytes(cfg, dims, c.layers, c.first, c.last, rows)
                  for c in chunks}
-    release = Kind.W if schedule.split_backward else Kind.B
-    held = peak = 0
-    for a in schedule.actions[stage]:
-        if a.kind is Kind.F:
-            held += per_chunk[a.chunk]
-            peak = max(peak, held)
-        elif a.kind is release:
-            held -= per_chunk[a.chunk]
+    peak = peak_held(schedule, stage, per_chunk.__getitem__)
     # The token window of the rank's batch (inputs and targets are views of one (rows, seq + 1)
     # int64 tensor), saved whole by the embedding at tp = 1, and by the loss when a micro-batch
     # is one row (its targets then flatten to a view).

@@ -143,7 +143,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     peak = max(sum(s.values()) + a + b for s, a, _, b, _ in per_stage)
     model_flops = sum(f for *_, f in per_stage) * dims.dp * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    return Plan(degrees=_degrees(cfg, dims), params=_params(cfg), memory_bytes=memory,
+    return Plan(degrees=_degrees(cfg, dims), params=_count(cfg.model.args()), memory_bytes=memory,
                 peak_memory_bytes=peak, step_time_s=step, tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
                 comm_bytes=float(traffic.total),
@@ -161,10 +161,6 @@ def _gathered_units(record, cfg: Config) -> int:
 @functools.lru_cache(maxsize=64)
 def _count(args: ModelArgs) -> int:
     return sum(p.numel() for p in build_model(args, 0, device="meta").parameters())
-
-
-def _params(cfg: Config) -> int:
-    return _count(cfg.model.args())
 
 
 def _degrees(cfg: Config, dims: ParallelDims) -> dict:
@@ -233,7 +229,7 @@ def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
 def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
     """The anti-patterns of the field, as they apply to plan p (of cfg on dims)."""
     d, out, dev = p.degrees, [], cluster.device
-    if d["tp"] > cluster.gpus_per_node:
+    if not cluster.within_node(1, d["tp"]):
         out.append(f"tensor parallelism across nodes: tp={d['tp']} > {cluster.gpus_per_node} GPUs "
                    "per node, so its all-reduces in every layer cross the inter-node links; keep "
                    "tp within a node")
@@ -266,7 +262,7 @@ def reasons(p: Plan, cluster: Cluster) -> list[str]:
            + (f", activation checkpointing {d['activation_checkpointing']}"
               if d["activation_checkpointing"] != "none" else "")]
     if d["tp"] > 1:
-        where = "within a node" if d["tp"] <= cluster.gpus_per_node else "across nodes"
+        where = "within a node" if cluster.within_node(1, d["tp"]) else "across nodes"
         out.append(f"tensor parallelism {d['tp']} {where}"
                    + (" with sequence parallelism" if d["sequence_parallel"] else ""))
     if d["pp"] > 1:

@@ -76,17 +76,23 @@ def _play(schedule: Schedule, costs: dict[Kind, float]) -> Timeline:
 
 
 def _peak_in_flight(schedule: Schedule) -> list[int]:
-    """Micro-batch activations a stage holds at worst: from F until the pass that last needs them
-    (B, or W when the backward is split)."""
+    """Micro-batch activations a stage holds at worst."""
+    return [peak_held(schedule, stage) for stage in range(schedule.stages)]
+
+
+def peak_held(schedule: Schedule, stage: int, weight=lambda chunk: 1) -> int:
+    """The most a stage holds at once when each F of a chunk adds `weight(chunk)` (one
+    micro-batch's activations, by default) and the pass that last needs them (B, or W when the
+    backward is split) frees it."""
     release = Kind.W if schedule.split_backward else Kind.B
-    peaks = []
-    for seq in schedule.actions:
-        held = peak = 0
-        for a in seq:
-            held += (a.kind is Kind.F) - (a.kind is release)
+    held = peak = 0
+    for a in schedule.actions[stage]:
+        if a.kind is Kind.F:
+            held += weight(a.chunk)
             peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
+        elif a.kind is release:
+            held -= weight(a.chunk)
+    return peak
 
 
 def _messages(schedule: Schedule):
