@@ -16,8 +16,9 @@ import os
 import sys
 from pathlib import Path
 
+from plait.checks import validate
 from plait.comm.compression import METHODS
-from plait.config import AXES, Config, ConfigError, clip_warmup, load_config, validate
+from plait.config import AXES, Config, ConfigError, clip_warmup, load_config
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs"
 

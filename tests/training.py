@@ -8,8 +8,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from plait.checks import validate
 from plait.comm import LEDGER
-from plait.config import load_config, validate
+from plait.config import load_config
 from plait.mesh import build_mesh
 from plait.parallel import cost
 from plait.train.trainer import Trainer

@@ -12,7 +12,8 @@ from plait.bench.comm import SIZES, bench_comm
 from plait.bench.pp import bench_pp, measured_bubble, with_schedule
 from plait.bench.step import bench_step, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
-from plait.config import Config, ConfigError, microbatches, validate
+from plait.checks import validate
+from plait.config import Config, ConfigError, microbatches
 from plait.launch import launch
 from plait.train.progress import each
 from plait.train.report import draw_timelines

@@ -32,7 +32,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import comm
-from plait.config import Config, microbatches, validate
+from plait.checks import validate
+from plait.config import Config, microbatches
 from plait.mesh import build_mesh
 from plait.model import build_model
 from plait.parallel import DataParallel

@@ -25,8 +25,9 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 
+from plait.checks import validate
 from plait.comm import Op
-from plait.config import Config, ConfigError, microbatches, validate
+from plait.config import Config, ConfigError, microbatches
 from plait.mesh import AXES, Axis, ParallelDims
 from plait.model import ModelArgs, build_model
 from plait.parallel import cost, place

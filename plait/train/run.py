@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from plait.checks import validate
 from plait.comm.watchdog import Heartbeat, diagnose, is_timeout
-from plait.config import Config, validate
+from plait.config import Config
 from plait.mesh import build_mesh
 from plait.train.progress import print_summary
 from plait.train.trainer import Outputs, Summary, Trainer

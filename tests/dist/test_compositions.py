@@ -24,7 +24,7 @@ import torch
 from harness import run_world
 from training import run_steps, tiny_config
 
-from plait.config import validate
+from plait.checks import validate
 from plait.train.dry_run import describe_rank
 
 BASE = ["model.n_layers=4", "train.warmup_steps=2", "train.steps=4"]

@@ -28,7 +28,7 @@ from harness import run_world
 from training import run_steps, tiny_config
 
 from plait.comm.compression import METHODS
-from plait.config import validate
+from plait.checks import validate
 
 START = 1
 BASE = ["train.steps=4", "parallel.bucket_mb=0.05", f"parallel.compression_start={START}",

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from training import tiny_config
 
-from plait.config import validate
+from plait.checks import validate
 from plait.mesh import build_mesh
 from plait.train.trainer import Trainer
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from training import run_steps, tiny_config
 
 from plait.cli import check_inputs
-from plait.config import ConfigError, validate
+from plait.checks import validate
+from plait.config import ConfigError
 
 FIELDS = {
     "parallel.tp": st.sampled_from([1, 2, 3]),

@@ -166,7 +166,7 @@ def test_training_equals_single_process(reference, tp, dp, sequence_parallel):
 
 
 def test_mfu_counts_the_whole_model_whatever_the_split():
-    from plait.config import validate
+    from plait.checks import validate
     from plait.mesh import build_mesh
     from plait.train.trainer import Trainer
 

@@ -13,7 +13,7 @@ from harness import run_world
 from training import STEPS, tiny_config, train_here, unclipped
 
 from plait.comm import LEDGER, Op
-from plait.config import validate
+from plait.checks import validate
 from plait.mesh import build_mesh
 from plait.train.trainer import Trainer
 

@@ -91,8 +91,9 @@ def test_3d_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    from plait.checks import validate
     from plait.cli import load_config, recipe_path
-    from plait.config import clip_warmup, validate
+    from plait.config import clip_warmup
     from plait.train.dry_run import describe_rank
 
     cfg, _ = clip_warmup(load_config(recipe_path("3d"), ["train.steps=4"]))

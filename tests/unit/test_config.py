@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from plait import cli
-from plait.config import ConfigError, load_config, validate
+from plait.checks import validate
+from plait.config import ConfigError, load_config
 
 
 def test_overrides_are_typed_and_layered(tmp_path):

@@ -3,7 +3,8 @@ model across ranks without a process group."""
 
 import pytest
 
-from plait.config import load_config, validate
+from plait.checks import validate
+from plait.config import load_config
 from plait.mesh import AXES
 from plait.model import build_model, model_args
 from plait.parallel.placement import PlacementRecord

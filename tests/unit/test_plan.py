@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 from training import tiny_config
 
-from plait.config import ConfigError, load_config, validate
+from plait.checks import validate
+from plait.config import ConfigError, load_config
 from plait.plan import estimate, rank_plans, with_degrees
 from plait.plan.hardware import DEVICES, Cluster, Device
 from plait.plan.show import choose

@@ -1,0 +1,238 @@
+"""Every check of a configuration that can be made before a worker starts (`validate`). Each
+raises `ConfigError(field, fix)`; the CLI turns it into exit status 2 and one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+from plait.comm.compression import METHODS, WITH_ERROR_FEEDBACK
+from plait.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, microbatches
+from plait.mesh import AXES, ParallelDims
+from plait.model.llama import ModelArgs
+
+
+def validate(cfg: Config, world_size: int) -> ParallelDims:
+    """Check everything that can be checked before launch; return the resolved mesh degrees."""
+    dims = _resolve_dims(cfg.parallel, world_size)
+    args = _check_model(cfg.model.args())
+    if args.n_heads % dims.tp or args.n_kv_heads % dims.tp:
+        raise ConfigError(
+            "parallel.tp",
+            f"tp={dims.tp} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}",
+        )
+    for name, size in (("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
+        if size % dims.tp:
+            raise ConfigError("parallel.tp", f"tp={dims.tp} must divide model {name}={size}")
+    if cfg.parallel.sequence_parallel and cfg.data.seq_len % dims.tp:
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            f"tp={dims.tp} must divide data.seq_len={cfg.data.seq_len} to split the sequence",
+        )
+    if args.n_layers % dims.pp:
+        raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
+    _check_pipeline(cfg, dims, args)
+    dims = _check_hybrid(cfg.parallel, dims)
+    for axis in ("cp", "ep"):
+        if getattr(dims, axis) > 1:
+            raise ConfigError(f"parallel.{axis}", "not implemented yet in plait; set it to 1")
+    _check_parallel(cfg.parallel)
+    _check_compression(cfg.parallel, dims, cfg.train.precision)
+    _check_train(cfg.train, dims)
+    _check_data(cfg.data, args)
+    return dims
+
+
+def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
+    for axis in AXES:
+        degree = getattr(par, axis)
+        if degree < (0 if axis == "dp" else 1):
+            raise ConfigError(f"parallel.{axis}", f"degree must be >= 1, got {degree}")
+    if world_size < 1:
+        raise ConfigError("--nproc", f"need at least one process, got {world_size}")
+    others = math.prod(getattr(par, a) for a in AXES if a != "dp")
+    dp = par.dp or world_size // others
+    if dp < 1 or dp * others != world_size:
+        text = " * ".join(f"{a}={getattr(par, a) if a != 'dp' else dp}" for a in AXES)
+        raise ConfigError(
+            "parallel",
+            f"{text} must equal the world size {world_size}; change the degrees or --nproc",
+        )
+    return ParallelDims(**{a: getattr(par, a) for a in AXES if a != "dp"}, dp=dp)
+
+
+def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+    par = cfg.parallel
+    if par.pp_schedule not in ("gpipe", "1f1b", "interleaved", "zb1"):
+        raise ConfigError("parallel.pp_schedule",
+                          f"one of gpipe, 1f1b, interleaved, zb1; got '{par.pp_schedule}'")
+    m = microbatches(par, dims)
+    rows = cfg.train.global_batch // dims.dp
+    if m < 1 or rows % m:
+        raise ConfigError("parallel.microbatches",
+                          f"{m} must divide the {rows} sequences per data-parallel rank")
+    if dims.pp == 1:
+        return
+    if par.pp_schedule == "zb1" and cfg.train.activation_checkpointing != "none":
+        raise ConfigError("train.activation_checkpointing",
+                          "zb1 walks each graph twice (input, then weight gradients), which "
+                          "torch's checkpoint cannot recompute twice; use another pp_schedule "
+                          "or set it to 'none'")
+    chunks = dims.pp
+    if par.pp_schedule == "interleaved":
+        if par.pp_virtual < 1 or m % dims.pp:
+            raise ConfigError("parallel.microbatches", f"interleaved needs a multiple of pp="
+                              f"{dims.pp} micro-batches (got {m}) and pp_virtual >= 1")
+        chunks *= par.pp_virtual
+    if args.n_layers < chunks:
+        raise ConfigError("parallel.pp", f"{chunks} pipeline chunks need >= {chunks} layers")
+    split = par.pp_split
+    if split and (len(split) != chunks or sum(split) != args.n_layers or min(split) < 1):
+        raise ConfigError("parallel.pp_split", f"{chunks} positive layer counts summing to "
+                          f"n_layers={args.n_layers}, got {split}")
+
+
+def _check_hybrid(par: ParallelConfig, dims: ParallelDims) -> ParallelDims:
+    if par.dp_shard < 0 or (par.dp_shard and dims.dp % par.dp_shard):
+        raise ConfigError("parallel.dp_shard",
+                          f"{par.dp_shard} must divide dp={dims.dp} (0: shard over all of dp)")
+    if par.dp_shard and par.dp_shard < dims.dp and not par.zero:
+        raise ConfigError("parallel.dp_shard", "hybrid sharding shards ZeRO state; set "
+                          "parallel.zero to 1, 2 or 3, or leave dp_shard at 0")
+    return dataclasses.replace(dims, dp_shard=par.dp_shard or dims.dp)
+
+
+def _check_parallel(par: ParallelConfig) -> None:
+    if par.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", f"a ZeRO stage is 0, 1, 2 or 3, got {par.zero}")
+    if par.reduce_dtype not in ("fp32", "bf16"):
+        raise ConfigError("parallel.reduce_dtype", f"'fp32' or 'bf16', got '{par.reduce_dtype}'")
+    if par.offload not in ("none", "optimizer", "params"):
+        raise ConfigError(
+            "parallel.offload", f"'none', 'optimizer' or 'params', got '{par.offload}'"
+        )
+    if par.offload != "none" and not par.zero:
+        raise ConfigError("parallel.offload", "offload shards through ZeRO; set parallel.zero")
+    if par.offload == "params" and par.zero != 3:
+        raise ConfigError("parallel.offload", "'params' needs parallel.zero=3 (sharded params)")
+    if par.timeout_s <= 0:
+        raise ConfigError("parallel.timeout_s", f"must be > 0 seconds, got {par.timeout_s}")
+    if par.bucket_mb <= 0:
+        raise ConfigError("parallel.bucket_mb", f"must be > 0, got {par.bucket_mb}")
+    if par.allreduce not in ("backend", "ring", "naive"):
+        raise ConfigError(
+            "parallel.allreduce", f"'backend', 'ring' or 'naive', got '{par.allreduce}'"
+        )
+
+
+def _check_compression(par: ParallelConfig, dims: ParallelDims, precision: str) -> None:
+    field, method = "parallel.compression", par.compression
+    if method not in METHODS:
+        raise ConfigError(field, f"one of {', '.join(METHODS)}; got '{method}'")
+    for key, ok, want in (("ratio", 0 < par.compression_ratio <= 1, "a fraction in (0, 1]"),
+                          ("rank", par.compression_rank >= 1, "must be >= 1"),
+                          ("start", par.compression_start >= 0, "must be >= 0 steps")):
+        if not ok:
+            raise ConfigError(f"{field}_{key}", f"{want}, got {getattr(par, f'compression_{key}')}")
+    why = None
+    if method != "none" and par.zero == 3 and method in WITH_ERROR_FEEDBACK:
+        why = (f"'{method}' keeps a full-size error-feedback copy of every gradient per rank, "
+               "which ZeRO-3 exists not to hold; use parallel.zero <= 2, or fp16, bf16 or int8")
+    elif method != "none" and dims.shard < dims.dp:
+        why = ("hybrid sharding reduces twice (within and across dp_shard groups), compression "
+               "covers one reduction: leave parallel.dp_shard at 0")
+    elif method != "none" and par.allreduce != "backend":
+        why = (f"a method chooses its own collectives; parallel.allreduce='{par.allreduce}' is "
+               "for uncompressed all-reduces: set one")
+    elif method != "none" and par.zero and precision == "bf16" and par.reduce_dtype == "bf16":
+        why = "parallel.reduce_dtype='bf16' already compresses the reduction: set it to 'fp32'"
+    if why:
+        raise ConfigError(field, why)
+
+
+def _check_model(args: ModelArgs) -> ModelArgs:
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"model.{name}", f"must be >= 1, got {getattr(args, name)}")
+    if args.multiple_of < 1:
+        raise ConfigError("model.multiple_of", f"must be >= 1, got {args.multiple_of}")
+    for name in ("norm_eps", "rope_theta", "ffn_multiplier"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"model.{name}", f"must be > 0, got {getattr(args, name)}")
+    if args.dim % args.n_heads:
+        raise ConfigError(
+            "model.dim", f"dim={args.dim} must be divisible by n_heads={args.n_heads}"
+        )
+    if args.head_dim % 2:
+        raise ConfigError("model.dim", "dim / n_heads must be even for rotary embeddings")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(
+            "model.n_kv_heads", f"must divide n_heads={args.n_heads}, got {args.n_kv_heads}"
+        )
+    return args
+
+
+def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
+    if train.steps < 1:
+        raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
+    if not 0 <= train.warmup_steps <= train.steps:
+        raise ConfigError("train.warmup_steps", f"must be in [0, train.steps={train.steps}]")
+    if train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "no CUDA device here; use 'auto' or 'cpu'")
+    if train.lr <= 0:
+        raise ConfigError("train.lr", f"must be > 0, got {train.lr}")
+    for name, low, high in (("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0)):
+        value = getattr(train, name)
+        if not low <= value < high:
+            raise ConfigError(f"train.{name}", f"must be in [{low:g}, {high:g}), got {value}")
+    if not 0 <= train.min_lr_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio", f"must be in [0, 1], got {train.min_lr_ratio}")
+    for name in ("weight_decay", "grad_clip", "peak_tflops"):
+        if getattr(train, name) < 0:
+            raise ConfigError(f"train.{name}", f"must be >= 0, got {getattr(train, name)}")
+    if train.base_batch < 1:
+        raise ConfigError("train.base_batch", f"must be >= 1, got {train.base_batch}")
+    if train.eval_every < 0:
+        raise ConfigError("train.eval_every", f"must be >= 0 (0: after the last step only), "
+                          f"got {train.eval_every}")
+    if train.eval_batches < 1:
+        raise ConfigError("train.eval_batches", f"must be >= 1, got {train.eval_batches}")
+    if train.precision not in ("fp32", "bf16"):
+        raise ConfigError("train.precision", f"'fp32' or 'bf16', got '{train.precision}'")
+    if train.lr_scaling not in ("none", "linear"):
+        raise ConfigError("train.lr_scaling", f"'none' or 'linear', got '{train.lr_scaling}'")
+    if train.threads < 1:
+        raise ConfigError("train.threads", f"must be >= 1, got {train.threads}")
+    if train.activation_checkpointing not in ("none", "full", "selective"):
+        raise ConfigError("train.activation_checkpointing",
+                          f"'none', 'full' or 'selective', got '{train.activation_checkpointing}'")
+    if train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
+    if train.nan_policy not in ("stop", "skip"):
+        raise ConfigError("train.nan_policy", f"'stop' or 'skip', got '{train.nan_policy}'")
+    if train.global_batch < 1 or train.global_batch % dims.dp:
+        raise ConfigError(
+            "train.global_batch",
+            f"{train.global_batch} must be a positive multiple of dp={dims.dp}",
+        )
+
+
+def _check_data(data: DataConfig, args: ModelArgs) -> None:
+    if not 1 <= data.seq_len <= args.max_seq_len:
+        raise ConfigError(
+            "data.seq_len",
+            f"must be in [1, model.max_seq_len={args.max_seq_len}], got {data.seq_len}",
+        )
+    if not 0 < data.val_fraction < 1:
+        raise ConfigError("data.val_fraction", f"must be in (0, 1), got {data.val_fraction}")
+    if data.max_bytes < 1:
+        raise ConfigError("data.max_bytes", f"must be >= 1, got {data.max_bytes}")
+    if data.source != "stdlib" and not Path(data.source).exists():
+        raise ConfigError("data.source", f"no such file or folder '{data.source}'; or use 'stdlib'")
+    if data.source.endswith(".bin") and args.vocab_size > 65536:
+        raise ConfigError("model.vocab_size", "uint16 .bin data holds token ids below 65536")
+    elif not data.source.endswith(".bin") and args.vocab_size < 256:
+        raise ConfigError("model.vocab_size", "byte-level text needs vocab_size >= 256")
