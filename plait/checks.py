@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import torch
 
+from plait.checkpoint import find, read_meta
 from plait.comm.compression import METHODS, WITH_ERROR_FEEDBACK
-from plait.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, microbatches
+from plait.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    microbatches,
+)
 from plait.mesh import AXES, ParallelDims
 from plait.model.llama import ModelArgs
 
@@ -43,6 +53,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     _check_compression(cfg.parallel, dims, cfg.train.precision)
     _check_train(cfg.train, dims)
     _check_data(cfg.data, args)
+    _check_checkpoint(cfg)
     return dims
 
 
@@ -204,6 +215,9 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError("train.precision", f"'fp32' or 'bf16', got '{train.precision}'")
     if train.lr_scaling not in ("none", "linear"):
         raise ConfigError("train.lr_scaling", f"'none' or 'linear', got '{train.lr_scaling}'")
+    if not 0 <= train.stop_after <= train.steps:
+        raise ConfigError("train.stop_after", f"a step count in [0, train.steps={train.steps}] "
+                          f"(0: run them all), got {train.stop_after}")
     if train.threads < 1:
         raise ConfigError("train.threads", f"must be >= 1, got {train.threads}")
     if train.activation_checkpointing not in ("none", "full", "selective"):
@@ -236,3 +250,34 @@ def _check_data(data: DataConfig, args: ModelArgs) -> None:
         raise ConfigError("model.vocab_size", "uint16 .bin data holds token ids below 65536")
     elif not data.source.endswith(".bin") and args.vocab_size < 256:
         raise ConfigError("model.vocab_size", "byte-level text needs vocab_size >= 256")
+
+
+def _check_checkpoint(cfg: Config) -> None:
+    ck = cfg.checkpoint
+    if ck.every < 0:
+        raise ConfigError("checkpoint.every", f"must be >= 0 steps (0: at the end), got {ck.every}")
+    if ck.keep < 1:
+        raise ConfigError("checkpoint.keep", f"must be >= 1, got {ck.keep}")
+    if ck.every and not ck.dir:
+        raise ConfigError("checkpoint.every", "saving needs checkpoint.dir, a folder to save in")
+    if ck.dir:
+        where = Path(ck.dir)
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir() or not os.access(where, os.W_OK):
+            raise ConfigError("checkpoint.dir", f"cannot write in {where}; choose another folder")
+    if ck.resume not in ("auto", "never") and find(ck.resume, "") is None:
+        raise ConfigError("checkpoint.resume", f"no complete checkpoint at {ck.resume}; give a "
+                          "checkpoint folder (with COMPLETE) or a folder of them, 'auto' or "
+                          "'never'")
+    source = find(ck.resume, ck.dir)
+    if source is not None:
+        saved = read_meta(source)["config"]["model"]
+        held = ModelConfig(saved["preset"], {k: v for k, v in saved.items() if k != "preset"})
+        ours = dataclasses.asdict(cfg.model.args())
+        differ = {k: v for k, v in dataclasses.asdict(held.args()).items() if ours[k] != v}
+        if differ:
+            key, value = next(iter(differ.items()))
+            raise ConfigError("checkpoint.resume", f"{source} holds a model with {key}={value}, "
+                              f"this run's has {key}={ours[key]}; resume with the same model "
+                              "settings, or set checkpoint.resume='never'")

@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                        "rank's steps here (and the pipeline timeline with pp > 1)")
     train.add_argument("--trace-steps", type=int, default=1, metavar="N",
                        help="how many steps to trace, from the second (default 1)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="restart the workers up to N times when one fails, resuming from "
+                       "the newest checkpoint in checkpoint.dir (torchrun: its own flag)")
     train.add_argument("--dry-run", action="store_true",
                        help="print what each rank would hold and communicate; start nothing")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -190,14 +193,29 @@ def load(args: argparse.Namespace, say: bool = True) -> Config:
     return cfg
 
 
+def fit_to_world(cfg: Config, world: int, say: bool = True) -> Config:
+    """A resume on another world size: what changes to keep the run (train/elastic.py), said."""
+    from plait.train.elastic import fit_world
+
+    cfg, notes = fit_world(cfg, world)
+    for note in notes if say else ():
+        print(f"plait: note: {note}", file=sys.stderr)
+    return cfg
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from plait.launch import ChildFailedError, in_torchrun, launch
 
     torchrun = in_torchrun()
     cfg = load(args, say=speaks())
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"a count >= 0, got {args.max_restarts}")
     if torchrun:  # we are one of torchrun's workers
         if args.nproc is not None:
             raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
+        if args.max_restarts:
+            raise ConfigError("--max-restarts", "under torchrun, give torchrun --max-restarts")
+        cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
         validate(cfg, int(os.environ["WORLD_SIZE"]))
         out = outputs(args)
         if not speaks():  # every worker writes its trace, rank 0 alone the rest
@@ -208,6 +226,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         run_training(cfg, out)  # the trainer writes metrics on rank 0 alone anyway
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
+    cfg = fit_to_world(cfg, nproc)
     dims = validate(cfg, nproc)
     check_inputs(cfg, None if args.dry_run else outputs(args))
     if args.dry_run:
@@ -218,7 +237,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     from plait.train.run import run_training
 
     try:
-        launch(nproc, run_training, cfg, outputs(args), threads=cfg.train.threads)
+        launch(nproc, run_training, cfg, outputs(args), threads=cfg.train.threads,
+               max_restarts=args.max_restarts)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)

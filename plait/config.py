@@ -74,6 +74,7 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
+    stop_after: int = 0  # end cleanly after this many steps (0: run all `steps`); LR as for `steps`
     global_batch: int = 32  # sequences per optimizer step, over all data-parallel ranks
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -104,20 +105,33 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str = ""  # where checkpoints go; "" saves none
+    every: int = 0  # steps between saves; 0: only when the run ends or stops (train.stop_after)
+    keep: int = 2  # newest complete checkpoints kept; older ones are deleted
+    async_: bool = False  # `checkpoint.async`: written in the background; training waits only for
+    # the copy into memory
+    resume: str = "auto"  # "auto": the newest complete checkpoint in dir | "never" | a path
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         model = out.pop("model")
         out["model"] = {"preset": model["preset"], **model["overrides"]}
+        out["checkpoint"][ASYNC] = out["checkpoint"].pop("async_")
         return out
 
 
-SECTIONS = ("model", "parallel", "train", "data")
+SECTIONS = ("model", "parallel", "train", "data", "checkpoint")
+ASYNC = "async"  # a Python keyword: the attribute is `async_`
 
 # Keys that were replaced: the one-line message names the replacement.
 REPLACED = {
@@ -185,7 +199,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 def _section(name: str, values: dict[str, Any]):
     cls = get_type_hints(Config)[name]
-    return cls(**{k: _typed(f"{name}.{k}", v, _hints(cls), cls) for k, v in values.items()})
+    values = {("async_" if k == ASYNC else k): v for k, v in values.items()}
+    return cls(**{k: _typed(f"{name}.{k.rstrip('_')}", v, _hints(cls), cls)
+                  for k, v in values.items()})
 
 
 def _model_section(values: dict[str, Any]) -> ModelConfig:
@@ -205,10 +221,11 @@ def _hints(cls) -> dict[str, type]:
 
 def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
     name = key.split(".", 1)[1]
+    name = "async_" if name == ASYNC else name
     if key in REPLACED:
         raise ConfigError(key, REPLACED[key])
     if name not in hints:
-        known = ", ".join(n for n in hints if n != "overrides")
+        known = ", ".join(n.rstrip("_") for n in hints if n != "overrides")
         raise ConfigError(key, f"unknown key; {key.split('.')[0]} keys are {known}")
     want = hints[name]
     if get_origin(want) is list:

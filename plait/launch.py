@@ -5,9 +5,9 @@ launcher raises `ChildFailedError` carrying the failed worker's traceback.
 
 Everything listens on loopback. torch's `TCPStore` server binds every interface whatever host it
 is given, so the local rendezvous (`plait-loopback`, torch's dynamic c10d rendezvous) hands its
-two stores (the rendezvous state, and the one the workers bootstrap from at MASTER_ADDR) a socket
-plait bound to 127.0.0.1 (`master_listen_fd`). The workers' gloo connections use the loopback
-interface (GLOO_SOCKET_IFNAME=lo).
+two stores (the rendezvous state, and the one the workers bootstrap from at MASTER_ADDR, new for
+each restart of the workers) a socket plait bound to 127.0.0.1 (`master_listen_fd`). The workers'
+gloo connections use the loopback interface (GLOO_SOCKET_IFNAME=lo).
 """
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ class _LoopbackRendezvous(DynamicRendezvousHandler):
     def get_backend(self) -> str:
         return "plait-loopback"
 
+    def next_rendezvous(self):
+        """Each round (each restart of the workers) gets a fresh store for the workers: torch
+        would keep the first, whose keys from the dead attempt (the old process group's
+        addresses) the new workers would read and hang on."""
+        self._shared_tcp_store_server = self._bootstrap_store_info = None
+        return super().next_rendezvous()
+
 
 def _loopback_rendezvous(params: RendezvousParameters) -> DynamicRendezvousHandler:
     store = loopback_store(timeout_s=60)
@@ -70,12 +77,14 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
 
 
-def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1) -> list:
+def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
+           max_restarts: int = 0) -> list:
     """Run `entrypoint(*args)` on `nproc` local workers over loopback; their return values by rank.
 
     `entrypoint` must be a module-level function (workers are spawned, so it is pickled by name),
     decorated with `torch.distributed.elastic.multiprocessing.errors.record` so that a failure
-    reaches the launcher with its traceback."""
+    reaches the launcher with its traceback. With `max_restarts`, the agent restarts all the
+    workers (up to that many times) when one fails; the error is raised after the last."""
     # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -85,12 +94,12 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1) -> list:
     # The agent keeps per-run logs and error files in a folder; ours is removed afterwards (the
     # failed worker's traceback is read into the exception before).
     with tempfile.TemporaryDirectory(prefix="plait-launch-") as logs:
-        config = _config(nproc, logs)
+        config = _config(nproc, logs, max_restarts)
         results = elastic_launch(config, entrypoint)(*args)
     return [results[r] for r in sorted(results)]
 
 
-def _config(nproc: int, logs: str) -> LaunchConfig:
+def _config(nproc: int, logs: str, max_restarts: int = 0) -> LaunchConfig:
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -99,7 +108,7 @@ def _config(nproc: int, logs: str) -> LaunchConfig:
         rdzv_backend="plait-loopback",
         rdzv_endpoint=f"{LOOPBACK}:0",
         local_addr=LOOPBACK,
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=logs),

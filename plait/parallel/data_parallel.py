@@ -40,7 +40,7 @@ from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression
 from plait.parallel.flat import FlatParam
-from plait.parallel.state import model_state_bytes
+from plait.parallel.state import Piece, model_state_bytes
 
 
 def _broadcast_replicas(module: nn.Module, group: ProcessGroup) -> None:
@@ -89,6 +89,11 @@ class SyncedReplicas(nn.Module):
         """(decay, no_decay): matrices and embeddings decay, norm gains do not."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+    def held_pieces(self) -> list[Piece]:
+        """What the optimizer steps, by parameter (the checkpoint's layout): whole parameters."""
+        return [Piece(name, p, 0, 0, p.numel()) for name, p in self.module.named_parameters()
+                if p.requires_grad]
 
     def grad_pieces(self):
         """(name, this rank's averaged gradient of it) after `finish_gradients`."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from plait.comm.compression import Segment, layout, members_numel
-from plait.parallel.state import Slice
+from plait.parallel.state import Piece, Slice
 
 
 class FlatParam:
@@ -88,10 +88,21 @@ class FlatParam:
     def full_bytes(self) -> int:
         return self.full.numel() * self.full.element_size()
 
+    def overlaps(self):
+        """(name, first element in this rank's slice, first element in the parameter flattened,
+        number of elements) for each parameter that this rank's slice holds a part of."""
+        lo, hi = self.mine.start, self.mine.stop
+        for seg in self.segments:
+            a, b = max(lo, seg.offset), min(hi, seg.offset + seg.numel)
+            if a < b:
+                yield seg.name, a - lo, a - seg.offset, b - a
+
     def grad_pieces(self):
         """(name, the part of this rank's gradient slice that belongs to that parameter)."""
-        lo, hi = self.mine.start, self.mine.stop
-        for name, p, start in zip(self.names, self.params, self.offsets, strict=True):
-            a, b = max(lo, start), min(hi, start + p.numel())
-            if a < b:
-                yield name, self.grad_shard[a - lo : b - lo]
+        for name, lo, _, n in self.overlaps():
+            yield name, self.grad_shard[lo : lo + n]
+
+    def held_pieces(self) -> list[Piece]:
+        """The parts of parameters that the optimizer steps in this rank's slice (its master)."""
+        return [Piece(name, self.slice.master, lo, start, n)
+                for name, lo, start, n in self.overlaps()]

@@ -49,6 +49,15 @@ class Placement:
         return tuple(shape)
 
     @property
+    def origin(self) -> tuple[int, ...]:
+        """Where this rank's piece starts in the full tensor."""
+        origin = [0] * len(self.shape)
+        for s in self.shards.values():
+            if s.dim is not None:
+                origin[s.dim] += s.index * (self.shape[s.dim] // s.count)
+        return tuple(origin)
+
+    @property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
 

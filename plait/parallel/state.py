@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -59,3 +61,16 @@ class Slice:
     def master_bytes(self) -> int:
         """Bytes of a separate master copy (optimizer state in ZeRO's accounting)."""
         return 0 if self.master is self.shard else nbytes([self.master])
+
+
+@dataclass
+class Piece:
+    """Part of parameter `name` held in `tensor` (what the optimizer steps: the parameter itself,
+    or a ZeRO slice): elements [lo, lo + numel) of tensor.view(-1) are elements [start, start +
+    numel) of this rank's (tensor-parallel) parameter, flattened."""
+
+    name: str
+    tensor: torch.Tensor
+    lo: int
+    start: int
+    numel: int

@@ -44,7 +44,7 @@ from plait.parallel.data_parallel import (
     launch_ready,
 )
 from plait.parallel.flat import FlatParam
-from plait.parallel.state import nbytes, optimizer_state_bytes
+from plait.parallel.state import Piece, nbytes, optimizer_state_bytes
 
 
 def flat_groups(named: list[tuple[str, nn.Parameter]], bucket_mb: float):
@@ -97,6 +97,9 @@ class ShardedEngine(SyncedReplicas):
         """The owned slices (or their masters), (decay, no_decay): what the optimizer steps."""
         return ([f.slice.master for f in self.flats if f.decay],
                 [f.slice.master for f in self.flats if not f.decay])
+
+    def held_pieces(self) -> list[Piece]:
+        return [piece for flat in self.flats for piece in flat.held_pieces()]
 
     def grad_pieces(self):
         # From the slices' gradients on the device (the masters' copies may be in host memory,

@@ -53,11 +53,13 @@ class MetricsWriter:
     TensorBoard scalar, nested keys joined by "/" (`model_state_bytes/params`). Only the rank
     that owns it writes."""
 
-    def __init__(self, path: str | None, tensorboard_dir: str | None = None):
+    def __init__(self, path: str | None, tensorboard_dir: str | None = None,
+                 append: bool = False):
+        """`append`: a resumed run continues its metrics file."""
         self._file = self._board = None
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w")  # noqa: SIM115 - held for the run
+            self._file = open(path, "a" if append else "w")  # noqa: SIM115 - held for the run
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -37,7 +37,7 @@ def each(items: list, what: str, enabled: bool = True):
 
 
 class Progress:
-    def __init__(self, steps: int, enabled: bool):
+    def __init__(self, steps: int, enabled: bool, start: int = 0):
         self.steps, self.enabled = steps, enabled
         self.console = Console(stderr=True)
         self.live = enabled and self.console.is_terminal
@@ -54,7 +54,8 @@ class Progress:
                 TimeRemainingColumn(),
                 console=self.console,
             )
-            self._task = self._bar.add_task("train", total=steps, loss=float("nan"), tps=0.0)
+            self._task = self._bar.add_task("train", total=steps, completed=start,
+                                            loss=float("nan"), tps=0.0)
             self._bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float, val_loss: float | None) -> None:

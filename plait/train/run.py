@@ -58,6 +58,9 @@ def run_training(cfg: Config, outputs: Outputs | None = None) -> Summary:
     try:
         dims = validate(cfg, dist.get_world_size())
         trainer = Trainer(cfg, dims, build_mesh(dims, device.type), device)
+        if trainer.resumed_from is not None and dist.get_rank() == 0:
+            print(f"plait: resumed from {trainer.resumed_from} at step {trainer.start_step}",
+                  flush=True)
         summary = trainer.fit(dataclasses.replace(outputs or Outputs(), progress=True))
         if dist.get_rank() == 0:
             print_summary(summary, dist.get_world_size())

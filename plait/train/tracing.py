@@ -27,9 +27,10 @@ from plait.mesh import ParallelDims
 STEP = "step"  # the category of the span around each traced step
 
 
-def traced_steps(total: int, count: int) -> range:
+def traced_steps(total: int, count: int, start: int = 0) -> range:
+    """`count` of the `total` steps from `start` on, skipping the first (one-off costs)."""
     first = 1 if total > 1 else 0
-    return range(first, min(total, first + count))
+    return range(start + first, start + min(total, first + count))
 
 
 def _by_step(events: list[dict]) -> dict[int, list[dict]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from plait.checkpoint import find, load
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
 from plait.config import Config, microbatches
@@ -23,7 +24,9 @@ from plait.mesh import ParallelDims
 from plait.model import build_model, count_params
 from plait.parallel import parallelize
 from plait.train.activation_memory import SavedActivations
+from plait.train.checkpointing import Checkpointer
 from plait.train.data import TokenData
+from plait.train.faults import maybe_fail
 from plait.train.metrics import MetricsWriter, flops_per_token, peak_flops
 from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from plait.train.progress import Progress
@@ -81,6 +84,12 @@ class Trainer:
         )
         self.activations = SavedActivations(self.model)
         self.is_logger = dist.get_rank() == 0
+        self.checkpoints = Checkpointer(cfg)
+        self.start_step = 0  # optimizer steps already done (a resumed run's checkpoint's)
+        self.resumed_from = find(cfg.checkpoint.resume, cfg.checkpoint.dir)
+        if self.resumed_from is not None:
+            self.start_step = load(self.resumed_from, self.parallelized, self.optimizer,
+                                   self.checkpoints.group)
 
     def _global_mean(self, value: float) -> float:
         """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens); the
@@ -155,14 +164,23 @@ class Trainer:
         return t.item()
 
     def fit(self, outputs: Outputs = Outputs()) -> Summary:
+        """Train from `start_step` until `train.steps` or `train.stop_after` steps are done,
+        saving checkpoints when `checkpoint.dir` is set."""
         cfg, summary = self.train_cfg, Summary()
+        last = min(cfg.steps, cfg.stop_after or cfg.steps)
         peak = self._peak_flops() * dist.get_world_size()
         writer = MetricsWriter(outputs.metrics if self.is_logger else None,
-                               outputs.tensorboard if self.is_logger else None)
-        progress = Progress(cfg.steps, enabled=outputs.progress and self.is_logger)
-        traced = traced_steps(cfg.steps, outputs.trace_steps) if outputs.trace else range(0)
+                               outputs.tensorboard if self.is_logger else None,
+                               append=self.start_step > 0)
+        progress = Progress(cfg.steps, enabled=outputs.progress and self.is_logger,
+                            start=self.start_step)
+        traced = range(0)
+        if outputs.trace:
+            traced = traced_steps(last - self.start_step, outputs.trace_steps, self.start_step)
         times, comm = [], []
-        for step in range(cfg.steps):
+        for step in range(self.start_step, last):
+            self.checkpoints.poll()
+            maybe_fail("step", step)
             LEDGER.reset()
             if step in traced:  # the step's own work: not the logging and validation after it
                 TRACER.start(dist.get_rank())
@@ -196,12 +214,15 @@ class Trainer:
             }
             if cfg.nan_policy == "skip":
                 record["skipped_steps"] = summary.skipped_steps
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < last:
                 record["val_loss"] = self.evaluate()
-            if step + 1 == cfg.steps:
+            if step + 1 == last:
                 record["val_loss"] = summary.val_loss = self.evaluate()
             writer.write(record)
             progress.update(step, loss, record["tokens_per_s"], record.get("val_loss"))
+            if self.checkpoints.due(step + 1, last):
+                self.checkpoints.save(step + 1, self.parallelized, self.optimizer)
+        self.checkpoints.wait()
         progress.close()
         writer.close()
         if outputs.trace:

@@ -1,6 +1,7 @@
 """Configuration loading, and bad input: status 2 and one line naming the field, before any worker
 starts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -113,6 +114,16 @@ BAD_INPUT = [
     (["train.global_batch=0"], "train.global_batch"),
     (["train.seed=1.5"], "train.seed"),
     (["train.nan_policy=ignore"], "train.nan_policy"),
+    (["train.stop_after=-1"], "train.stop_after"),
+    (["train.steps=40", "train.stop_after=50"], "train.stop_after"),
+    (["checkpoint.every=-2", "checkpoint.dir={files}/ck"], "checkpoint.every"),
+    (["checkpoint.every=2"], "checkpoint.every"),  # no dir to save in
+    (["checkpoint.keep=0"], "checkpoint.keep"),
+    (["checkpoint.async=yes"], "checkpoint.async"),
+    (["checkpoint.dir={files}/tiny.txt/ck"], "checkpoint.dir"),  # under a file
+    (["checkpoint.resume={files}/empty_dir"], "checkpoint.resume"),  # holds no checkpoint
+    (["checkpoint.resume={files}/ck_tiny", "model.dim=240"], "checkpoint.resume"),  # other model
+    (["checkpoint.resumee=auto"], "checkpoint.resumee"),
     (["train.activation_checkpointing=true"], "train.activation_checkpointing"),
     (["model.multiple_of=0"], "model.multiple_of"),
     (["model.norm_eps=-1"], "model.norm_eps"),
@@ -219,6 +230,10 @@ def files(tmp_path_factory):
     with open(root / "odd.bin", "ab") as f:
         f.write(b"x")
     (np.arange(100_000) % 300).astype(np.uint16).tofile(root / "ids.bin")  # ids up to 299
+    ck = root / "ck_tiny" / "step-00000001"  # a checkpoint's marker and metadata: its model
+    ck.mkdir(parents=True)
+    (ck / "plait.json").write_text(json.dumps({"config": {"model": {"preset": "small"}}}))
+    (ck / "COMPLETE").write_text("")
     return root
 
 

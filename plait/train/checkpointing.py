@@ -1,0 +1,99 @@
+"""When and how a run saves its checkpoints (`checkpoint.*`): every `every` steps and when it ends
+or stops, synchronously or in the background, keeping the newest `keep`.
+
+Saving runs its collectives on a gloo group of its own, so that a background save never
+interleaves with the training's collectives (and works on the CPU side of an NCCL job).
+`checkpoint.async`: the state is copied into host memory (all the training waits for), then DCP
+writes it from a thread; rank 0 marks the checkpoint complete at the first step boundary after
+the write has finished on every rank (or at the next save, or the end of the run).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from plait.checkpoint import finish, meta, step_path, training_state
+from plait.checkpoint.layout import Boxes, SavePlanner
+from plait.config import Config
+from plait.train.faults import maybe_fail
+
+
+class CopyStager:
+    """DCP's async stager protocol: a copy of the state in host memory, made before returning."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu", copy=True)
+
+        return {k: Boxes(v.size(), [(o, copy(t)) for o, t in v.boxes]) if isinstance(v, Boxes)
+                else copy(v) for k, v in state_dict.items()}
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config):
+        self.cfg, self.ck = cfg, cfg.checkpoint
+        self._group = None
+        self.is_rank0 = dist.get_rank() == 0
+        self.pending: tuple[Future, object, dict] | None = None  # a background save
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """Made at the first load or save, which every rank reaches at the same point."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def due(self, done: int, last: int) -> bool:
+        """Whether to save after `done` steps of a run that stops after `last`."""
+        every = self.ck.every
+        return bool(self.ck.dir) and (done == last or (every > 0 and done % every == 0))
+
+    def save(self, step: int, parallelized, optimizer: torch.optim.Optimizer) -> None:
+        self.wait()  # one save at a time
+        path = step_path(self.ck.dir, step)
+        if self.is_rank0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(path, ignore_errors=True)  # an unfinished earlier attempt
+        dist.barrier(group=self.group)
+        state = training_state(parallelized, optimizer, step)
+        info = meta(self.cfg, step, dist.get_world_size())
+        planner = SavePlanner(functools.partial(maybe_fail, "save", step))
+        args = dict(checkpoint_id=str(path), planner=planner, process_group=self.group)
+        if not self.ck.async_:
+            dcp.save(state, **args)
+            self._finish(path, info)
+            return
+        response = dcp.async_save(state, async_stager=CopyStager(), **args)
+        self.pending = getattr(response, "upload_completion", response), path, info
+
+    def _finish(self, path, info: dict) -> None:
+        """Every rank's write is done once DCP's save returns on rank 0 (its coordinator gathers
+        them all before writing the metadata): rank 0 marks the checkpoint complete."""
+        if self.is_rank0:
+            finish(path, info, self.ck.keep)
+
+    def poll(self) -> None:
+        """Between steps: finish a background save that has finished writing."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Until a background save has finished (raising its error, if any); then mark it."""
+        if self.pending is not None:
+            (future, path, info), self.pending = self.pending, None
+            future.result()
+            self._finish(path, info)

@@ -1,0 +1,99 @@
+"""Checkpoints: resume is bit-exact on the same layout, and a checkpoint made on one layout
+continues on another (resharding), equal to the uninterrupted run within reduction order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_world
+from training import held_params, tiny_config
+
+from plait.checks import validate
+from plait.checkpoint import complete_checkpoints, load_full, read_meta
+from plait.mesh import build_mesh
+from plait.train.trainer import Trainer
+
+STEPS, STOP = 8, 4
+
+
+def _fit(cfg):
+    dims = validate(cfg, dist.get_world_size())
+    trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
+    summary = trainer.fit()
+    return trainer, summary
+
+
+def _straight_then_resumed(layout, ckdir):
+    """8 steps straight; 4 steps then a stop (saving); a new trainer resuming from it."""
+    base = [*layout, f"train.steps={STEPS}", "train.warmup_steps=2"]
+    trainer, straight = _fit(tiny_config(*base))
+    want = held_params(trainer)
+    _, first = _fit(tiny_config(*base, f"train.stop_after={STOP}", f"checkpoint.dir={ckdir}"))
+    trainer, second = _fit(tiny_config(*base, f"checkpoint.dir={ckdir}"))
+    return straight.losses, first.losses + second.losses, want, held_params(trainer), \
+        trainer.start_step
+
+
+LAYOUTS = {
+    "ddp": (2, ["parallel.dp=2"]),
+    "zero1": (2, ["parallel.zero=1"]),
+    "zero2": (2, ["parallel.zero=2"]),
+    "zero3-async": (2, ["parallel.zero=3", "checkpoint.async=true"]),
+    "tp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp": (2, ["parallel.pp=2", "parallel.pp_schedule='1f1b'"]),
+    "3d": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1",
+               "parallel.pp_schedule='interleaved'", "parallel.microbatches=2",
+               "model.n_layers=4"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resume_is_bit_exact(name, tmp_path):
+    world, layout = LAYOUTS[name]
+    results = run_world(_straight_then_resumed, world, layout, str(tmp_path), timeout=240)
+    for straight, resumed, want, got, start in results:
+        assert start == STOP
+        assert resumed == straight  # exactly: same layout, same reduction order
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(want[key], got[key]), key
+    saved = [p.name for p in complete_checkpoints(tmp_path)]
+    assert saved == [f"step-{STOP:08d}", f"step-{STEPS:08d}"]
+    assert read_meta(tmp_path / saved[0])["step"] == STOP
+
+
+def _run(overrides, ckdir, *extra):
+    """Train with `overrides`, checkpointing into `ckdir`; the losses of this run."""
+    return _fit(tiny_config(*overrides, f"train.steps={STEPS}", "train.warmup_steps=2",
+                            f"checkpoint.dir={ckdir}", *extra))[1].losses
+
+
+RESHARD = {
+    "zero3-dp4-to-dp2-tp2-zero1": ((4, ["parallel.zero=3"]),
+                                   (4, ["parallel.tp=2", "parallel.zero=1"])),
+    "3d-to-one-process": ((8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule='gpipe'"]),
+                          (1, [])),
+    "zero1-dp2-to-zero3-dp4": ((2, ["parallel.zero=1"]), (4, ["parallel.zero=3"])),
+}
+
+
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_resharded_resume_continues_the_run(name, tmp_path):
+    """Saved after 4 steps on one layout, continued for 4 on another: the losses and the final
+    parameters equal the uninterrupted run's on the first layout within fp32 reduction order
+    (1e-5, the composition matrix's tolerance: a layout changes only the order of sums)."""
+    (n_a, a), (n_b, b) = RESHARD[name]
+    straight = run_world(_run, n_a, a, str(tmp_path / "straight"), timeout=240)[0]
+    run_world(_run, n_a, a, str(tmp_path / "run"), f"train.stop_after={STOP}")
+    resumed = run_world(_run, n_b, b, str(tmp_path / "run"), timeout=240)[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[STOP:]),
+                               rtol=1e-5, atol=0)
+    want = load_full(tmp_path / "straight" / f"step-{STEPS:08d}")
+    got = load_full(tmp_path / "run" / f"step-{STEPS:08d}")
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5, msg=key)
+    assert read_meta(tmp_path / "run" / f"step-{STEPS:08d}")["world_size"] == n_b

@@ -1,0 +1,75 @@
+"""A job that loses a worker: `plait train --max-restarts 1` restarts the workers, which resume
+from the newest complete checkpoint; a resume on another world size keeps the run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_cli import plait, read_metrics
+
+from plait.checkpoint import load_full
+from plait.train.faults import ENV
+
+RUN = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000", "train.eval_batches=1",
+       "train.global_batch=8", "train.steps=8", "train.warmup_steps=2", "checkpoint.every=2"]
+FINAL = "step-00000008"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run no fault touches: its final checkpoint and metrics."""
+    root = tmp_path_factory.mktemp("straight")
+    proc = plait("train", "--nproc", "2", "--metrics", str(root / "m.jsonl"), *RUN,
+                 f"checkpoint.dir={root / 'ck'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_full(root / "ck" / FINAL), read_metrics(root / "m.jsonl")
+
+
+def _faulty(tmp_path, fault):
+    proc = plait("train", "--nproc", "2", "--max-restarts", "1", *RUN,
+                 f"checkpoint.dir={tmp_path / 'ck'}", env={**os.environ, ENV: fault})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,resumed", [("step:1:5", 4), ("save:1:4", 2)],
+                         ids=["sigkill-mid-run", "sigkill-during-a-save"])
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(
+        tmp_path, uninterrupted, fault, resumed):
+    """Rank 1 is SIGKILLed at step 5, or while writing the checkpoint of step 4; the job restarts
+    both workers, which resume from the newest complete checkpoint (step 4, or step 2: the one
+    being written is not marked complete) and finish with exactly the uninterrupted run's
+    parameters (same layout: bit-exact)."""
+    out = _faulty(tmp_path, fault)
+    assert f"resumed from {tmp_path / 'ck' / f'step-{resumed:08d}'} at step {resumed}" in out
+    got = load_full(tmp_path / "ck" / FINAL)
+    want, _ = uninterrupted
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.slow
+def test_resume_on_half_the_workers_keeps_the_global_batch(tmp_path, uninterrupted):
+    """Saved by 2 workers after 4 steps, resumed on 1: dp 2 -> 1, each rank accumulates over 2
+    micro-batches of the same size as before, and the losses continue the uninterrupted run's
+    (within fp32 summation order, 1e-5)."""
+    ck = f"checkpoint.dir={tmp_path / 'ck'}"
+    metrics = tmp_path / "m.jsonl"
+    first = plait("train", "--nproc", "2", "--metrics", str(metrics), *RUN, ck,
+                  "train.stop_after=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = plait("train", "--nproc", "1", "--metrics", str(metrics), *RUN, ck)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming a run of 2 workers on 1: dp 2 -> 1" in second.stderr
+    assert "parallel.microbatches 1 -> 2 per rank, of 4 sequences" in second.stderr
+    records = read_metrics(metrics)  # one file: the resumed run appends
+    assert [r["step"] for r in records] == list(range(8))
+    _, straight = uninterrupted
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]),
+                               torch.tensor([r["loss"] for r in straight]), rtol=1e-5, atol=0)
+    assert json.loads((tmp_path / "ck" / FINAL / "plait.json").read_text())["world_size"] == 1
