@@ -168,6 +168,9 @@ def _check_model(args: ModelArgs) -> ModelArgs:
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
         if getattr(args, name) < 1:
             raise ConfigError(f"model.{name}", f"must be >= 1, got {getattr(args, name)}")
+    if args.intermediate_size < 0:
+        raise ConfigError("model.intermediate_size", f"must be >= 0 (0: from ffn_multiplier), "
+                          f"got {args.intermediate_size}")
     if args.multiple_of < 1:
         raise ConfigError("model.multiple_of", f"must be >= 1, got {args.multiple_of}")
     for name in ("norm_eps", "rope_theta", "ffn_multiplier"):
@@ -274,10 +277,17 @@ def _check_checkpoint(cfg: Config) -> None:
     if source is not None:
         saved = read_meta(source)["config"]["model"]
         held = ModelConfig(saved["preset"], {k: v for k, v in saved.items() if k != "preset"})
-        ours = dataclasses.asdict(cfg.model.args())
-        differ = {k: v for k, v in dataclasses.asdict(held.args()).items() if ours[k] != v}
+        ours = _weights_signature(cfg.model.args())
+        differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
         if differ:
             key, value = next(iter(differ.items()))
             raise ConfigError("checkpoint.resume", f"{source} holds a model with {key}={value}, "
                               f"this run's has {key}={ours[key]}; resume with the same model "
                               "settings, or set checkpoint.resume='never'")
+
+
+def _weights_signature(args: ModelArgs) -> dict:
+    """What a checkpoint's weights fix: their shapes, and the numbers the forward uses them with."""
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
+            "rope_theta")
+    return {k: getattr(args, k) for k in keys}

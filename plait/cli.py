@@ -117,6 +117,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="a metrics file (plait train --metrics), or the folder holding it")
     report.add_argument("--out", help="folder for the PNGs (default: report/ beside the file)")
     report.set_defaults(func=cmd_report)
+    convert = sub.add_parser("convert", help="a checkpoint to a Hugging Face Llama folder "
+                             "(--to hf OUT CKPT), or one into a checkpoint (--from hf HF_DIR OUT)")
+    way = convert.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=["hf"], help="export CKPT (any layout) into the folder OUT")
+    way.add_argument("--from", dest="source", choices=["hf"],
+                     help="import the Hugging Face folder HF_DIR as the checkpoint OUT")
+    convert.add_argument("first", metavar="OUT|HF_DIR")
+    convert.add_argument("second", metavar="CKPT|OUT_CKPT")
+    convert.set_defaults(func=cmd_convert)
     return parser
 
 
@@ -366,6 +375,28 @@ def cmd_report(args: argparse.Namespace) -> None:
         print(f"note: left out {note}")
     for path in written:
         print(path)
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from plait.checkpoint import find
+    from plait.checkpoint.hf import export_hf, import_hf
+
+    if args.to:  # plait convert --to hf OUT CKPT
+        out, source = args.first, find(args.second, "")
+        if source is None:
+            raise ConfigError("CKPT", f"no complete checkpoint at {args.second}; give a "
+                              "checkpoint folder (with COMPLETE) or a folder of them")
+        check_output_path(out, "OUT", folder=True)
+        print(export_hf(source, out))
+        return
+    hf, out = Path(args.first), args.second  # plait convert --from hf HF_DIR OUT_CKPT
+    if not (hf / "config.json").is_file() or not any(hf.glob("*.safetensors")):
+        raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
+                          "Hugging Face Llama folder")
+    check_output_path(out, "OUT_CKPT", folder=True)
+    path, overrides = import_hf(hf, out)
+    settings = " ".join(f"model.{k}={v}" for k, v in overrides.items())
+    print(f"{path}\ncontinue training it with: plait train checkpoint.resume={path} {settings}")
 
 
 def main(argv: list[str] | None = None) -> None:

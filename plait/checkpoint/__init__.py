@@ -18,6 +18,7 @@ Loading never unpickles code: DCP reads tensors, and `plait.json` is JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -149,14 +150,21 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
     return int(sd["train.step"]) if full else 0
 
 
+@contextlib.contextmanager
+def one_process():
+    """DCP in this process alone, without its warning that this is so (the point here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        yield
+
+
 def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The whole tensors whose keys start with `prefix`, read in this process alone (no process
     group): what `plait convert` and the tests read a checkpoint with."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items()
           if k.startswith(prefix)}
-    with warnings.catch_warnings():  # that it loads in one process is the point
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    with one_process():
         dcp.load(sd, checkpoint_id=str(path), no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}
 

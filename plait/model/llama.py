@@ -34,6 +34,7 @@ class ModelArgs:
     max_seq_len: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    intermediate_size: int = 0  # the SwiGLU hidden size, when given (an imported model's)
 
     @property
     def head_dim(self) -> int:
@@ -41,6 +42,8 @@ class ModelArgs:
 
     @property
     def ffn_dim(self) -> int:
+        if self.intermediate_size:
+            return self.intermediate_size
         hidden = int(2 * 4 * self.dim / 3 * self.ffn_multiplier)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 

@@ -22,6 +22,8 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, list[str]]:
     if source is None:
         return cfg, []
     saved = read_meta(source)
+    if "optim" not in saved["contents"]:  # a model alone (an import): no run to continue
+        return cfg, []
     before, par = saved.get("world_size", world), cfg.parallel
     others = math.prod(getattr(par, a) for a in AXES if a != "dp")
     if before == world or par.dp or world % others or before % others:

@@ -46,7 +46,7 @@ def test_range_boxes_cover_the_range_once_in_order(case):
 def _checkpoint(root, step, complete=True, world=2, model=None):
     path = step_path(root, step)
     path.mkdir(parents=True)
-    meta = {"step": step, "world_size": world,
+    meta = {"step": step, "world_size": world, "contents": ["model", "optim", "train"],
             "config": {"model": model or {"preset": "tiny"}}}
     if complete:
         finish(path, meta)

@@ -213,6 +213,9 @@ OTHER_BAD_INPUT = [
     (["plan", "--gpus", "8", "--inter-node-gbps", "0"], "--inter-node-gbps"),
     (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),
     (["plan", "--gpus", "3", "model.preset=tiny", "parallel.tp=2"], "plan"),  # no valid layout
+    (["convert", "--to", "hf", "{files}/out", "{files}/empty_dir"], "CKPT"),  # no checkpoint
+    (["convert", "--to", "hf", "{files}/tiny.txt", "{files}/ck_tiny"], "OUT"),  # a file
+    (["convert", "--from", "hf", "{files}/empty_dir", "{files}/out"], "HF_DIR"),
 ]
 
 
@@ -232,7 +235,8 @@ def files(tmp_path_factory):
     (np.arange(100_000) % 300).astype(np.uint16).tofile(root / "ids.bin")  # ids up to 299
     ck = root / "ck_tiny" / "step-00000001"  # a checkpoint's marker and metadata: its model
     ck.mkdir(parents=True)
-    (ck / "plait.json").write_text(json.dumps({"config": {"model": {"preset": "small"}}}))
+    (ck / "plait.json").write_text(json.dumps({"config": {"model": {"preset": "small"}},
+                                              "contents": ["model"]}))
     (ck / "COMPLETE").write_text("")
     return root
 

@@ -1,0 +1,144 @@
+"""Hugging Face Llama folders (safetensors + config.json), to and from plait checkpoints.
+
+plait's model is a Llama with two differences of convention, undone here:
+- names: `layers.0.attention.wq.weight` is `model.layers.0.self_attn.q_proj.weight`, and so on;
+- rotary pairs: plait rotates features (2j, 2j + 1) of each head together (the original Llama
+  code), Hugging Face features (j, j + head_dim / 2). The rows of the query and key projections
+  are reordered per head accordingly (`_to_half`, `_to_interleaved`); everything else is equal.
+
+Export reads a checkpoint of any layout whole, in one process; import writes a checkpoint of the
+model alone (no optimizer state: training continues from step 0 with fresh AdamW moments).
+Only safetensors and JSON are read: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
+from plait.checkpoint import finish, load_full, meta, one_process, read_meta
+from plait.config import Config, ModelConfig
+from plait.model.llama import ModelArgs
+
+# plait name -> Hugging Face name; {i} is a layer index.
+NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+}
+ROTATED = ("attention.wq.weight", "attention.wk.weight")
+
+
+def _rename(name: str, table: dict[str, str]) -> str:
+    for src, dst in table.items():
+        pattern = "^" + re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"
+        m = re.match(pattern, name)
+        if m:
+            return dst.replace("{i}", m.group(1)) if m.groups() else dst
+    raise KeyError(f"no Hugging Face Llama name for {name}")
+
+
+def _to_half(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of each head from interleaved pairs (0, 1), (2, 3)... to halves (0, hd/2)..."""
+    return w.unflatten(0, (-1, head_dim // 2, 2)).transpose(1, 2).flatten(0, 2)
+
+
+def _to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return w.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+def hf_config(args: ModelArgs) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def model_overrides(hf: dict) -> dict:
+    """The `model.*` settings of a Hugging Face Llama config."""
+    dim, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", dim // heads) != dim // heads:
+        raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / heads: plait derives it")
+    theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return {"dim": dim, "n_layers": hf["num_hidden_layers"], "n_heads": heads,
+            "n_kv_heads": hf.get("num_key_value_heads", heads), "vocab_size": hf["vocab_size"],
+            "intermediate_size": hf["intermediate_size"],
+            "max_seq_len": hf["max_position_embeddings"], "norm_eps": hf["rms_norm_eps"],
+            "rope_theta": float(theta)}
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write `checkpoint` (any layout) as a Hugging Face Llama folder."""
+    saved = read_meta(checkpoint)["config"]["model"]
+    args = ModelConfig(saved["preset"], {k: v for k, v in saved.items() if k != "preset"}).args()
+    tensors = {}
+    for name, t in load_full(checkpoint).items():
+        if name.endswith(ROTATED):
+            t = _to_half(t, args.head_dim)
+        tensors[_rename(name, NAMES)] = t.contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(args), indent=1))
+    return out
+
+
+def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, dict]:
+    """Write the Hugging Face Llama folder `hf_dir` as a plait checkpoint of the model alone;
+    returns its path and the `model.*` settings to train it with."""
+    hf_dir = Path(hf_dir)
+    hf = json.loads((hf_dir / "config.json").read_text())
+    overrides = model_overrides(hf)
+    cfg = Config(model=ModelConfig("tiny", overrides))
+    args = cfg.model.args()
+    weights = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    if "lm_head.weight" not in weights and hf.get("tie_word_embeddings"):
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    back = {v: k for k, v in NAMES.items()}
+    sd = {}
+    for name, t in weights.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer older exports carry; plait computes it
+        mine = _rename(name, back)
+        t = t.float()
+        if mine.endswith(ROTATED):
+            t = _to_interleaved(t, args.head_dim)
+        sd[f"model.{mine}"] = t.contiguous()
+    sd["train.step"] = torch.tensor(0, dtype=torch.int64)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with one_process():
+        dcp.save(sd, checkpoint_id=str(out), no_dist=True)
+    finish(out, meta(cfg, 0, 1, contents=("model",)))
+    return out, overrides
