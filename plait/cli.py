@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="speedup picture")
     scaling.add_argument("overrides", nargs="*", metavar="section.key=value")
     scaling.set_defaults(func=cmd_bench_scaling)
+    ck = suites.add_parser("checkpoint", help="save and load time and bytes per rank, sync and "
+                           "async, for the default and the 3-D recipe")
+    ck.add_argument("--repeats", type=int, default=3, help="saves and loads per variant")
+    ck.add_argument("overrides", nargs="*", metavar="section.key=value")
+    ck.set_defaults(func=cmd_bench_checkpoint)
     compare = sub.add_parser("compare", help="two runs' losses step by step; exit 1 at the first "
                              "step beyond tolerance")
     compare.add_argument("a", metavar="A.jsonl")
@@ -294,6 +299,18 @@ def cmd_bench_compression(args: argparse.Namespace) -> None:
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_compression(args.nproc, load(args), methods, args.png)
+
+
+def cmd_bench_checkpoint(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise ConfigError("--repeats", f"at least 1, got {args.repeats}")
+    recipes = []
+    for name, nproc in (("default", 4), ("3d", 8)):
+        cfg = load_config(recipe_path(name), args.overrides)
+        recipes.append((name, cfg, nproc))
+    from plait.bench import run_checkpoint
+
+    run_checkpoint(recipes, args.repeats)
 
 
 def cmd_bench_scaling(args: argparse.Namespace) -> None:

@@ -258,10 +258,38 @@ def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str)
     return rows
 
 
+def run_checkpoint(recipes: list[tuple[str, Config, int]], repeats: int) -> list[dict]:
+    """Save and load costs per rank of each (name, config, world size): bench/checkpoint.py."""
+    import tempfile
+
+    from plait.bench.checkpoint import bench_checkpoint
+
+    table = Table(title=f"plait bench checkpoint: torch.distributed.checkpoint, every rank "
+                        f"writing what it holds; slowest rank, median of {repeats}")
+    for col in ("recipe", "ranks", "bytes/rank", "sync save (ms)", "async: blocked (ms)",
+                "copy alone (ms)", "async: written (ms)", "load (ms)"):
+        table.add_column(col, justify="left" if col == "recipe" else "right")
+    out = []
+    configs = {name: (cfg, nproc) for name, cfg, nproc in recipes}
+    for name in each(list(configs), "checkpoint"):
+        cfg, nproc = configs[name]
+        validate(with_free_dp(cfg), nproc)
+        with tempfile.TemporaryDirectory(prefix="plait-bench-ck-") as root:
+            rows = launch(nproc, bench_checkpoint, with_free_dp(cfg), root, repeats)[0]
+        worst = {k: max(r[k] for r in rows) for k in rows[0]}
+        sizes = sorted(r["bytes"] for r in rows)
+        table.add_row(name, str(nproc), f"{_size(sizes[0])} - {_size(sizes[-1])}",
+                      *(f"{worst[k] * 1e3:,.1f}" for k in ("sync", "blocked", "copy", "async",
+                                                            "load")))
+        out.append({"recipe": name, "ranks": nproc, **worst, "bytes": sizes})
+    Console(width=140).print(table)
+    return out
+
+
 def _size(n: int) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.2f} MiB"
     return f"{n / 2**10:.1f} KiB"
 
 
-__all__ = ["run_comm", "run_compression", "run_pp", "run_scaling", "run_step"]
+__all__ = ["run_checkpoint", "run_comm", "run_compression", "run_pp", "run_scaling", "run_step"]
