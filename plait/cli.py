@@ -240,6 +240,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         run_training(cfg, out)  # the trainer writes metrics on rank 0 alone anyway
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
+    if args.max_restarts and not cfg.checkpoint.dir:
+        print("plait: note: --max-restarts without checkpoint.dir: a restarted job begins again "
+              "at step 0", file=sys.stderr)
     cfg = fit_to_world(cfg, nproc)
     dims = validate(cfg, nproc)
     check_inputs(cfg, None if args.dry_run else outputs(args))
