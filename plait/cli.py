@@ -229,6 +229,11 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
         if args.max_restarts:
             raise ConfigError("--max-restarts", "under torchrun, give torchrun --max-restarts")
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) and \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            raise ConfigError("--max-restarts", "torchrun's shared store keeps a dead attempt's "
+                              "keys, which hang the restart (pytorch#135712): run torchrun with "
+                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
         cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
         validate(cfg, int(os.environ["WORLD_SIZE"]))
         out = outputs(args)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -73,3 +75,21 @@ def test_resume_on_half_the_workers_keeps_the_global_batch(tmp_path, uninterrupt
     torch.testing.assert_close(torch.tensor([r["loss"] for r in records]),
                                torch.tensor([r["loss"] for r in straight]), rtol=1e-5, atol=0)
     assert json.loads((tmp_path / "ck" / FINAL / "plait.json").read_text())["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_resume_too(tmp_path, uninterrupted):
+    """torchrun's own --max-restarts: refused up front while its shared store would hang the
+    restart; with the store not shared, the killed job restarts and ends bit-exact."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "1", "-m", "plait", "train", *RUN,
+            f"checkpoint.dir={tmp_path / 'ck'}"]
+    env = {**os.environ, ENV: "step:1:5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert refused.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in refused.stderr
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    got, (want, _) = load_full(tmp_path / "ck" / FINAL), uninterrupted
+    assert all(torch.equal(got[name], want[name]) for name in want)
