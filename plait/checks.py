@@ -269,11 +269,11 @@ def _check_checkpoint(cfg: Config) -> None:
             where = where.parent
         if not where.is_dir() or not os.access(where, os.W_OK):
             raise ConfigError("checkpoint.dir", f"cannot write in {where}; choose another folder")
-    if ck.resume not in ("auto", "never") and find(ck.resume, "") is None:
+    source = find(ck.resume, ck.dir)  # a path given as `resume` is looked in alone
+    if ck.resume not in ("auto", "never") and source is None:
         raise ConfigError("checkpoint.resume", f"no complete checkpoint at {ck.resume}; give a "
                           "checkpoint folder (with COMPLETE) or a folder of them, 'auto' or "
                           "'never'")
-    source = find(ck.resume, ck.dir)
     if source is not None:
         saved = read_meta(source)["config"]["model"]
         held = ModelConfig(saved["preset"], {k: v for k, v in saved.items() if k != "preset"})
