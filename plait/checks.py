@@ -23,6 +23,7 @@ from plait.config import (
 )
 from plait.mesh import AXES, ParallelDims
 from plait.model.llama import ModelArgs
+from plait.model.moe import ROUTERS
 
 
 def validate(cfg: Config, world_size: int) -> ParallelDims:
@@ -46,9 +47,9 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
         raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
     _check_pipeline(cfg, dims, args)
     dims = _check_hybrid(cfg.parallel, dims)
-    for axis in ("cp", "ep"):
-        if getattr(dims, axis) > 1:
-            raise ConfigError(f"parallel.{axis}", "not implemented yet in plait; set it to 1")
+    if dims.cp > 1:
+        raise ConfigError("parallel.cp", "not implemented yet in plait; set it to 1")
+    _check_moe(cfg, dims, args)
     _check_parallel(cfg.parallel)
     _check_compression(cfg.parallel, dims, cfg.train.precision)
     _check_train(cfg.train, dims)
@@ -81,7 +82,7 @@ def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         raise ConfigError("parallel.pp_schedule",
                           f"one of gpipe, 1f1b, interleaved, zb1; got '{par.pp_schedule}'")
     m = microbatches(par, dims)
-    rows = cfg.train.global_batch // dims.dp
+    rows = cfg.train.global_batch // dims.batch
     if m < 1 or rows % m:
         raise ConfigError("parallel.microbatches",
                           f"{m} must divide the {rows} sequences per data-parallel rank")
@@ -164,6 +165,44 @@ def _check_compression(par: ParallelConfig, dims: ParallelDims, precision: str) 
         raise ConfigError(field, why)
 
 
+def _check_moe(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+    e, par = args.moe_experts, cfg.parallel
+    if e < 0:
+        raise ConfigError("model.moe_experts", f"must be >= 0 (0: dense), got {e}")
+    if args.moe_router not in ROUTERS:
+        raise ConfigError("model.moe_router", f"one of {', '.join(ROUTERS)}; got "
+                          f"'{args.moe_router}'")
+    for key, ok, want in (("moe_every", args.moe_every >= 1, "must be >= 1"),
+                          ("moe_capacity_factor", args.moe_capacity_factor >= 0,
+                           "must be >= 0 (0: dropless)"),
+                          ("moe_aux_loss_coef", args.moe_aux_loss_coef >= 0, "must be >= 0"),
+                          ("moe_z_loss_coef", args.moe_z_loss_coef >= 0, "must be >= 0")):
+        if not ok:
+            raise ConfigError(f"model.{key}", f"{want}, got {getattr(args, key)}")
+    if e and not 1 <= args.moe_top_k <= e:
+        raise ConfigError("model.moe_top_k", f"must be in [1, moe_experts={e}], got "
+                          f"{args.moe_top_k}")
+    if dims.ep == 1:
+        return
+    if not e:
+        raise ConfigError("parallel.ep", "expert parallelism splits experts: set "
+                          "model.moe_experts (a multiple of ep), or ep = 1")
+    if e % dims.ep:
+        raise ConfigError("parallel.ep", f"ep={dims.ep} must divide model.moe_experts={e}")
+    why = None
+    if dims.shard < dims.dp:
+        why = ("parallel.dp_shard", "hybrid sharding with ep > 1 is not supported; leave "
+               "dp_shard at 0")
+    elif par.compression != "none":
+        why = ("parallel.compression", "compressing reductions under ep > 1 is not supported; "
+               "set it to 'none'")
+    elif dims.pp > 1 and par.pp_schedule == "zb1":
+        why = ("parallel.pp_schedule", "zb1's weight pass would need the expert all-to-alls a "
+               "second time; use 1f1b, gpipe or interleaved with ep > 1")
+    if why:
+        raise ConfigError(*why)
+
+
 def _check_model(args: ModelArgs) -> ModelArgs:
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
         if getattr(args, name) < 1:
@@ -230,10 +269,11 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
     if train.nan_policy not in ("stop", "skip"):
         raise ConfigError("train.nan_policy", f"'stop' or 'skip', got '{train.nan_policy}'")
-    if train.global_batch < 1 or train.global_batch % dims.dp:
+    if train.global_batch < 1 or train.global_batch % dims.batch:
+        ranks = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
         raise ConfigError(
             "train.global_batch",
-            f"{train.global_batch} must be a positive multiple of dp={dims.dp}",
+            f"{train.global_batch} must be a positive multiple of {ranks}",
         )
 
 

@@ -1,5 +1,5 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR] ...`
-`plait bench comm | step | pp | compression | scaling --nproc N [--config FILE] [key=value ...]`
+`plait bench comm | step | pp | compression | scaling | checkpoint | moe ...` (`cli_bench.py`)
 `plait plan --gpus N [--gpu h100] [...]`, `plait compare A.jsonl B.jsonl [--rtol R]`,
 `plait report METRICS [--out DIR]`
 
@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 from plait.checks import validate
-from plait.comm.compression import METHODS
 from plait.config import AXES, Config, ConfigError, clip_warmup, load_config
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs"
@@ -50,51 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(func=cmd_train)
 
-    bench = sub.add_parser("bench", help="benchmarks against the PyTorch-native peers")
-    suites = bench.add_subparsers(dest="suite", required=True, parser_class=_Parser)
-    comm = suites.add_parser("comm", help="bandwidth of each collective and all-reduce algorithm")
-    comm.add_argument("--nproc", type=int, default=4)
-    comm.add_argument("--min-seconds", type=float, default=0.2, help="time per size and collective")
-    comm.set_defaults(func=cmd_bench_comm)
-    step = suites.add_parser("step", help="plait's step against PyTorch's own: DDP, ZeRO, TP, 3-D")
-    step.add_argument("--nproc", type=int, default=4)
-    step.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    step.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    step.add_argument("overrides", nargs="*", metavar="section.key=value")
-    step.set_defaults(func=cmd_bench_step)
-    pp = suites.add_parser("pp", help="pipeline schedules: bubbles, memory, vs torch pipelining")
-    pp.add_argument("--nproc", type=int, default=2, help="pipeline stages")
-    pp.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    pp.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
-    pp.add_argument("--png", default="runs/bench_pp/timeline.png", help="timeline picture")
-    pp.add_argument("overrides", nargs="*", metavar="section.key=value")
-    pp.set_defaults(func=cmd_bench_pp)
-    squeeze = suites.add_parser("compression", help="each gradient compression method on one "
-                                "recipe: loss, bytes, time; vs torch's DDP hooks")
-    squeeze.add_argument("--nproc", type=int, default=4)
-    squeeze.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    squeeze.add_argument("--methods", default=",".join(METHODS),
-                         help=f"comma-separated, from {', '.join(METHODS)}")
-    squeeze.add_argument("--png", default="runs/bench_compression/loss.png",
-                         help="loss curves picture")
-    squeeze.add_argument("overrides", nargs="*", metavar="section.key=value")
-    squeeze.set_defaults(func=cmd_bench_compression)
-    scaling = suites.add_parser("scaling", help="one recipe at several world sizes: tokens/s, "
-                                "speedup, efficiency, exposed communication; vs torch")
-    scaling.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
-    scaling.add_argument("--weak", action="store_true",
-                         help="fixed rows per rank (the batch grows); default: fixed global batch")
-    scaling.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    scaling.add_argument("--steps", type=int, default=5, help="timed steps per world size")
-    scaling.add_argument("--png", default="runs/bench_scaling/speedup.png",
-                         help="speedup picture")
-    scaling.add_argument("overrides", nargs="*", metavar="section.key=value")
-    scaling.set_defaults(func=cmd_bench_scaling)
-    ck = suites.add_parser("checkpoint", help="save and load time and bytes per rank, sync and "
-                           "async, for the default and the 3-D recipe")
-    ck.add_argument("--repeats", type=int, default=3, help="saves and loads per variant")
-    ck.add_argument("overrides", nargs="*", metavar="section.key=value")
-    ck.set_defaults(func=cmd_bench_checkpoint)
+    from plait.cli_bench import add_bench  # the bench suites' options and commands
+
+    add_bench(sub, _Parser)
     compare = sub.add_parser("compare", help="two runs' losses step by step; exit 1 at the first "
                              "step beyond tolerance")
     compare.add_argument("a", metavar="A.jsonl")
@@ -264,78 +221,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)
-
-
-def cmd_bench_comm(args: argparse.Namespace) -> None:
-    if args.nproc < 2:
-        raise ConfigError("--nproc", f"a collective needs at least 2 ranks, got {args.nproc}")
-    from plait.bench import run_comm
-
-    run_comm(args.nproc, args.min_seconds)
-
-
-def cmd_bench_step(args: argparse.Namespace) -> None:
-    if args.nproc < 1:
-        raise ConfigError("--nproc", f"need at least one process, got {args.nproc}")
-    if args.steps < 1:
-        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
-    from plait.bench import run_step
-
-    run_step(args.nproc, load(args), args.steps)
-
-
-def cmd_bench_pp(args: argparse.Namespace) -> None:
-    if args.nproc < 2:
-        raise ConfigError("--nproc", f"a pipeline needs at least 2 stages, got {args.nproc}")
-    if args.steps < 1:
-        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
-    from plait.bench import run_pp
-
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    run_pp(args.nproc, load(args), args.steps, args.png)
-
-
-def cmd_bench_compression(args: argparse.Namespace) -> None:
-    if args.nproc < 2:
-        raise ConfigError("--nproc", f"compression needs data parallelism: >= 2, got {args.nproc}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ConfigError("--methods", f"comma-separated names from {', '.join(METHODS)}; "
-                          f"got {args.methods!r}")
-    from plait.bench import run_compression
-
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    run_compression(args.nproc, load(args), methods, args.png)
-
-
-def cmd_bench_checkpoint(args: argparse.Namespace) -> None:
-    if args.repeats < 1:
-        raise ConfigError("--repeats", f"at least 1, got {args.repeats}")
-    recipes = []
-    for name, nproc in (("default", 4), ("3d", 8)):
-        cfg = load_config(recipe_path(name), args.overrides)
-        recipes.append((name, cfg, nproc))
-    from plait.bench import run_checkpoint
-
-    run_checkpoint(recipes, args.repeats)
-
-
-def cmd_bench_scaling(args: argparse.Namespace) -> None:
-    try:
-        sizes = [int(n) for n in args.nproc.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
-        raise ConfigError("--nproc", "increasing world sizes >= 1, comma-separated (1,2,4); got "
-                          f"{args.nproc!r}")
-    if args.steps < 1:
-        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
-    check_output_path(args.png, "--png")
-    from plait.bench import run_scaling
-
-    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    run_scaling(sizes, load(args), args.steps, args.weak, args.png)
 
 
 def cmd_compare(args: argparse.Namespace) -> None:

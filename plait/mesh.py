@@ -45,6 +45,12 @@ class ParallelDims:
         return math.prod(self.shape)
 
     @property
+    def batch(self) -> int:
+        """Ranks that split the batch's rows: dp x ep (expert parallelism's ranks route their own
+        tokens, so for the dense parameters they are data-parallel ranks)."""
+        return self.dp * self.ep
+
+    @property
     def shard(self) -> int:
         """Size of a model-state sharding group (dp unless hybrid)."""
         return self.dp_shard or self.dp
@@ -86,6 +92,27 @@ class Axis:
     @classmethod
     def dry(cls, name: str, rank: int, size: int) -> Axis:
         return cls(name, None, rank, size)
+
+
+def batch_axis(axes: dict[str, Axis]) -> Axis:
+    """The dp x ep ranks that share this rank's other coordinates, as one axis "batch" (index
+    dp * ep + ep: the rank's share of each micro-batch's rows). It is the dp or the ep axis when
+    the other has size 1, else a new group (then every rank must call this, like `hsdp_groups`)."""
+    dp, ep = axes["dp"], axes["ep"]
+    index, size = dp.rank * ep.size + ep.rank, dp.size * ep.size
+    if ep.size == 1 or dp.size == 1:
+        return Axis("batch", (ep if dp.size == 1 else dp).group, index, size)
+    if dp.group is None:
+        return Axis.dry("batch", index, size)
+    dims = ParallelDims(**{a: dist.get_world_size(axes[a].group) for a in AXES})
+    lists = []
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        if c["dp"] == 0 and c["ep"] == 0:
+            lists.append([dims.rank(**{**c, "dp": d, "ep": e})
+                          for d in range(dims.dp) for e in range(dims.ep)])
+    group, _ = dist.new_subgroups_by_enumeration(lists)
+    return Axis("batch", group, index, size)
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:

@@ -286,10 +286,44 @@ def run_checkpoint(recipes: list[tuple[str, Config, int]], repeats: int) -> list
     return out
 
 
+def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int,
+            png: str) -> list[dict]:
+    """A mixture-of-experts recipe at each ep degree on `nproc` ranks: bench/moe.py."""
+    from plait.bench.moe import bench_moe, draw_load, with_ep
+
+    configs = {ep: with_ep(cfg, ep) for ep in degrees}
+    for c in configs.values():
+        validate(c, nproc)  # every degree is checked before any worker starts
+    rows = []
+    for ep in each(degrees, "bench moe: ep"):
+        rows.append({"ep": ep, "dp": nproc // ep, **launch(nproc, bench_moe, configs[ep], steps,
+                                                           warmup)[0]})
+    args = cfg.model.args()
+    loop = next((r["step_s"] for r in rows if r["ep"] == 1), None)
+    table = Table(title=(
+        f"plait bench moe: {args.moe_experts} experts, top-{args.moe_top_k}, {args.moe_router}, "
+        f"dim {args.dim} x {args.n_layers} layers, global batch {cfg.train.global_batch} x "
+        f"{cfg.data.seq_len} tokens, {nproc} ranks; median of {steps} steps after {warmup}"))
+    for col in ("ep", "dp", "step (ms)", "vs ep 1 (loop)", "all-to-all (ms)", "share of step",
+                "all-to-all / step, rank 0", "dropped", "busiest / mean"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["ep"]), str(r["dp"]), f"{r['step_s'] * 1e3:,.1f}",
+                      f"{r['step_s'] / loop:.2f}" if loop else "-",
+                      f"{r['all_to_all_s'] * 1e3:,.1f}",
+                      f"{r['all_to_all_s'] / r['step_s']:.1%}", _size(r["all_to_all_bytes"]),
+                      f"{r['dropped']:.1%}", f"{r['max_load']:.2f}")
+    Console(width=150).print(table)
+    draw_load(rows[0]["load"], png)
+    print(f"expert load histogram: {png}")
+    return rows
+
+
 def _size(n: int) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.2f} MiB"
     return f"{n / 2**10:.1f} KiB"
 
 
-__all__ = ["run_checkpoint", "run_comm", "run_compression", "run_pp", "run_scaling", "run_step"]
+__all__ = ["run_checkpoint", "run_comm", "run_compression", "run_moe", "run_pp", "run_scaling",
+           "run_step"]

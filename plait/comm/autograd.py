@@ -6,6 +6,8 @@ the partial outputs; each one's backward is the other's forward. Sequence parall
 (Korthikanti et al. 2022, section 4.2.2) splits g into a reduce-scatter along the sequence and f
 into an all-gather, so the activations between block halves are held 1/T per rank.
 
+Expert parallelism adds an all-to-all of rows with uneven splits, its own conjugate.
+
 Tensors are (batch, seq, ...) and the sequence is dim 1; gathered and scattered chunks are in
 rank order. All communication goes through the accounted collectives.
 """
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from plait.comm.collectives import all_gather, all_reduced, reduce_scatter
+from plait.comm.collectives import all_gather, all_reduced, all_to_all, reduce_scatter
 
 
 def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -107,3 +109,31 @@ def gather_from_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return ReduceScatterToSequenceParallel.apply(x, group)
+
+
+def _all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int],
+                     group: ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    all_to_all(out, x.contiguous(), group, output_splits=recv, input_splits=send)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of x, send[i] of them for rank i (in rank order), exchanged with every rank of the
+    group; recv[i] rows come from rank i. Backward: the same exchange with the splits swapped,
+    each gradient row going back to the rank its row came from (expert parallelism's dispatch
+    and return, Lepikhin et al. 2020)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all_rows(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all_rows(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int],
+                    group: ProcessGroup) -> torch.Tensor:
+    return AllToAll.apply(x, send, recv, group)

@@ -66,6 +66,11 @@ class CommLedger:
     bytes_by_op: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
     wait_s: float = 0.0
+    wait_by_op: Counter = field(default_factory=Counter)  # seconds blocked, per op
+
+    def waited(self, op: Op, seconds: float) -> None:
+        self.wait_s += seconds
+        self.wait_by_op[op] += seconds
 
     def record(self, op: Op, n: int, nbytes: int) -> None:
         moved = bus_bytes(op, n, nbytes)
@@ -77,6 +82,7 @@ class CommLedger:
         self.bytes, self.wait_s = Fraction(0), 0.0
         self.bytes_by_op.clear()
         self.calls.clear()
+        self.wait_by_op.clear()
 
     def snapshot(self) -> dict:
         return {
@@ -94,15 +100,16 @@ class Pending:
     """An asynchronous collective in flight; `wait()` blocks and books the time blocked (and,
     when tracing, the span from launch to the end of the wait)."""
 
-    def __init__(self, work: dist.Work | None, traced: tuple | None = None):
-        self._work, self._traced = work, traced  # (name, launched at, args)
+    def __init__(self, work: dist.Work | None, traced: tuple | None = None,
+                 op: Op = Op.ALL_REDUCE):
+        self._work, self._traced, self._op = work, traced, op  # traced: (name, launched at, args)
 
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
             self._work.wait()
             end = time.perf_counter()
-            LEDGER.wait_s += end - start
+            LEDGER.waited(self._op, end - start)
             if self._traced is not None:
                 name, launched, args = self._traced
                 TRACER.overlapping(name, "collective", launched, end, **args)
@@ -122,10 +129,10 @@ def _run(op: Op, group: ProcessGroup, nbytes: int, call, async_op: bool) -> Pend
         args = {"ranks": list(entry.ranks), "tensor_bytes": nbytes,
                 "bus_bytes": float(bus_bytes(op, n, nbytes))}
     if async_op:
-        return Pending(call(True), (op.value, start, args) if args is not None else None)
+        return Pending(call(True), (op.value, start, args) if args is not None else None, op)
     call(False)
     end = time.perf_counter()
-    LEDGER.wait_s += end - start
+    LEDGER.waited(op, end - start)
     if args is not None:
         TRACER.complete(op.value, "collective", start, end, **args)
     return None

@@ -35,10 +35,22 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     intermediate_size: int = 0  # the SwiGLU hidden size, when given (an imported model's)
+    # Mixture of experts (`moe.py`): every `moe_every`-th block's feed-forward is E = moe_experts
+    # SwiGLU experts of ffn_dim hidden units each behind a router; 0 experts: dense.
+    moe_experts: int = 0
+    moe_top_k: int = 2  # experts per token (expert choice: the mean, sizing each expert's pick)
+    moe_every: int = 1  # blocks i with (i + 1) % moe_every == 0 are MoE
+    moe_capacity_factor: float = 0.0  # capacity = ceil(factor * tokens * top_k / E); 0: dropless
+    moe_router: str = "token_choice"  # "token_choice" (top-k per token) | "expert_choice"
+    moe_aux_loss_coef: float = 0.01  # Switch / GShard load-balancing loss
+    moe_z_loss_coef: float = 0.0  # router z-loss (ST-MoE)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def ffn_dim(self) -> int:
@@ -57,10 +69,20 @@ PRESETS: dict[str, ModelArgs] = {
                       max_seq_len=2048, multiple_of=256),
     "1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                     ffn_multiplier=1.5, max_seq_len=4096, multiple_of=256, rope_theta=500000.0),
+    # Mixtures of experts: 8 experts, top-2 (tiny: every block; small: every other block, experts
+    # of half the dense hidden size).
+    "tiny-moe": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                          multiple_of=16, moe_experts=8, moe_top_k=2),
+    "small-moe": ModelArgs(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, max_seq_len=256,
+                           ffn_multiplier=0.5, moe_experts=8, moe_top_k=2, moe_every=2),
     "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
                     max_seq_len=4096, multiple_of=256),
     "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                      ffn_multiplier=1.3, max_seq_len=8192, multiple_of=1024, rope_theta=500000.0),
+    # Mixtral 8x7B's dimensions: 8 experts of 14336 hidden units, top-2, in every block.
+    "8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                      max_seq_len=4096, intermediate_size=14336, rope_theta=1e6, moe_experts=8,
+                      moe_top_k=2),
 }
 
 
@@ -157,15 +179,21 @@ class FeedForward(nn.Module):
         return self.w2(self.gate(self.w1(x), self.w3(x)))
 
 
+def _moe(args: ModelArgs) -> nn.Module:
+    from plait.model.moe import MoEFeedForward  # moe.py builds its experts from FeedForward
+
+    return MoEFeedForward(args)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(.))."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args) if not moe else _moe(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -182,7 +210,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by the global layer index keeps names stable when a pipeline stage
         # keeps only some of the layers.
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, args.is_moe(i))
+                                     for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -212,7 +241,7 @@ def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
             p.fill_(1.0)
             continue
         std = 0.02
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", ".w2.weight")):  # dense or expert feed-forward
             std = 0.02 / math.sqrt(2 * n_layers)
         g = torch.Generator().manual_seed(_param_seed(seed, name))
         p.copy_(torch.randn(p.shape, generator=g) * std)

@@ -29,10 +29,11 @@ from plait.comm import all_reduce
 from plait.comm.allreduce import AllReduceAlgorithm
 from plait.comm.compression import build_compression
 from plait.config import ParallelConfig
-from plait.mesh import AXES, Axis, ParallelDims, hsdp_groups
+from plait.mesh import AXES, Axis, ParallelDims, batch_axis, hsdp_groups
 from plait.model.llama import Transformer
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
+from plait.parallel.expert_parallel import apply_ep, expert_overrides
 from plait.parallel.fsdp import FullyShardedDataParallel
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
@@ -77,13 +78,16 @@ class Parallelized:
         """Squared norm of the whole model's averaged gradient. Each rank sums the pieces it
         counts once (placement record: shards everywhere, replicas on the first coordinate of
         each axis summed over), then one all-reduce of one float64 per axis whose ranks hold
-        different pieces: pp and tp, and the engine's sharding group under ZeRO. Plain data
-        parallelism communicates nothing for it: every replica has the whole gradient."""
-        axes = [a for a in (self.axes["pp"], self.axes["tp"]) if a.size > 1]
+        different pieces: pp, tp and ep (experts), and the engine's sharding group under ZeRO
+        (under expert parallelism dp, then ep: together they shard the dense parameters, dp the
+        experts). Plain data parallelism communicates nothing for it: every replica has the
+        whole gradient."""
+        axes = [a for a in (self.axes["pp"], self.axes["tp"], self.axes["ep"]) if a.size > 1]
         over = {a.name for a in axes}
         storage = self.engine.storage_axis
         if storage is not None and storage.size > 1:
-            axes.append(storage)
+            over -= {"ep"}  # the dense slices differ over dp x ep; experts are ep shards
+            axes.append(self.axes["dp"] if storage.name == "batch" else storage)
         total = torch.zeros(1, dtype=torch.float64, device=_device(self.module))
         for name, piece in self.engine.grad_pieces():
             if self.record.counts_once(name, over):
@@ -110,13 +114,14 @@ def parallelize(
     is autocast over fp32 parameters. Do not use `model` afterwards: its pieces now live in the
     returned chunks."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
+    axes["batch"] = batch_axis(axes)
     chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing)
-    # Gradients that are partial sums must be summed: over dp by the data-parallel engine, over
-    # tp (the norm gains under sequence parallelism) by tensor parallelism's hooks.
-    unsynced = record.grad_sync_axes() - {"dp", "tp"}
+    # Gradients that are partial sums must be summed: over dp (x ep) by the data-parallel engine,
+    # over tp (the norm gains under sequence parallelism, routers) by tensor parallelism's hooks.
+    unsynced = record.grad_sync_axes() - {"dp", "ep", "tp"}
     if unsynced:
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
-    engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16")
+    engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16", axes, record)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
 
     tp = axes["tp"]
@@ -144,32 +149,36 @@ def parallelize(
 def place(model: Transformer, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
           activation_checkpointing: str = "none"):
     """The model-parallel part of the straight line, which needs no communication to apply:
-    pipeline chunks, then per chunk tensor (+ sequence) parallelism and activation checkpointing;
-    the data-like axes replicate. Returns (chunks, schedule, placement record). With dry axes
-    (`Axis.dry`) and a `meta` model it runs in one process: `plait train --dry-run`."""
-    record = PlacementRecord({a: ax.rank for a, ax in axes.items()},
-                             {a: ax.size for a, ax in axes.items()})
+    pipeline chunks, then per chunk tensor (+ sequence), expert parallelism and activation
+    checkpointing; the data-like axes replicate. Returns (chunks, schedule, placement record).
+    With dry axes (`Axis.dry`) and a `meta` model it runs in one process: `plait train
+    --dry-run`. `axes` holds the mesh axes and "batch", the dp x ep ranks that split the batch."""
+    record = PlacementRecord({a: axes[a].rank for a in AXES}, {a: axes[a].size for a in AXES})
     chunks, schedule = apply_pp(model, axes["pp"], cfg, microbatches, record)
     for chunk in chunks.values():
         apply_tp(chunk, axes["tp"], cfg.sequence_parallel, record)
+        # Every tp rank attaches the auxiliary losses; the micro-batch's share of the loss is 1/M.
+        apply_ep(chunk, axes["ep"], axes["batch"], record, 1 / (microbatches * axes["tp"].size))
         apply_activation_checkpointing(chunk, activation_checkpointing)
-    for axis in ("cp", "ep"):  # not implemented yet: size 1, every parameter replicated
-        record.replicate_all(axis)
+    record.replicate_all("cp")  # not implemented yet: size 1, every parameter replicated
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record
 
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
-                        bf16: bool) -> SyncedReplicas:
-    """The engine `parallel.zero` names, over the dp axis (or, hybrid, over groups of
-    `parallel.dp_shard` of its ranks, replicated across the groups), reducing gradients with the
-    `parallel.compression` method."""
-    dp = Axis.of(mesh, "dp")
+                        bf16: bool, axes: dict[str, Axis],
+                        record: PlacementRecord) -> SyncedReplicas:
+    """The engine `parallel.zero` names, over the ranks that split the batch (dp x ep; or,
+    hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
+    experts over dp, reducing gradients with the `parallel.compression` method."""
+    dp = axes["batch"]
+    overrides = {n: axes["dp"] for n in expert_overrides(record)}
     compression = build_compression(cfg.compression, cfg.compression_ratio,
                                     cfg.compression_rank, cfg.compression_start)
     if cfg.zero == 0:
         return DataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
-                            algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression)
+                            algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
+                            overrides={n: a.group for n, a in overrides.items()})
     shard, replicate = dp, None
     if cfg.dp_shard and cfg.dp_shard < dp.size:
         dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
@@ -182,10 +191,10 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
         return FullyShardedDataParallel(chunks, shard, **precision, offload=cfg.offload,
                                         replicate=replicate,
                                         reshard_after_forward=cfg.reshard_after_forward,
-                                        compression=compression)
+                                        compression=compression, overrides=overrides)
     return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
                             offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
-                            compression=compression)
+                            compression=compression, overrides=overrides)
 
 
 __all__ = [

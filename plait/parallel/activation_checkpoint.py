@@ -23,6 +23,8 @@ import contextlib
 from torch import nn
 from torch.distributed._composable import checkpoint
 
+from plait.model.llama import SwiGLUGate
+
 MODES = ("none", "full", "selective")
 
 _recomputing = 0  # depth of recomputations under way (backward may run on another thread)
@@ -54,9 +56,9 @@ def checkpointed_modules(block: nn.Module, mode: str) -> list[nn.Module]:
     """The modules of one block whose forward is recomputed under `mode`."""
     if mode == "full":
         return [block]
-    if mode == "selective":
-        return [block.attention_norm, block.attention.core, block.ffn_norm,
-                block.feed_forward.gate]
+    if mode == "selective":  # a mixture of experts: each expert's gate
+        gates = [m for m in block.feed_forward.modules() if isinstance(m, SwiGLUGate)]
+        return [block.attention_norm, block.attention.core, block.ffn_norm, *gates]
     return []
 
 

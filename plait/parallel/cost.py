@@ -44,6 +44,7 @@ from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Segment, build_compression, layout, members_numel
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
+from plait.parallel.expert_parallel import expert_overrides, moe_layers
 from plait.parallel.fsdp import unit_prefixes
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
@@ -56,11 +57,13 @@ class ChunkLayout:
     layers: int
     first: bool  # holds the embedding
     last: bool  # holds the head
+    moe: int = 0  # mixture-of-experts blocks
 
 
 def chunk_layouts(chunks) -> list[ChunkLayout]:
     """This stage's chunks (a StageModules) as the formulas need them."""
-    return [ChunkLayout(int(c), len(m.layers), m.first, m.last) for c, m in chunks.items()]
+    return [ChunkLayout(int(c), len(m.layers), m.first, m.last, len(moe_layers(m)))
+            for c, m in chunks.items()]
 
 
 @dataclass
@@ -97,28 +100,44 @@ def _padded(numel: int, k: int) -> int:
     return -(-numel // k) * k
 
 
-def _flats(cfg: Config, record: PlacementRecord) -> list[list[Segment]]:
+def _flats(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     """The data-parallel engine's flat buffers (DDP's buckets, ZeRO's flat parameters), each as
-    the layout of its parameters (unpadded)."""
-    return _flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb)
+    (the group it is reduced over, that group's size, the layout of its parameters, unpadded):
+    dense parameters over the batch's ranks (dp, or dp_shard under hybrid sharding; dp x ep
+    under expert parallelism), experts over dp."""
+    dense = ("batch", dims.batch) if dims.ep > 1 else \
+        ("dp_shard" if dims.shard < dims.dp else "dp", dims.shard if cfg.parallel.zero else dims.dp)
+    return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments in
+            _flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb)]
 
 
 @functools.lru_cache(maxsize=512)
-def _flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float) -> list[list[Segment]]:
-    """Cached by the record's identity: a record is complete once `place` returns, and the
-    planner prices many layouts on each."""
+def _flat_layouts(record: PlacementRecord, zero: int,
+                  bucket_mb: float) -> list[tuple[bool, list[Segment]]]:
+    """(experts?, layout) per flat buffer, in the engine's order (`sync_classes`: dense first).
+    Cached by the record's identity: a record is complete once `place` returns, and the planner
+    prices many layouts on each."""
     named = _meta(record)
-    if zero == 0:
-        groups = assign_buckets(named, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))
-    elif zero == 3:
-        groups = []
+    experts = expert_overrides(record)
+    groups = []
+    if zero == 3:
         for prefixes in unit_prefixes(record.params):
             members = [(n, p) for n, p in named if n.startswith(prefixes)]
-            for decay in (True, False):
-                groups.append([(n, p) for n, p in members if (p.dim() >= 2) == decay])
+            for cls in (False, True):
+                for decay in (True, False):
+                    groups.append((cls, [(n, p) for n, p in members if (n in experts) == cls
+                                         and (p.dim() >= 2) == decay]))
     else:
-        groups = [members for members, _ in flat_groups(named, bucket_mb)]
-    return [layout(members) for members in groups if members]
+        for cls in (False, True):
+            members = [(n, p) for n, p in named if (n in experts) == cls]
+            if not members:
+                continue
+            if zero == 0:
+                groups += [(cls, m) for m in assign_buckets(
+                    members, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))]
+            else:
+                groups += [(cls, m) for m, _ in flat_groups(members, bucket_mb)]
+    return [(cls, layout(members)) for cls, members in groups if members]
 
 
 def _compression(cfg: Config):
@@ -135,7 +154,7 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     M = microbatches(par, dims)
     schedule = stage_schedule(par, dims.pp, M)  # the schedule the run executes
     C, split = schedule.chunks, schedule.split_backward
-    rows = train.global_batch // dims.dp // M
+    rows = train.global_batch // dims.batch // M
     seq, dim, T = cfg.data.seq_len, cfg.model.args().dim, dims.tp
     bf16 = train.precision == "bf16"
     act_b = 2 if bf16 and par.zero else 4  # residual stream, its gradients, the embedding
@@ -177,35 +196,56 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
         t.add("pp", Op.SEND, 2, message, M * sends)  # a send moves D whatever the group
         t.add("pp", Op.RECV, 2, 0, M * sends)
 
+    # Mixture of experts, per MoE layer and micro-batch forward (again when recomputed): the
+    # routing statistics summed over the batch's ranks; under ep the all-to-all of the counts per
+    # expert (the token rows' all-to-alls depend on the routing: `all_to_all_bytes`); under tp
+    # the router's partial gradient, summed in backward.
+    moe = sum(c.moe for c in chunks)
+    if moe:
+        E = cfg.model.args().moe_experts
+        t.add("batch", Op.ALL_REDUCE, dims.batch, 8 * (3 * E + 3), M * moe * (1 + recompute))
+        t.add("ep", Op.ALL_TO_ALL, dims.ep, 8 * E, M * moe * (1 + recompute))
+        t.add("tp", Op.ALL_REDUCE, T, E * dim * act_b, M * moe)
+
     # Data parallelism (compressed: once compression has started).
-    K, R = dims.shard, dims.dp // dims.shard
-    method = _compression(cfg) if K > 1 else None
+    method = _compression(cfg) if dims.shard > 1 else None
+    R = dims.dp // dims.shard
     if par.zero == 0:
-        for segments in _flats(cfg, record):
+        for group, K, segments in _flats(cfg, dims, record):
             numel = members_numel(segments)
             reduction = (method.messages(segments, numel, K, sharded=False) if method
                          else [(Op.ALL_REDUCE, 4 * numel)])
             for op, nbytes in reduction:
-                t.add("dp", op, K, nbytes)
+                t.add(group, op, K, nbytes)
     else:
         param_b = 2 if bf16 else 4
         reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
         gathers = 1 if par.zero < 3 else (2 * M if par.reshard_after_forward else 1)
-        shard = "dp_shard" if R > 1 else "dp"
-        for segments in _flats(cfg, record):
+        for group, K, segments in _flats(cfg, dims, record):
             padded = _padded(members_numel(segments), K)
             reduction = (method.messages(segments, padded, K, sharded=True) if method
                          else [(Op.REDUCE_SCATTER, padded * reduce_b)])
             for op, nbytes in reduction:
-                t.add(shard, op, K, nbytes)
-            t.add(shard, Op.ALL_GATHER, K, padded * param_b, gathers)
+                t.add(group, op, K, nbytes)
+            t.add(group, Op.ALL_GATHER, K, padded * param_b, gathers)
             t.add("dp_replicate", Op.ALL_REDUCE, R, padded // K * reduce_b)
 
-    # The global gradient norm (every step: clipping, and the non-finite check).
-    for group, n in (("pp", dims.pp), ("tp", dims.tp),
-                     ("dp_shard" if K < dims.dp else "dp", K if par.zero else 1)):
+    # The global gradient norm (every step: clipping, and the non-finite check): over pp, tp, ep
+    # and, under ZeRO, the sharding group (dp under ep: the dense slices' other axis is ep).
+    storage = ("dp_shard", dims.shard) if dims.shard < dims.dp else ("dp", dims.dp)
+    for group, n in (("pp", dims.pp), ("tp", dims.tp), ("ep", dims.ep),
+                     storage if par.zero else ("dp", 1)):
         t.add(group, Op.ALL_REDUCE, n, 8)
     return t
+
+
+def all_to_all_bytes(rows: list[tuple[int, int, bool]], dim: int, elt: int,
+                     ep: int) -> Fraction:
+    """Bytes this rank's token all-to-alls moved, from the rows each dispatch sent and received
+    ((sent, received, with backward) per MoE forward, `AllToAllDispatch.rows`): the dispatch and
+    the return in forward, both again in reverse in backward; (ep - 1) / ep of each input."""
+    total = sum((s + r) * (2 if backward else 1) for s, r, backward in rows)
+    return bus_bytes(Op.ALL_TO_ALL, ep, total * dim * elt)
 
 
 def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:
@@ -216,20 +256,21 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     par = cfg.parallel
     bf16 = cfg.train.precision == "bf16" and par.zero > 0
     held = record.held_numel()
-    K = dims.shard if par.zero else 1
-    flats = [(s, _padded(members_numel(s), K)) for s in _flats(cfg, record)]
+    flats = [(s, K, _padded(members_numel(s), K if par.zero else 1))
+             for _, K, s in _flats(cfg, dims, record)]
     if par.zero == 0:
         state = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
     else:
-        padded = sum(numel for _, numel in flats)
+        padded = sum(numel for _, _, numel in flats)
+        sliced = sum(numel // K for _, K, numel in flats)
         param_b = 2 if bf16 else 4
         reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
-        state = {"params": param_b * (padded // K if par.zero == 3 else padded),
-                 "grads": param_b * held if par.zero == 1 else reduce_b * padded // K,
-                 "optimizer": (12 if bf16 else 8) * padded // K}
+        state = {"params": param_b * (sliced if par.zero == 3 else padded),
+                 "grads": param_b * held if par.zero == 1 else reduce_b * sliced,
+                 "optimizer": (12 if bf16 else 8) * sliced}
     method = _compression(cfg)
     if method is not None:  # error feedback, PowerSGD's Q: fp32, once compression has run
-        state["compression"] = 4 * sum(method.state_numel(s, n) for s, n in flats) \
+        state["compression"] = 4 * sum(method.state_numel(s, n) for s, _, n in flats) \
             if dims.dp > 1 else 0
     return state
 

@@ -7,6 +7,11 @@ owns), `finish_step()` after the optimizer step, `grad_pieces()` (this rank's av
 by parameter name, for the global norm), `storage_axis` (the ranks over which it partitions the
 replicas' storage, if it does) and `state_bytes(optimizer)`.
 
+Under expert parallelism an engine's parameters fall into two classes (`sync_classes`): the
+dense ones, averaged over the dp x ep ranks that split the batch (the engine's group), and the
+experts, summed over the dp ranks that hold the same experts (`overrides`), divided by the same
+dp x ep. Each flat buffer holds one class and communicates on its group.
+
 Every engine takes an optional `Compression` (`plait.comm.compression`): while it is active, each
 flat buffer's reduction is the method's (an all-reduce for DDP, a reduce-scatter for ZeRO) instead
 of the plain one, launched and waited on at the same points, in the same bucket order on every
@@ -43,10 +48,25 @@ from plait.parallel.flat import FlatParam
 from plait.parallel.state import Piece, model_state_bytes
 
 
-def _broadcast_replicas(module: nn.Module, group: ProcessGroup) -> None:
-    """Replicas start equal: parameters and buffers from the group's first rank."""
+def sync_classes(named: list, default, overrides: dict) -> list[tuple[object, list]]:
+    """(group, members) for each group over which parameters' gradients are summed: `default`'s
+    members first, then those of each group in `overrides` (name -> group; experts over dp under
+    expert parallelism), order kept. Flat buffers never mix classes."""
+    out = {default: []}
+    for n, p in named:
+        out.setdefault(overrides.get(n, default), []).append((n, p))
+    return [(group, members) for group, members in out.items() if members]
+
+
+def _broadcast_replicas(module: nn.Module, group: ProcessGroup,
+                        overrides: dict[str, ProcessGroup] | None = None) -> None:
+    """Replicas start equal: parameters and buffers from the first rank of the group that holds
+    their replicas."""
+    overrides = overrides or {}
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
+        for name, p in module.named_parameters():
+            broadcast(p.data, src=0, group=overrides.get(name, group))
+        for t in module.buffers():
             broadcast(t.data, src=0, group=group)
 
 
@@ -168,19 +188,22 @@ class DataParallel(SyncedReplicas):
         first_bucket_mb: float = 1.0,
         algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND,
         compression: Compression | None = None,
+        overrides: dict[str, ProcessGroup] | None = None,
     ):
         super().__init__()
         self.module, self.group, self.algorithm = module, group, algorithm
         self.compression = compression
-        self.size = dist.get_world_size(group)
-        _broadcast_replicas(module, group)
+        self.size = dist.get_world_size(group)  # the divisor: every rank's loss is a mean
+        _broadcast_replicas(module, group, overrides)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         caps = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
         self.buckets: list[FlatParam] = []
-        for index, members in enumerate(assign_buckets(named, *caps)):
-            bucket = FlatParam(members, None, 1, 0, index=index)
-            bucket.grad = torch.zeros_like(bucket.full)  # kept: .grad of each is a view of it
-            self.buckets.append(bucket)
+        for sync, members in sync_classes(named, group, overrides or {}):
+            for bucket_members in assign_buckets(members, *caps):
+                bucket = FlatParam(bucket_members, None, 1, 0, index=len(self.buckets))
+                bucket.group = sync  # the bucket's all-reduce
+                bucket.grad = torch.zeros_like(bucket.full)  # kept: .grad of each views it
+                self.buckets.append(bucket)
         self._grad_views = [b.views(b.grad) for b in self.buckets]  # by bucket index
         self._next = 0  # buckets are launched in index order, the same on every rank
         self._in_flight: list[tuple[FlatParam, Pending]] = []
@@ -204,11 +227,11 @@ class DataParallel(SyncedReplicas):
 
     def _launch(self, bucket: FlatParam) -> None:
         """The bucket's all-reduce (in place: the mean comes back in `bucket.grad`)."""
-        if self._compressing(self.size):
+        if self._compressing(dist.get_world_size(bucket.group)):
             pending = self.compression.method.all_reduce(bucket.key, bucket.grad,
-                                                         bucket.segments, self.group)
+                                                         bucket.segments, bucket.group)
         else:
-            pending = all_reduce_by(self.algorithm, bucket.grad, self.group)
+            pending = all_reduce_by(self.algorithm, bucket.grad, bucket.group)
         self._in_flight.append((bucket, pending))
 
     @torch.no_grad()

@@ -38,8 +38,10 @@ class FlatParam:
         shard_owns_storage: bool = False,
         shard_device: torch.device | None = None,
         index: int = 0,
+        group=None,
     ):
         self.index = index  # position among the engine's flat parameters
+        self.group, self.size = group, size  # the ranks it is reduced (and sharded) over
         self.names = [n for n, _ in members]
         self.params = [p for _, p in members]
         self.decay, self.rank = decay, rank

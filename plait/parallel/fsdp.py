@@ -41,6 +41,7 @@ from plait.comm import Pending, all_gather
 from plait.comm.compression import Compression
 from plait.mesh import Axis
 from plait.parallel.activation_checkpoint import recomputing
+from plait.parallel.data_parallel import sync_classes
 from plait.parallel.flat import FlatParam
 from plait.parallel.state import nbytes, optimizer_state_bytes
 from plait.parallel.zero import ShardedEngine
@@ -74,16 +75,18 @@ def unit_prefixes(names) -> list[tuple[str, ...]]:
 
 
 class Unit:
-    """Modules that run one after another and are gathered and freed together."""
+    """Modules that run one after another and are gathered and freed together: one flat
+    parameter per sync class (`sync_classes`) and decay group."""
 
     def __init__(self, modules: list[nn.Module], names: dict[nn.Parameter, str], chunk: int,
-                 flat_args: tuple):
+                 shard: Axis, overrides: dict[str, Axis], flat_args: tuple):
         self.modules, self.chunk = modules, chunk
         named = [(names[p], p) for m in modules for p in m.parameters()]
-        self.flats = [FlatParam([(n, p) for n, p in named if (p.dim() >= 2) == decay], decay,
-                                *flat_args)
+        self.flats = [FlatParam([(n, p) for n, p in cls if (p.dim() >= 2) == decay], decay,
+                                axis.size, axis.rank, *flat_args, group=axis.group)
+                      for axis, cls in sync_classes(named, shard, overrides)
                       for decay in (True, False)
-                      if any((p.dim() >= 2) == decay for _, p in named)]
+                      if any((p.dim() >= 2) == decay for _, p in cls)]
         self.gathered = True  # built from whole parameters
         self.pending: list[Pending] = []  # all-gathers in flight
         self.reducing: list[Pending] = []  # reduce-scatters in flight
@@ -104,16 +107,18 @@ class FullyShardedDataParallel(ShardedEngine):
         replicate: Axis | None = None,
         reshard_after_forward: bool = True,
         compression: Compression | None = None,
+        overrides: dict[str, Axis] | None = None,
     ):
         super().__init__()
         dp_size = shard.size * (replicate.size if replicate else 1)
-        self._init_sharding(chunks, dp_size, shard, replicate, reduce_dtype, compression)
+        self._init_sharding(chunks, dp_size, shard, replicate, reduce_dtype, compression,
+                            overrides)
         self.reshard_after_forward = reshard_after_forward
         names = {p: n for n, p in chunks.named_parameters()}
         cpu = torch.device("cpu")
-        flat_args = (self.size, self.rank, param_dtype, cpu if offload != "none" else None, True,
+        flat_args = (param_dtype, cpu if offload != "none" else None, True,
                      cpu if offload == "params" else None)
-        self.units = [Unit(modules, names, c, flat_args)
+        self.units = [Unit(modules, names, c, shard, self.overrides, flat_args)
                       for c, chunk in enumerate(chunks.values()) for modules in unit_modules(chunk)]
         # Every unit starts gathered (built from whole parameters) and is freed just below.
         self.gathered_bytes = sum(f.full_bytes for u in self.units for f in u.flats)
@@ -150,7 +155,7 @@ class FullyShardedDataParallel(ShardedEngine):
         for flat in unit.flats:
             flat.full.untyped_storage().resize_(flat.full_bytes)
             shard = flat.slice.shard.to(flat.full.device, non_blocking=True)  # offloaded: H2D
-            unit.pending.append(all_gather(flat.full, shard, self.group, async_op=True))
+            unit.pending.append(all_gather(flat.full, shard, flat.group, async_op=True))
         self.gathered_bytes += sum(f.full_bytes for f in unit.flats)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 

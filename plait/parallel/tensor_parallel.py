@@ -5,6 +5,8 @@ Each block half is a column-parallel layer followed by a row-parallel one:
 
     attention:    wq, wk, wv split by heads (output rows)  ->  wo split by heads (input columns)
     feed-forward: w1, w3 split by hidden units (rows)      ->  w2 split by hidden units (columns)
+    (mixture of experts: each expert's w1, w3, w2 so; the router replicated, its gradient a
+    partial sum over tp: each rank's gates meet only its shard of the expert outputs)
 
 so the half needs exactly one collective on the way in and one on the way out, placed by module
 hooks around `attention` and `feed_forward` (names and call signatures stay the model's own):
@@ -37,6 +39,7 @@ from plait.comm.autograd import (
 )
 from plait.mesh import Axis
 from plait.model.llama import RMSNorm
+from plait.model.moe import MoEFeedForward
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.vocab_parallel import VocabParallelEmbedding
 
@@ -50,10 +53,21 @@ BLOCK_SPLITS = {
 VOCAB_SPLITS = {"tok_embeddings": 0, "output": 0}
 
 
+def block_splits(block: nn.Module) -> dict[str, int]:
+    """Module path inside `block` -> the dim of its weight that is split. A mixture-of-experts
+    feed-forward's experts are split like the dense one; its router is replicated."""
+    if not isinstance(block.feed_forward, MoEFeedForward):
+        return BLOCK_SPLITS
+    out = {p: d for p, d in BLOCK_SPLITS.items() if p.startswith("attention.")}
+    for e in block.feed_forward.experts:
+        out |= {f"feed_forward.experts.{e}.{w}": d for w, d in (("w1", 0), ("w3", 0), ("w2", 1))}
+    return out
+
+
 def split_dims(chunk: nn.Module) -> dict[str, int]:
     """Parameter name -> the dim `apply_tp` splits, for the parameters of `chunk` it splits."""
-    out = {f"layers.{i}.{path}.weight": dim for i in chunk.layers for path, dim in
-           BLOCK_SPLITS.items()}
+    out = {f"layers.{i}.{path}.weight": dim for i, block in chunk.layers.items()
+           for path, dim in block_splits(block).items()}
     out |= {f"{m}.weight": dim for m, dim in VOCAB_SPLITS.items() if hasattr(chunk, m)}
     return out
 
@@ -87,10 +101,13 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
     names = [n for n, _ in chunk.named_parameters()]
     if size > 1:
         for block in chunk.layers.values():
-            for path, dim in BLOCK_SPLITS.items():
+            for path, dim in block_splits(block).items():
                 _split_linear(block.get_submodule(path), dim, rank, size)
             _wrap_half(block.attention, group, sequence_parallel)
             _wrap_half(block.feed_forward, group, sequence_parallel)
+            if isinstance(block.feed_forward, MoEFeedForward):
+                block.feed_forward.router.weight.register_hook(
+                    lambda grad: all_reduced(grad, group))
         if hasattr(chunk, "tok_embeddings"):
             chunk.tok_embeddings = VocabParallelEmbedding(chunk.tok_embeddings, tp,
                                                           sequence_parallel)
@@ -109,7 +126,8 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
             if name in splits:
                 record.shard(name, "tp", splits[name])
             else:
-                record.replicate(name, "tp", partial_grad=sequence_parallel)
+                record.replicate(name, "tp", partial_grad=sequence_parallel
+                                 or name.endswith("feed_forward.router.weight"))
     return set(splits)
 
 
@@ -125,6 +143,8 @@ def _verify(chunk: nn.Module, splits: dict[str, int], size: int) -> None:
         "feed_forward.w1": (args.ffn_dim, args.dim),
         "feed_forward.w3": (args.ffn_dim, args.dim),
         "feed_forward.w2": (args.dim, args.ffn_dim),
+        "w1": (args.ffn_dim, args.dim), "w3": (args.ffn_dim, args.dim),
+        "w2": (args.dim, args.ffn_dim),  # an expert's
         "tok_embeddings": (args.vocab_size, args.dim),
         "output": (args.vocab_size, args.dim),
     }
@@ -134,6 +154,8 @@ def _verify(chunk: nn.Module, splits: dict[str, int], size: int) -> None:
     for name, dim in splits.items():
         key = name.removesuffix(".weight").split(".", 2)[-1] if name.startswith("layers.") \
             else name.removesuffix(".weight")
+        if ".experts." in key:
+            key = key.rsplit(".", 1)[-1]
         want = list(full[key])
         want[dim] //= size
         got = tuple(params[name].shape)

@@ -42,6 +42,7 @@ from plait.parallel.data_parallel import (
     _broadcast_replicas,
     _check_all_have_grads,
     launch_ready,
+    sync_classes,
 )
 from plait.parallel.flat import FlatParam
 from plait.parallel.state import Piece, nbytes, optimizer_state_bytes
@@ -63,13 +64,16 @@ class ShardedEngine(SyncedReplicas):
 
     def _init_sharding(self, module: nn.Module, dp_size: int, shard: Axis,
                        replicate: Axis | None, reduce_dtype: torch.dtype,
-                       compression: Compression | None) -> None:
+                       compression: Compression | None,
+                       overrides: dict[str, Axis] | None) -> None:
         self.module, self.reduce_dtype, self.compression = module, reduce_dtype, compression
         self.group, self.size, self.rank = shard.group, shard.size, shard.rank
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
-        self.dp_size = dp_size  # gradients are pre-divided by all of dp
+        self.dp_size = dp_size  # gradients are pre-divided by all of dp (x ep)
         self.storage_axis = shard
-        _broadcast_replicas(module, shard.group)
+        self.overrides = overrides or {}  # name -> the axis sharding it, if not `shard`
+        _broadcast_replicas(module, shard.group,
+                            {n: a.group for n, a in self.overrides.items()})
         if self.replicate is not None:
             _broadcast_replicas(module, self.replicate.group)
 
@@ -80,10 +84,10 @@ class ShardedEngine(SyncedReplicas):
     def _reduce_grad(self, flat: FlatParam):
         """Start the reduce-scatter of a flat gradient into this rank's `grad_shard`."""
         flat.grad_shard = torch.empty_like(flat.slice.shard, dtype=self.reduce_dtype)
-        if self._compressing(self.size):
+        if self._compressing(flat.size):
             return self.compression.method.reduce_scatter(
-                flat.key, flat.grad, flat.grad_shard, flat.segments, self.group)
-        return reduce_scatter(flat.grad_shard, flat.grad, self.group, async_op=True)
+                flat.key, flat.grad, flat.grad_shard, flat.segments, flat.group)
+        return reduce_scatter(flat.grad_shard, flat.grad, flat.group, async_op=True)
 
     def _hand_over(self, flat: FlatParam) -> None:
         """After the reduce-scatter: sum over the replicas (HSDP), then give the slice its
@@ -122,19 +126,23 @@ class ZeroDataParallel(ShardedEngine):
         offload_optimizer: bool = False,
         replicate: Axis | None = None,
         compression: Compression | None = None,
+        overrides: dict[str, Axis] | None = None,
     ):
         super().__init__()
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, got {stage}")
         self.stage = stage
         dp_size = shard.size * (replicate.size if replicate else 1)
-        self._init_sharding(module, dp_size, shard, replicate, reduce_dtype, compression)
+        self._init_sharding(module, dp_size, shard, replicate, reduce_dtype, compression,
+                            overrides)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # Offload: masters and optimizer state in host memory (a no-op when already on the CPU).
         master_device = torch.device("cpu") if offload_optimizer else None
         self.buckets: list[FlatParam] = [
-            FlatParam(members, decay, self.size, self.rank, param_dtype, master_device)
-            for members, decay in flat_groups(named, bucket_mb)
+            FlatParam(members, decay, axis.size, axis.rank, param_dtype, master_device,
+                      group=axis.group)
+            for axis, cls in sync_classes(named, shard, self.overrides)
+            for members, decay in flat_groups(cls, bucket_mb)
         ]
         self._next = 0
         self._pending: list = []
@@ -184,7 +192,7 @@ class ZeroDataParallel(ShardedEngine):
         for bucket in self.buckets:
             bucket.slice.after_step()
             # Gathered from a copy: the output must not alias the input slice.
-            all_gather(bucket.full, bucket.slice.shard.clone(), self.group)
+            all_gather(bucket.full, bucket.slice.shard.clone(), bucket.group)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of model state this rank holds (padding included)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from plait.checks import validate
 from plait.comm import Op
 from plait.config import Config, ConfigError, microbatches
-from plait.mesh import AXES, Axis, ParallelDims
+from plait.mesh import AXES, Axis, ParallelDims, batch_axis
 from plait.model import ModelArgs, build_model
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
@@ -73,6 +73,7 @@ def _placed(args: ModelArgs, pp: int, tp: int, schedule: str, virtual: int, spli
                          pp_split=list(split))
     sizes = {"pp": pp, "tp": tp}
     axes = {a: Axis.dry(a, stage if a == "pp" else 0, sizes.get(a, 1)) for a in AXES}
+    axes["batch"] = batch_axis(axes)
     chunks, _, record = place(build_model(args, 0, device="meta"), axes, par, pp)
     return record, cost.chunk_layouts(chunks)
 
@@ -107,10 +108,12 @@ def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster) -> dict[str, fl
 def _flops(cfg: Config, dims: ParallelDims, record, chunks) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs incl. recomputation) of one step on this stage's rank."""
     args = cfg.model.args()
-    tokens = cfg.train.global_batch * cfg.data.seq_len / dims.dp
+    tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
     layers = sum(c.layers for c in chunks)
-    matmul = sum(p.local_numel for n, p in record.params.items()
-                 if not n.startswith("tok_embeddings"))
+    # An expert's weights see top_k / E of the tokens of its ep group's ep ranks.
+    routed = args.moe_top_k * dims.ep / args.moe_experts if args.moe_experts else 1.0
+    matmul = sum(p.local_numel * (routed if ".experts." in n else 1)
+                 for n, p in record.params.items() if not n.startswith("tok_embeddings"))
     attention = 12 * layers * cfg.data.seq_len * args.dim / dims.tp
     model = tokens * (6 * matmul + attention)
     extra = {"full": tokens * (2 * matmul + attention / 3),  # one more forward
@@ -142,7 +145,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     memory = {**{k: state[k] for k in ("params", "grads", "optimizer")}, "activations": act}
     memory["total"] = sum(state.values()) + act
     peak = max(sum(s.values()) + a + b for s, a, _, b, _ in per_stage)
-    model_flops = sum(f for *_, f in per_stage) * dims.dp * dims.tp
+    model_flops = sum(f for *_, f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return Plan(degrees=_degrees(cfg, dims), params=_count(cfg.model.args()), memory_bytes=memory,
                 peak_memory_bytes=peak, step_time_s=step, tokens_per_s=tokens / step,

@@ -112,15 +112,21 @@ class TokenData:
         g = torch.Generator().manual_seed(key)
         return torch.randint(0, len(stream) - self.seq_len - 1, (rows,), generator=g)
 
-    def batch(self, step: int, global_batch: int, rank: int = 0, ranks: int = 1):
+    def batch(self, step: int, global_batch: int, rank: int = 0, ranks: int = 1,
+              microbatches: int = 1):
         """This rank's rows of the global training batch of `step`: (inputs, targets), each
-        (global_batch / ranks, seq)."""
+        (global_batch / ranks, seq). With micro-batches, the global batch is cut into that many
+        runs of rows and the rank takes its share of each, in order: micro-batch m over all
+        ranks is the global batch's m-th run (what a mixture of experts routes together)."""
         offsets = self._offsets(self.train, self.seed * 1_000_003 + step, global_batch)
-        per = global_batch // ranks
-        return self._rows(self.train, offsets[rank * per : (rank + 1) * per])
+        return self._rows(self.train, _share(offsets, rank, ranks, microbatches))
 
-    def val_batch(self, index: int, global_batch: int, rank: int = 0, ranks: int = 1):
+    def val_batch(self, index: int, global_batch: int, rank: int = 0, ranks: int = 1,
+                  microbatches: int = 1):
         """A fixed validation batch (same rows for every run with this data and seed)."""
         offsets = self._offsets(self.val, -1 - self.seed * 1_000_003 - index, global_batch)
-        per = global_batch // ranks
-        return self._rows(self.val, offsets[rank * per : (rank + 1) * per])
+        return self._rows(self.val, _share(offsets, rank, ranks, microbatches))
+
+
+def _share(offsets: torch.Tensor, rank: int, ranks: int, microbatches: int) -> torch.Tensor:
+    return offsets.view(microbatches, ranks, -1)[:, rank].reshape(-1)

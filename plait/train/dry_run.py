@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.config import Config, microbatches
-from plait.mesh import AXES, Axis, ParallelDims
+from plait.mesh import AXES, Axis, ParallelDims, batch_axis
 from plait.model import build_model
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
@@ -23,6 +23,7 @@ from plait.parallel.activations import activation_bytes
 def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
     coords = dims.coords(rank)
     axes = {a: Axis.dry(a, coords[a], getattr(dims, a)) for a in AXES}
+    axes["batch"] = batch_axis(axes)
     model = build_model(cfg.model.args(), cfg.train.seed, device="meta")
     chunks, _, record = place(model, axes, cfg.parallel, microbatches(cfg.parallel, dims),
                               cfg.train.activation_checkpointing)

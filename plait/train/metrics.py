@@ -1,15 +1,18 @@
-"""What a step cost: FLOPs and MFU, model-state bytes, and the JSONL metrics file."""
+"""What a step cost: FLOPs and MFU, model-state bytes, routing, and the JSONL metrics file."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from plait.comm import all_reduce
 from plait.model import ModelArgs
+from plait.parallel.expert_parallel import moe_layers
 
 # Dense bf16 peak per device, FLOP/s, from the vendors' datasheets (no sparsity).
 GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
@@ -17,11 +20,18 @@ GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls of forward + backward (Kaplan et al. 2020), N
-    counting every parameter but the input embedding (a lookup, not a matmul), plus
+    counting every parameter but the input embedding (a lookup, not a matmul) and but the experts
+    a token is not routed to (a mixture of experts activates top_k of E), plus
     12 * layers * seq * dim for the attention scores and their weighted sum (PaLM, Chowdhery et al.
     2022, appendix B)."""
-    n = n_params - args.vocab_size * args.dim
+    n = n_params - args.vocab_size * args.dim - inactive_expert_params(args)
     return 6 * n + 12 * args.n_layers * seq_len * args.dim
+
+
+def inactive_expert_params(args: ModelArgs) -> int:
+    """Parameters of the experts a token does not go through: E - top_k per MoE block."""
+    moe_blocks = sum(args.is_moe(i) for i in range(args.n_layers))
+    return moe_blocks * (args.moe_experts - args.moe_top_k) * 3 * args.dim * args.ffn_dim
 
 
 def measure_cpu_flops(size: int = 512, seconds: float = 0.3) -> float:
@@ -93,3 +103,46 @@ def _scalars(record: dict, prefix: str = ""):
         elif isinstance(value, int | float) and not isinstance(value, bool) \
                 and math.isfinite(value):
             yield prefix + key, value
+
+
+class RouterMetrics:
+    """Each step's routing in every mixture-of-experts layer, for the metrics' `moe` entry: the
+    load-balancing and z losses, the fraction of tokens dropped, and the busiest expert's load
+    (assignments kept) over the mean, per layer and over the layers (mean; worst for the load).
+    The layers' statistics already cover the whole batch; those of other pipeline stages are
+    summed in over pp (a logging reduction after the step, outside its comm_bytes)."""
+
+    def __init__(self, args: ModelArgs, chunks, pp_group, device: torch.device):
+        self.ids = [i for i in range(args.n_layers) if args.is_moe(i)]
+        self.layers = {int(i): m for chunk in chunks.values()
+                       for i, m in moe_layers(chunk).items()} if self.ids else None
+        self.experts, self.group, self.device = args.moe_experts, pp_group, device
+
+    def clear(self) -> None:
+        """Before a step: forget the last one's routing."""
+        for layer in (self.layers or {}).values():
+            layer.stats.clear()
+            getattr(layer.dispatch, "rows", []).clear()
+
+    def step(self) -> dict:
+        """The step's metrics (every rank calls it: it reduces over pp). A layer recomputed by
+        activation checkpointing routes the same tokens again: means are unchanged."""
+        t = torch.zeros(len(self.ids), 3 + self.experts, dtype=torch.float64, device=self.device)
+        for row, i in enumerate(self.ids):
+            stats = self.layers.get(i) and self.layers[i].stats
+            if stats:
+                t[row, 0] = statistics.fmean(s.aux_loss for s in stats)
+                t[row, 1] = statistics.fmean(s.z_loss for s in stats)
+                t[row, 2] = statistics.fmean(s.dropped for s in stats)
+                t[row, 3:] = torch.stack([s.kept for s in stats]).mean(0)
+        all_reduce(t, self.group)
+        layers = {}
+        for row, i in enumerate(self.ids):
+            load = t[row, 3:]
+            layers[str(i)] = {"aux_loss": t[row, 0].item(), "z_loss": t[row, 1].item(),
+                              "dropped": t[row, 2].item(),
+                              "max_load": (load.max() / load.mean()).item(),
+                              "load": load.tolist()}
+        return {key: (max if key == "max_load" else statistics.fmean)(
+                    layer[key] for layer in layers.values())
+                for key in ("aux_loss", "z_loss", "dropped", "max_load")} | {"layers": layers}

@@ -3,6 +3,8 @@ pipes), for training and for every long command (`each`); and the end-of-run sum
 
 from __future__ import annotations
 
+import statistics
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -96,6 +98,14 @@ def print_summary(summary, world_size: int) -> None:
     ]
     if "compression" in state:  # error feedback, PowerSGD's Q
         rows.append(("compression state per rank", _bytes(state["compression"])))
+    if summary.moe:  # mixture of experts: over the run's steps
+        def mean(key):
+            return statistics.fmean(m[key] for m in summary.moe)
+
+        rows += [("MoE load-balancing loss (mean)", f"{mean('aux_loss'):.4f}"),
+                 ("MoE tokens dropped (mean)", f"{mean('dropped'):.2%}"),
+                 ("MoE busiest expert / mean (worst)",
+                  f"{max(m['max_load'] for m in summary.moe):.2f}")]
     if summary.skipped_steps:
         rows.append(("steps skipped (non-finite gradient)", str(summary.skipped_steps)))
     for row in rows:

@@ -27,7 +27,7 @@ from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
 from plait.train.data import TokenData
 from plait.train.faults import maybe_fail
-from plait.train.metrics import MetricsWriter, flops_per_token, peak_flops
+from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
 from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from plait.train.progress import Progress
 from plait.train.tracing import STEP, finish_trace, traced_steps
@@ -58,6 +58,7 @@ class Summary:
     comm_bytes_per_step: float = 0.0
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     skipped_steps: int = 0
+    moe: list[dict] = field(default_factory=list)  # each step's routing metrics (MoE models)
 
 
 class Trainer:
@@ -76,13 +77,16 @@ class Trainer:
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
-        self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
-        self.dp_rank, self.dp, self.dims = mesh["dp"].get_local_rank(), dims.dp, dims
+        # The ranks that split the batch: dp x ep (expert parallelism's route their own tokens).
+        batch = self.parallelized.axes["batch"]
+        self.dp_group, self.pp_group = batch.group, mesh["pp"].get_group()
+        self.dp_rank, self.dp, self.dims = batch.rank, batch.size, dims
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_step = self.tokens_per_step * flops_per_token(
             args, n_params, cfg.data.seq_len
         )
         self.activations = SavedActivations(self.model)
+        self.moe = RouterMetrics(args, self.model, self.pp_group, device)
         self.is_logger = dist.get_rank() == 0
         self.checkpoints = Checkpointer(cfg)
         self.start_step = 0  # optimizer steps already done (a resumed run's checkpoint's)
@@ -92,9 +96,9 @@ class Trainer:
                                    self.checkpoints.group)
 
     def _global_mean(self, value: float) -> float:
-        """Mean over the dp ranks of a per-rank mean (every rank holds equally many tokens); the
-        loss exists on the last pipeline stage only, so it is summed over pp first (the other
-        stages contribute 0)."""
+        """Mean over the dp (x ep) ranks of a per-rank mean (every rank holds equally many
+        tokens); the loss exists on the last pipeline stage only, so it is summed over pp first
+        (the other stages contribute 0)."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         all_reduce(t, self.pp_group)
         all_reduce(t, self.dp_group)
@@ -108,7 +112,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = lr_at(step, self.train_cfg)
         set_lr(self.optimizer, lr)
-        inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.dp_rank, self.dp)
+        self.moe.clear()
+        inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.dp_rank, self.dp,
+                                          self.microbatches)
         with self.activations:  # peak bytes saved for backward during the step
             loss_sum = self.parallelized.pipeline.run(self._microbatches(inputs, targets))
         with TRACER.span("finish gradients"):
@@ -149,7 +155,7 @@ class Trainer:
         total = 0.0
         for i in range(self.train_cfg.eval_batches):
             inputs, targets = self.data.val_batch(
-                i, self.train_cfg.global_batch, self.dp_rank, self.dp
+                i, self.train_cfg.global_batch, self.dp_rank, self.dp, self.microbatches
             )
             total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
         return self._global_mean(total / self.train_cfg.eval_batches)
@@ -214,6 +220,9 @@ class Trainer:
             }
             if cfg.nan_policy == "skip":
                 record["skipped_steps"] = summary.skipped_steps
+            if self.moe.layers is not None:
+                record["moe"] = self.moe.step()
+                summary.moe.append(record["moe"])
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < last:
                 record["val_loss"] = self.evaluate()
             if step + 1 == last:

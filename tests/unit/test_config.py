@@ -154,7 +154,23 @@ BAD_INPUT = [
     (["parallel.dp_shard=-1"], "parallel.dp_shard"),
     (["parallel.microbatches=-1"], "parallel.microbatches"),
     (["parallel.cp=2", "--nproc", "2"], "parallel.cp"),
-    (["parallel.ep=2", "--nproc", "2"], "parallel.ep"),
+    (["parallel.ep=2", "--nproc", "2"], "parallel.ep"),  # a dense model: nothing to split
+    # Mixture of experts.
+    (["model.preset='tiny-moe'", "parallel.ep=3", "--nproc", "3"], "parallel.ep"),  # 8 % 3
+    (["model.preset='tiny-moe'", "parallel.ep=2", "--nproc", "3"], "parallel"),  # world 3
+    (["model.preset='tiny-moe'", "model.moe_top_k=9"], "model.moe_top_k"),  # > 8 experts
+    (["model.preset='tiny-moe'", "model.moe_top_k=0"], "model.moe_top_k"),
+    (["model.preset='tiny-moe'", "model.moe_capacity_factor=-1.0"], "model.moe_capacity_factor"),
+    (["model.preset='tiny-moe'", "model.moe_router='hash'"], "model.moe_router"),
+    (["model.moe_experts=-2"], "model.moe_experts"),
+    (["model.preset='tiny-moe'", "model.moe_every=0"], "model.moe_every"),
+    (["model.preset='tiny-moe'", "model.moe_aux_loss_coef=-0.1"], "model.moe_aux_loss_coef"),
+    (["model.preset='tiny-moe'", "parallel.ep=2", "--nproc", "4", "parallel.zero=1",
+      "parallel.dp_shard=1"], "parallel.dp_shard"),
+    (["model.preset='tiny-moe'", "parallel.ep=2", "--nproc", "4", "parallel.compression='fp16'"],
+     "parallel.compression"),
+    (["model.preset='tiny-moe'", "parallel.ep=2", "--nproc", "2", "train.global_batch=3"],
+     "train.global_batch"),
     (["parallel.pp=2", "--nproc", "2", "parallel.pp_schedule=interleaved",
       "parallel.pp_virtual=3"], "parallel.pp"),  # 6 chunks, 4 layers
     (["parallel.pp=2", "--nproc", "2", "parallel.pp_split=[4, 0]"], "parallel.pp_split"),

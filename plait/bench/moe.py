@@ -1,0 +1,77 @@
+"""`plait bench moe`: a mixture-of-experts recipe's training step at several expert-parallel
+degrees on the same ranks (dp = ranks / ep), against ep = 1, where every rank holds every expert
+and loops over them (no all-to-all: the reference). Per degree: the median step time after
+warm-up, the time blocked in all-to-alls and its share of the step, their bytes, and the routing
+(the same at every degree: routing does not depend on the layout). The expert load, assignments
+kept per expert and step in each MoE layer, is drawn as a histogram.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from plait.bench.step import start_worker
+from plait.comm import LEDGER, Op
+from plait.config import Config
+from plait.train.trainer import Trainer
+
+
+def with_ep(cfg: Config, ep: int) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep, dp=0))
+
+
+@record
+def bench_moe(cfg: Config, steps: int, warmup: int) -> dict | None:
+    dims, mesh = start_worker(cfg)
+    trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
+    times, waits, moved, routing = [], [], [], []
+    for step in range(warmup + steps):
+        LEDGER.reset()
+        start = time.perf_counter()
+        trainer.train_step(step)
+        elapsed = time.perf_counter() - start
+        wait, nbytes = LEDGER.wait_by_op[Op.ALL_TO_ALL], float(LEDGER.bytes_by_op[Op.ALL_TO_ALL])
+        metrics = trainer.moe.step()
+        if step >= warmup:
+            times.append(elapsed)
+            waits.append(wait)
+            moved.append(nbytes)
+            routing.append(metrics)
+    row = {"step_s": statistics.median(times), "all_to_all_s": statistics.median(waits),
+           "all_to_all_bytes": statistics.median(moved),
+           "dropped": statistics.fmean(m["dropped"] for m in routing),
+           "max_load": max(m["max_load"] for m in routing),
+           "load": {i: [statistics.fmean(m["layers"][i]["load"][e] for m in routing)
+                        for e in range(cfg.model.args().moe_experts)]
+                    for i in routing[0]["layers"]}}
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return row if rank == 0 else None
+
+
+def draw_load(load: dict[str, list[float]], png: str) -> None:
+    """One panel per MoE layer: assignments per expert and step, and the balanced mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(load), figsize=(3.2 * len(load), 2.8), squeeze=False)
+    for ax, (layer, counts) in zip(axes[0], load.items(), strict=True):
+        ax.bar(range(len(counts)), counts, color="tab:blue")
+        ax.axhline(statistics.fmean(counts), color="tab:red", linestyle="--", label="mean")
+        ax.set_title(f"layer {layer}")
+        ax.set_xlabel("expert")
+        ax.set_xticks(range(len(counts)))
+    axes[0][0].set_ylabel("tokens routed per step")
+    axes[0][0].legend()
+    fig.suptitle("expert load (assignments kept)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

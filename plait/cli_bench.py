@@ -1,0 +1,160 @@
+"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe [--nproc N] [--config
+FILE] [key=value ...]`: the benchmark suites' options and commands (`plait.bench` runs them).
+Like every command, bad input exits with status 2 and one line before any worker starts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from plait.cli import check_output_path, load, recipe_path
+from plait.comm.compression import METHODS
+from plait.config import ConfigError, load_config
+
+
+def add_bench(sub, parser_class) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against the PyTorch-native peers")
+    suites = bench.add_subparsers(dest="suite", required=True, parser_class=parser_class)
+    comm = suites.add_parser("comm", help="bandwidth of each collective and all-reduce algorithm")
+    comm.add_argument("--nproc", type=int, default=4)
+    comm.add_argument("--min-seconds", type=float, default=0.2, help="time per size and collective")
+    comm.set_defaults(func=cmd_bench_comm)
+    step = suites.add_parser("step", help="plait's step against PyTorch's own: DDP, ZeRO, TP, 3-D")
+    step.add_argument("--nproc", type=int, default=4)
+    step.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    step.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    step.add_argument("overrides", nargs="*", metavar="section.key=value")
+    step.set_defaults(func=cmd_bench_step)
+    pp = suites.add_parser("pp", help="pipeline schedules: bubbles, memory, vs torch pipelining")
+    pp.add_argument("--nproc", type=int, default=2, help="pipeline stages")
+    pp.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    pp.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
+    pp.add_argument("--png", default="runs/bench_pp/timeline.png", help="timeline picture")
+    pp.add_argument("overrides", nargs="*", metavar="section.key=value")
+    pp.set_defaults(func=cmd_bench_pp)
+    squeeze = suites.add_parser("compression", help="each gradient compression method on one "
+                                "recipe: loss, bytes, time; vs torch's DDP hooks")
+    squeeze.add_argument("--nproc", type=int, default=4)
+    squeeze.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    squeeze.add_argument("--methods", default=",".join(METHODS),
+                         help=f"comma-separated, from {', '.join(METHODS)}")
+    squeeze.add_argument("--png", default="runs/bench_compression/loss.png",
+                         help="loss curves picture")
+    squeeze.add_argument("overrides", nargs="*", metavar="section.key=value")
+    squeeze.set_defaults(func=cmd_bench_compression)
+    scaling = suites.add_parser("scaling", help="one recipe at several world sizes: tokens/s, "
+                                "speedup, efficiency, exposed communication; vs torch")
+    scaling.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
+    scaling.add_argument("--weak", action="store_true",
+                         help="fixed rows per rank (the batch grows); default: fixed global batch")
+    scaling.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
+    scaling.add_argument("--steps", type=int, default=5, help="timed steps per world size")
+    scaling.add_argument("--png", default="runs/bench_scaling/speedup.png",
+                         help="speedup picture")
+    scaling.add_argument("overrides", nargs="*", metavar="section.key=value")
+    scaling.set_defaults(func=cmd_bench_scaling)
+    ck = suites.add_parser("checkpoint", help="save and load time and bytes per rank, sync and "
+                           "async, for the default and the 3-D recipe")
+    ck.add_argument("--repeats", type=int, default=3, help="saves and loads per variant")
+    ck.add_argument("overrides", nargs="*", metavar="section.key=value")
+    ck.set_defaults(func=cmd_bench_checkpoint)
+    moe = suites.add_parser("moe", help="a mixture of experts at several ep degrees on the same "
+                            "ranks: step time, all-to-all share; vs looping over the experts")
+    moe.add_argument("--nproc", type=int, default=4)
+    moe.add_argument("--config", default="moe", help="a TOML file, or a recipe in configs/")
+    moe.add_argument("--ep", default="1,2,4", help="expert-parallel degrees, comma-separated")
+    moe.add_argument("--steps", type=int, default=5, help="timed steps per degree")
+    moe.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    moe.add_argument("--png", default="runs/bench_moe/load.png", help="expert load histogram")
+    moe.add_argument("overrides", nargs="*", metavar="section.key=value")
+    moe.set_defaults(func=cmd_bench_moe)
+
+
+def cmd_bench_comm(args: argparse.Namespace) -> None:
+    if args.nproc < 2:
+        raise ConfigError("--nproc", f"a collective needs at least 2 ranks, got {args.nproc}")
+    from plait.bench import run_comm
+
+    run_comm(args.nproc, args.min_seconds)
+
+
+def cmd_bench_step(args: argparse.Namespace) -> None:
+    if args.nproc < 1:
+        raise ConfigError("--nproc", f"need at least one process, got {args.nproc}")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    from plait.bench import run_step
+
+    run_step(args.nproc, load(args), args.steps)
+
+
+def cmd_bench_pp(args: argparse.Namespace) -> None:
+    if args.nproc < 2:
+        raise ConfigError("--nproc", f"a pipeline needs at least 2 stages, got {args.nproc}")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    from plait.bench import run_pp
+
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    run_pp(args.nproc, load(args), args.steps, args.png)
+
+
+def cmd_bench_compression(args: argparse.Namespace) -> None:
+    if args.nproc < 2:
+        raise ConfigError("--nproc", f"compression needs data parallelism: >= 2, got {args.nproc}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ConfigError("--methods", f"comma-separated names from {', '.join(METHODS)}; "
+                          f"got {args.methods!r}")
+    from plait.bench import run_compression
+
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    run_compression(args.nproc, load(args), methods, args.png)
+
+
+def cmd_bench_checkpoint(args: argparse.Namespace) -> None:
+    if args.repeats < 1:
+        raise ConfigError("--repeats", f"at least 1, got {args.repeats}")
+    recipes = []
+    for name, nproc in (("default", 4), ("3d", 8)):
+        cfg = load_config(recipe_path(name), args.overrides)
+        recipes.append((name, cfg, nproc))
+    from plait.bench import run_checkpoint
+
+    run_checkpoint(recipes, args.repeats)
+
+
+def cmd_bench_scaling(args: argparse.Namespace) -> None:
+    try:
+        sizes = [int(n) for n in args.nproc.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
+        raise ConfigError("--nproc", "increasing world sizes >= 1, comma-separated (1,2,4); got "
+                          f"{args.nproc!r}")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    check_output_path(args.png, "--png")
+    from plait.bench import run_scaling
+
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    run_scaling(sizes, load(args), args.steps, args.weak, args.png)
+
+
+def cmd_bench_moe(args: argparse.Namespace) -> None:
+    try:
+        degrees = [int(n) for n in args.ep.split(",")]
+    except ValueError:
+        degrees = []
+    if not degrees or min(degrees) < 1 or any(args.nproc % d for d in degrees):
+        raise ConfigError("--ep", f"degrees >= 1 dividing --nproc={args.nproc}, comma-separated "
+                          f"(1,2,4); got {args.ep!r}")
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps", f"need >= 1 timed steps after >= 0 warm-up steps, got "
+                          f"{args.steps} after {args.warmup}")
+    check_output_path(args.png, "--png")
+    from plait.bench import run_moe
+
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    run_moe(args.nproc, load(args), degrees, args.steps, args.warmup, args.png)

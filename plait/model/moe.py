@@ -1,0 +1,217 @@
+"""A mixture-of-experts feed-forward (Shazeer et al. 2017), plain and single-device.
+
+A router (a bias-free linear layer, computed in fp32) gives each of a forward's N tokens a
+probability over E experts, each a SwiGLU feed-forward like the dense one. Two routers:
+
+- token choice (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): each token goes to its
+  top-k experts, gate weights = their probabilities (renormalised to sum to 1 when k > 1). With a
+  capacity factor c > 0, each expert takes at most C = ceil(c * N * k / E) of a routing group's N
+  tokens. The rule: assignments are served in priority order, every token's first choice before
+  any token's second choice, then by token position; an expert's assignments past C are dropped.
+- expert choice (Zhou et al. 2022): each expert takes its top C tokens by probability (C as above,
+  with c = 1 when unset), gate weight = that probability; a token may get any number of experts.
+
+Ties go to the lower index (stable sorts), so equal scores route alike on every rank and run. A
+token that no expert takes passes through on the residual: the layer outputs 0 for it.
+
+Load balancing (Switch, eq. 4): aux = E * sum_i f_i * P_i, f_i the fraction of the router's picks
+(before capacity) that chose expert i, P_i the mean probability of expert i; 1 when balanced.
+Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): the mean over tokens of logsumexp(logits)^2.
+Neither changes the layer's output: their gradient is attached to it (`AttachLoss`), times
+`grad_scale` (the micro-batch's share of the loss), and their values are kept in `stats`.
+
+Swap points, for `plait.parallel.expert_parallel` (here: the single-device behaviour):
+
+- `dispatch(tokens, routing, experts)`: runs the experts on their tokens (here: a loop);
+- `reduce(t)`: sums routing statistics over the ranks that share the batch, so that f_i and P_i
+  are the whole batch's (here: the identity);
+- `route_groups`: how many routing groups (contiguous runs of rows) a forward's tokens form, each
+  routed with its own capacity. A parallel run routes each rank's micro-batch as one group; a
+  single-process reference of it sets `route_groups` to the number of such ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.model.llama import FeedForward, ModelArgs
+
+ROUTERS = ("token_choice", "expert_choice")
+
+
+@dataclass
+class Routing:
+    """A forward's kept token-to-expert assignments, sorted by expert (within an expert in
+    priority order), and what the router wanted before capacity."""
+
+    token: torch.Tensor  # (A,) token index
+    expert: torch.Tensor  # (A,) expert index
+    weight: torch.Tensor  # (A,) gate weight (differentiable)
+    picked: torch.Tensor  # (E,) the router's picks per expert, before capacity
+    kept: torch.Tensor  # (E,) assignments per expert, after capacity
+    dropped: int  # tokens that no expert takes
+
+
+@dataclass
+class RouterStats:
+    """One forward's routing over the whole batch (after `reduce`)."""
+
+    aux_loss: float
+    z_loss: float
+    dropped: float  # fraction of tokens no expert took
+    kept: torch.Tensor  # (E,) assignments per expert
+
+
+def capacity(tokens: int, k: int, experts: int, factor: float) -> int | None:
+    """Assignments one expert may take from a routing group: ceil(factor * tokens * k / E);
+    None (no limit) for factor 0."""
+    return math.ceil(factor * tokens * k / experts) if factor > 0 else None
+
+
+def _by_expert(token, expert, weight, picked, n_experts: int, n_tokens: int) -> Routing:
+    order = torch.sort(expert, stable=True).indices
+    token, expert, weight = token[order], expert[order], weight[order]
+    kept = torch.bincount(expert, minlength=n_experts)
+    taken = torch.zeros(n_tokens, dtype=torch.bool, device=token.device)
+    taken[token] = True
+    return Routing(token, expert, weight, picked, kept, int(n_tokens - taken.sum()))
+
+
+def token_choice(probs: torch.Tensor, k: int, cap: int | None) -> Routing:
+    """Top-k experts per token of (N, E) probabilities, at most `cap` assignments per expert."""
+    n, e = probs.shape
+    top = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    weight = probs.gather(1, top)  # (N, k)
+    if k > 1:
+        weight = weight / weight.sum(-1, keepdim=True)
+    # Priority order: choice rank, then token.
+    expert = top.t().reshape(-1)
+    token = torch.arange(n, device=probs.device).repeat(k)
+    weight = weight.t().reshape(-1)
+    picked = torch.bincount(expert, minlength=e)
+    if cap is not None:
+        seen = F.one_hot(expert, e).cumsum(0).gather(1, expert[:, None]).squeeze(1)
+        keep = seen <= cap  # this assignment is its expert's seen-th
+        token, expert, weight = token[keep], expert[keep], weight[keep]
+    return _by_expert(token, expert, weight, picked, e, n)
+
+
+def expert_choice(probs: torch.Tensor, cap: int) -> Routing:
+    """Each expert's top `cap` tokens of (N, E) probabilities."""
+    n, e = probs.shape
+    cap = min(cap, n)
+    scores = probs.t()  # (E, N)
+    token = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :cap]
+    weight = scores.gather(1, token).reshape(-1)
+    expert = torch.arange(e, device=probs.device).repeat_interleave(cap)
+    picked = torch.full((e,), cap, dtype=torch.long, device=probs.device)
+    return _by_expert(token.reshape(-1), expert, weight, picked, e, n)
+
+
+def aux_loss(picked: torch.Tensor, mean_probs: torch.Tensor) -> torch.Tensor:
+    """Switch's load-balancing loss E * sum_i f_i * P_i from the picks per expert (f_i = picks
+    of i / all picks) and the mean router probabilities P_i."""
+    f = picked.to(mean_probs.dtype) / picked.sum()
+    return picked.numel() * (f * mean_probs).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+def run_experts(x: torch.Tensor, counts: list[int], experts: nn.ModuleDict,
+                first: int) -> torch.Tensor:
+    """Rows of `x` grouped by expert, counts[i] of them for expert first + i, through their
+    experts; an expert with no rows still runs (its gradient is zero, not missing)."""
+    parts = x.split(counts)
+    return torch.cat([experts[str(first + i)](part) for i, part in enumerate(parts)])
+
+
+def local_dispatch(tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict) -> torch.Tensor:
+    """Every expert on this device: (A, dim) expert outputs, in the routing's order."""
+    return run_experts(tokens[routing.token], routing.kept.tolist(), experts, 0)
+
+
+class AttachLoss(torch.autograd.Function):
+    """Forward: x unchanged. Backward: x's gradient, and a gradient of 1 for `loss`, so that an
+    auxiliary loss trains the router wherever in the model (or pipeline) it is computed."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.loss_like = loss
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones_like(ctx.loss_like)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.moe_experts, args.moe_top_k
+        self.capacity_factor, self.router_kind = args.moe_capacity_factor, args.moe_router
+        self.aux_coef, self.z_coef = args.moe_aux_loss_coef, args.moe_z_loss_coef
+        self.router = nn.Linear(args.dim, args.moe_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): FeedForward(args) for e in range(args.moe_experts)})
+        self.dispatch: Callable = local_dispatch
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.route_groups = 1
+        self.grad_scale = 1.0
+        self.stats: list[RouterStats] = []  # one per training forward; the trainer clears it
+
+    def route(self, probs: torch.Tensor) -> Routing:
+        """Route (N, E) probabilities, each routing group on its own."""
+        groups = probs.chunk(self.route_groups)
+        n = groups[0].shape[0]
+        parts = []
+        for group in groups:
+            cap = capacity(n, self.top_k, self.n_experts, self.capacity_factor)
+            if self.router_kind == "expert_choice":
+                parts.append(expert_choice(group, cap or capacity(n, self.top_k,
+                                                                  self.n_experts, 1.0)))
+            else:
+                parts.append(token_choice(group, self.top_k, cap))
+        if len(parts) == 1:
+            return parts[0]
+        return _by_expert(torch.cat([p.token + i * n for i, p in enumerate(parts)]),
+                          torch.cat([p.expert for p in parts]),
+                          torch.cat([p.weight for p in parts]),
+                          sum(p.picked for p in parts), self.n_experts, len(probs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        with torch.autocast(tokens.device.type, enabled=False):  # routing in fp32
+            logits = F.linear(tokens.float(), self.router.weight.float())
+        probs = logits.softmax(-1)
+        routing = self.route(probs)
+        z, e = z_loss(logits), self.n_experts
+        total = self.reduce(torch.cat([
+            routing.picked.double(), routing.kept.double(), probs.detach().double().sum(0),
+            torch.tensor([routing.dropped, len(tokens)], dtype=torch.float64,
+                         device=tokens.device), z.detach().double()[None] * len(tokens)]))
+        picked, kept, prob_sum = total[:e], total[e : 2 * e], total[2 * e : 3 * e]
+        dropped, n, z_sum = total[3 * e :]
+        # This rank's part of the aux loss: the global f_i with its own tokens' P_i (the mean of
+        # the parts over equally sized ranks is the global loss, and its gradient theirs).
+        aux = aux_loss(picked, probs.mean(0))
+        y = self.dispatch(tokens, routing, self.experts)
+        out = torch.zeros_like(tokens).index_add(0, routing.token,
+                                                 (y * routing.weight[:, None]).to(tokens.dtype))
+        if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
+            out = AttachLoss.apply(out, (self.aux_coef * aux + self.z_coef * z) * self.grad_scale)
+        if self.training:
+            self.stats.append(RouterStats(
+                aux_loss=aux_loss(picked, prob_sum / n).item(), z_loss=(z_sum / n).item(),
+                dropped=(dropped / n).item(), kept=kept.detach().cpu()))
+        return out.view_as(x)

@@ -1,0 +1,122 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020) over the `ep` axis, applied in place to the
+mixture-of-experts layers (`plait.model.moe`) of a model or pipeline chunk.
+
+Each of the G ranks of an ep group keeps E / G of every MoE layer's experts (rank j: experts
+j E/G .. (j + 1) E/G - 1), under their single-device names. The ep ranks split the batch like
+data-parallel ranks; each routes its own tokens, then, per MoE layer and micro-batch:
+
+    counts:   an all-to-all of its kept assignments per expert (E integers): every rank learns how
+              many rows it will receive from each rank for each of its experts
+    dispatch: an all-to-all of the assigned tokens' rows, uneven splits, grouped by destination
+    experts:  the received rows regrouped by expert (from every source), each expert run once
+    return:   the reverse all-to-all brings each output row back to its token's rank, where it is
+              weighted by its gate and added as on one device
+
+and backward runs both row exchanges in reverse (`comm.autograd.AllToAll`). An expert that
+receives no rows runs on none: its gradient is zero, not missing.
+
+Routing statistics (picks, kept assignments, probability sums) are summed over the ranks that
+share the batch (dp x ep), so the load-balancing loss is the global batch's: f_i counts every
+rank's picks, and each rank's P_i term carries its own tokens' gradient.
+
+Placement: an expert's parameters are sharded over ep by expert (dim None: each whole on one
+coordinate) and replicated over dp, whose ranks sum their gradients; every other parameter is
+replicated over ep with a partial gradient (other rows of the batch), summed over dp x ep.
+
+Tensor parallelism splits each expert like the dense feed-forward (w1, w3 by rows, w2 by columns)
+around the same collectives; the router is replicated over tp and its gradient is a partial sum
+there (each rank's gates meet only its shard of the expert outputs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from plait.comm import all_reduced, all_to_all
+from plait.comm.autograd import all_to_all_rows
+from plait.mesh import Axis
+from plait.model.moe import MoEFeedForward, Routing, run_experts
+from plait.parallel.activation_checkpoint import recomputing
+from plait.parallel.placement import PlacementRecord
+
+
+def moe_layers(chunk: nn.Module) -> dict[str, MoEFeedForward]:
+    """The chunk's MoE feed-forwards by block name."""
+    return {i: b.feed_forward for i, b in chunk.layers.items()
+            if isinstance(b.feed_forward, MoEFeedForward)}
+
+
+def expert_range(n_experts: int, ep: Axis) -> range:
+    per = n_experts // ep.size
+    return range(ep.rank * per, (ep.rank + 1) * per)
+
+
+class AllToAllDispatch:
+    """`MoEFeedForward.dispatch` across the ranks of `ep`, this rank holding experts `held`."""
+
+    def __init__(self, ep: Axis, held: range):
+        self.ep, self.held = ep, held
+        # Per forward: (rows sent, rows received, a backward will follow), for the accounting
+        # of the token all-to-alls (`cost.all_to_all_bytes`); the trainer clears it each step.
+        self.rows: list[tuple[int, int, bool]] = []
+
+    def __call__(self, tokens: torch.Tensor, routing: Routing,
+                 experts: nn.ModuleDict) -> torch.Tensor:
+        group, per = self.ep.group, len(self.held)
+        counts = routing.kept.view(self.ep.size, per)  # row j: for rank j's experts
+        arriving = torch.empty_like(counts)  # row s: from rank s, for each of this rank's experts
+        all_to_all(arriving, counts, group)
+        send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
+        self.rows.append((sum(send), sum(recv), torch.is_grad_enabled() and not recomputing()))
+        rows = all_to_all_rows(tokens[routing.token], send, recv, group)
+        # Rows arrive by (source, expert); each expert runs once on all of its rows.
+        local = torch.arange(per, device=rows.device).repeat(self.ep.size)
+        order = torch.sort(local.repeat_interleave(arriving.flatten()), stable=True).indices
+        out = run_experts(rows[order], arriving.sum(0).tolist(), experts, self.held.start)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(len(order), device=order.device)
+        return all_to_all_rows(out[back], recv, send, group)
+
+
+def apply_ep(chunk: nn.Module, ep: Axis, batch: Axis, record: PlacementRecord | None = None,
+             grad_scale: float = 1.0) -> None:
+    """Keep this rank's experts of every MoE layer and route through the all-to-all; sum routing
+    statistics over `batch` (the dp x ep ranks); scale the auxiliary losses' gradients by
+    `grad_scale` (a micro-batch's share of the loss, and 1 / tp: every tp rank attaches them)."""
+    names = [n for n, _ in chunk.named_parameters()]
+    experts = set()
+    for i, layer in moe_layers(chunk).items():
+        if layer.n_experts % ep.size:
+            raise ValueError(f"ep={ep.size} must divide moe_experts={layer.n_experts}")
+        held = expert_range(layer.n_experts, ep)
+        for e in range(layer.n_experts):
+            prefix = f"layers.{i}.feed_forward.experts.{e}."
+            if e in held:
+                experts |= {n for n in names if n.startswith(prefix)}
+            else:
+                del layer.experts[str(e)]
+        if ep.size > 1:
+            layer.dispatch = AllToAllDispatch(ep, held)
+        if batch.size > 1:
+            layer.reduce = functools.partial(all_reduced, group=batch.group)
+        layer.grad_scale = grad_scale
+    if record is not None:
+        held = dict(chunk.named_parameters())
+        for name in names:
+            if name not in held:
+                record.drop(name)  # another ep rank's expert
+            elif name in experts:
+                record.shard(name, "ep", None)
+            else:
+                record.replicate(name, "ep", partial_grad=True)
+
+
+def expert_overrides(record: PlacementRecord) -> set[str]:
+    """Under expert parallelism, the parameters whose gradients are summed over dp alone (the
+    experts, sharded over ep); the others over the dp x ep ranks that split the batch."""
+    if record.sizes["ep"] == 1:
+        return set()
+    return {n for n, p in record.params.items() if "ep" in p.shards}
