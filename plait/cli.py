@@ -297,6 +297,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
             raise ConfigError("CKPT", f"no complete checkpoint at {args.second}; give a "
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
+        from plait.checkpoint import read_meta
+        from plait.config import ModelConfig
+
+        saved = dict(read_meta(source)["config"]["model"])
+        if ModelConfig(saved.pop("preset"), saved).args().moe_experts:
+            raise ConfigError("CKPT", f"{source} is a mixture of experts, which a Hugging Face "
+                              "Llama folder cannot hold; export a dense model")
         print(export_hf(source, out))
         return
     hf, out = Path(args.first), args.second  # plait convert --from hf HF_DIR OUT_CKPT

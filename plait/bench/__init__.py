@@ -311,7 +311,8 @@ def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int
         table.add_row(str(r["ep"]), str(r["dp"]), f"{r['step_s'] * 1e3:,.1f}",
                       f"{r['step_s'] / loop:.2f}" if loop else "-",
                       f"{r['all_to_all_s'] * 1e3:,.1f}",
-                      f"{r['all_to_all_s'] / r['step_s']:.1%}", _size(r["all_to_all_bytes"]),
+                      f"{r['all_to_all_s'] / r['step_s']:.1%}",
+                      _size(r["all_to_all_bytes"]) if r["all_to_all_bytes"] else "-",
                       f"{r['dropped']:.1%}", f"{r['max_load']:.2f}")
     Console(width=150).print(table)
     draw_load(rows[0]["load"], png)

@@ -70,7 +70,7 @@ def draw_load(load: dict[str, list[float]], png: str) -> None:
         ax.set_xlabel("expert")
         ax.set_xticks(range(len(counts)))
     axes[0][0].set_ylabel("tokens routed per step")
-    axes[0][0].legend()
+    axes[0][0].legend(loc="lower right")
     fig.suptitle("expert load (assignments kept)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)

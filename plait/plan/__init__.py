@@ -90,7 +90,8 @@ def _group_shape(dims: ParallelDims, group: str) -> tuple[int, int]:
     for inner, outer in zip(AXES[::-1], AXES[::-1][1:], strict=False):
         stride[outer] = stride[inner] * getattr(dims, inner)
     K = dims.shard
-    return {"dp_shard": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K)}.get(
+    return {"dp_shard": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K),
+            "batch": (stride["ep"], dims.batch)}.get(  # dp x ep (cp = 1: one run of stride tp)
         group, (stride.get(group, 1), getattr(dims, group, 1)))
 
 

@@ -71,4 +71,8 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
         comm.add_row(str(r["rank"]), "all", "total", "", _mib(r["traffic"].total),
                      end_section=True)
     console.print(comm)
+    if cfg.model.args().moe_experts:
+        console.print("mixture of experts: the tokens' all-to-alls depend on the routing and are "
+                      "not above (each step's comm_bytes has them); activations are those of a "
+                      "dense feed-forward per MoE block, not the routed tokens'")
     return ranks

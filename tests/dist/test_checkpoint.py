@@ -47,6 +47,7 @@ LAYOUTS = {
     "3d": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1",
                "parallel.pp_schedule='interleaved'", "parallel.microbatches=2",
                "model.n_layers=4"]),
+    "moe-ep2-dp2-zero1": (4, ["model.preset='tiny-moe'", "parallel.ep=2", "parallel.zero=1"]),
 }
 
 
@@ -77,6 +78,8 @@ RESHARD = {
     "3d-to-one-process": ((8, ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule='gpipe'"]),
                           (1, [])),
     "zero1-dp2-to-zero3-dp4": ((2, ["parallel.zero=1"]), (4, ["parallel.zero=3"])),
+    "moe-ep2-to-ep4-zero3": ((2, ["model.preset='tiny-moe'", "parallel.ep=2"]),
+                             (4, ["model.preset='tiny-moe'", "parallel.ep=4", "parallel.zero=3"])),
 }
 
 

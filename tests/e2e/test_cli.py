@@ -104,6 +104,36 @@ def test_3d_recipe(tmp_path):
     assert records[-1]["model_state_bytes"] == rank0["state"]
 
 
+def test_moe_recipe(tmp_path):
+    """8 experts, top-2, ep 2 x dp 2, cut to 12 steps: the loss falls; every step reports its
+    routing (dropless: nothing dropped; the load-balancing loss near its balanced value 1); the
+    summary shows it; MFU counts the activated parameters only."""
+    metrics = tmp_path / "m.jsonl"
+    proc = plait("train", "--config", "moe", "--nproc", "4", "--metrics", str(metrics),
+                 "train.steps=12", "train.eval_every=0", "data.seq_len=64",
+                 "train.global_batch=16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(metrics)
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    for r in records:
+        moe = r["moe"]
+        assert set(moe["layers"]) == {"1", "3"}  # every other block of 4
+        assert moe["dropped"] == 0.0
+        assert 1.0 <= moe["aux_loss"] < 1.5
+        for layer in moe["layers"].values():
+            assert len(layer["load"]) == 8 and sum(layer["load"]) == 16 * 64 * 2  # top-2
+            assert layer["max_load"] == pytest.approx(max(layer["load"]) / 256)
+    assert "MoE busiest expert / mean (worst)" in proc.stderr
+    from plait.model import build_model, count_params, model_args
+    from plait.train.metrics import flops_per_token
+
+    args = model_args("small-moe")
+    n = count_params(build_model(args, 0, device="meta"))
+    inactive = 2 * 6 * 3 * args.dim * args.ffn_dim  # 2 MoE blocks, 6 of 8 experts idle
+    assert flops_per_token(args, n, 64) == 6 * (n - args.vocab_size * args.dim - inactive) \
+        + 12 * args.n_layers * 64 * args.dim
+
+
 def test_dry_run_prints_every_rank_and_starts_nothing():
     proc = plait("train", "--dry-run", "--config", "3d", "--nproc", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -361,6 +391,20 @@ def test_bench_pp_tables_every_schedule_and_draws_the_timeline(tmp_path):
     assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb1"}
     # Simulated and closed-form bubbles printed side by side agree (2 stages, 4 micro-batches).
     assert [c.strip() for c in rows["1f1b"].split("│")[2:4]] == ["0.200", "0.200"]
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_moe_tables_each_degree_and_draws_the_load(tmp_path):
+    png = tmp_path / "load.png"
+    proc = plait("bench", "moe", "--nproc", "2", "--ep", "1,2", "--steps", "1", "--warmup", "0",
+                 "--png", str(png), *TINY, "model.preset='tiny-moe'")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("│")}
+    assert set(rows) == {"1", "2"}
+    assert rows["1"][2] == "1.00"  # the loop against itself
+    assert rows["1"][5] == "-"  # no all-to-all without expert parallelism
+    assert rows["2"][5] != "-" and rows["2"][6] == rows["1"][6] == "0.0%"  # dropless
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 

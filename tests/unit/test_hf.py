@@ -68,3 +68,14 @@ def test_import_from_transformers_gives_equal_logits(tmp_path, capsys):
     tokens = _tokens(300)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
+    cfg = load_config(None, ["model.preset='tiny-moe'"])
+    _checkpoint_of(build_model(cfg.model.args(), seed=3), cfg, tmp_path / "ck")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", "--to", "hf", str(tmp_path / "hf"), str(tmp_path / "ck")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("plait: error: CKPT:") and "experts" in err
+    assert not (tmp_path / "hf").exists()
