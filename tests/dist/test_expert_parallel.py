@@ -47,9 +47,7 @@ def probe(route_groups: int = 1):
         for m in layers:
             m.route_groups = route_groups
 
-        def train_step(i):
-            for m in layers:
-                getattr(m.dispatch, "rows", []).clear()
+        def train_step(i):  # the trainer forgets the last step's routing as a step starts
             out = step(i)
             steps.append({id(m): [(s.kept.tolist(), s.dropped) for s in m.stats]
                           for m in layers})
