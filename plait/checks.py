@@ -24,6 +24,7 @@ from plait.config import (
 from plait.mesh import AXES, ParallelDims
 from plait.model.llama import ModelArgs
 from plait.model.moe import ROUTERS
+from plait.parallel.context_parallel import METHODS as CP_METHODS
 
 
 def validate(cfg: Config, world_size: int) -> ParallelDims:
@@ -38,17 +39,17 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     for name, size in (("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
         if size % dims.tp:
             raise ConfigError("parallel.tp", f"tp={dims.tp} must divide model {name}={size}")
-    if cfg.parallel.sequence_parallel and cfg.data.seq_len % dims.tp:
+    if cfg.parallel.sequence_parallel and cfg.data.seq_len % (dims.tp * dims.cp):
         raise ConfigError(
             "parallel.sequence_parallel",
-            f"tp={dims.tp} must divide data.seq_len={cfg.data.seq_len} to split the sequence",
+            f"tp={dims.tp}" + (f" x cp={dims.cp}" if dims.cp > 1 else "") + " must divide "
+            f"data.seq_len={cfg.data.seq_len} to split the sequence",
         )
     if args.n_layers % dims.pp:
         raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
     _check_pipeline(cfg, dims, args)
     dims = _check_hybrid(cfg.parallel, dims)
-    if dims.cp > 1:
-        raise ConfigError("parallel.cp", "not implemented yet in plait; set it to 1")
+    _check_context(cfg, dims, args)
     _check_moe(cfg, dims, args)
     _check_parallel(cfg.parallel)
     _check_compression(cfg.parallel, dims, cfg.train.precision)
@@ -82,7 +83,7 @@ def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         raise ConfigError("parallel.pp_schedule",
                           f"one of gpipe, 1f1b, interleaved, zb1; got '{par.pp_schedule}'")
     m = microbatches(par, dims)
-    rows = cfg.train.global_batch // dims.batch
+    rows = cfg.train.global_batch // dims.rows
     if m < 1 or rows % m:
         raise ConfigError("parallel.microbatches",
                           f"{m} must divide the {rows} sequences per data-parallel rank")
@@ -203,6 +204,36 @@ def _check_moe(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         raise ConfigError(*why)
 
 
+def _check_context(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+    par, seq, C = cfg.parallel, cfg.data.seq_len, dims.cp
+    if par.cp_method not in CP_METHODS:
+        raise ConfigError("parallel.cp_method", f"one of {', '.join(CP_METHODS)}; got "
+                          f"'{par.cp_method}'")
+    if C == 1:
+        return
+    heads = args.n_heads // dims.tp
+    why = None
+    if par.cp_method == "ring" and seq % (2 * C):
+        why = ("data.seq_len", f"ring attention cuts each sequence into 2 x cp = {2 * C} equal "
+               f"chunks (two per rank, for causal load balance): {seq} is not a multiple of "
+               f"{2 * C}")
+    elif par.cp_method == "ulysses" and seq % C:
+        why = ("data.seq_len", f"Ulysses cuts each sequence into cp = {C} equal shards: {seq} is "
+               f"not a multiple of {C}")
+    elif par.cp_method == "ulysses" and heads % C:
+        why = ("parallel.cp", f"Ulysses splits the {heads} attention heads of each tp rank "
+               f"(n_heads={args.n_heads} / tp={dims.tp}) over cp={C}, which must divide them; "
+               "use cp_method = 'ring'")
+    elif args.moe_experts:
+        why = ("parallel.cp", "context parallelism with a mixture of experts is not supported "
+               "yet; set cp = 1 or model.moe_experts = 0")
+    elif dims.shard < dims.dp:
+        why = ("parallel.dp_shard", "hybrid sharding with cp > 1 is not supported; leave "
+               "dp_shard at 0")
+    if why:
+        raise ConfigError(*why)
+
+
 def _check_model(args: ModelArgs) -> ModelArgs:
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
         if getattr(args, name) < 1:
@@ -269,7 +300,7 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
     if train.nan_policy not in ("stop", "skip"):
         raise ConfigError("train.nan_policy", f"'stop' or 'skip', got '{train.nan_policy}'")
-    if train.global_batch < 1 or train.global_batch % dims.batch:
+    if train.global_batch < 1 or train.global_batch % dims.rows:
         ranks = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
         raise ConfigError(
             "train.global_batch",

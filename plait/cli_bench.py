@@ -1,6 +1,7 @@
-"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe [--nproc N] [--config
-FILE] [key=value ...]`: the benchmark suites' options and commands (`plait.bench` runs them).
-Like every command, bad input exits with status 2 and one line before any worker starts."""
+"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp [--nproc N]
+[--config FILE] [key=value ...]`: the benchmark suites' options and commands (`plait.bench`
+runs them). Like every command, bad input exits with status 2 and one line before any worker
+starts."""
 
 from __future__ import annotations
 
@@ -68,6 +69,16 @@ def add_bench(sub, parser_class) -> None:
     moe.add_argument("--png", default="runs/bench_moe/load.png", help="expert load histogram")
     moe.add_argument("overrides", nargs="*", metavar="section.key=value")
     moe.set_defaults(func=cmd_bench_moe)
+    cp = suites.add_parser("cp", help="one long sequence: cp = 1 against ring attention and "
+                           "Ulysses at each cp degree")
+    cp.add_argument("--config", default="long_context",
+                    help="a TOML file, or a recipe in configs/")
+    cp.add_argument("--cp", default="2,4", help="context-parallel degrees, comma-separated")
+    cp.add_argument("--methods", default="ring,ulysses", help="ring, ulysses or both")
+    cp.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    cp.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    cp.add_argument("overrides", nargs="*", metavar="section.key=value")
+    cp.set_defaults(func=cmd_bench_cp)
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> None:
@@ -158,3 +169,24 @@ def cmd_bench_moe(args: argparse.Namespace) -> None:
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_moe(args.nproc, load(args), degrees, args.steps, args.warmup, args.png)
+
+
+def cmd_bench_cp(args: argparse.Namespace) -> None:
+    from plait.parallel.context_parallel import METHODS as CP_METHODS
+
+    try:
+        degrees = [int(n) for n in args.cp.split(",")]
+    except ValueError:
+        degrees = []
+    if not degrees or min(degrees) < 2:
+        raise ConfigError("--cp", f"degrees >= 2, comma-separated (2,4); got {args.cp!r}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or set(methods) - set(CP_METHODS):
+        raise ConfigError("--methods", f"comma-separated, from {', '.join(CP_METHODS)}; got "
+                          f"{args.methods!r}")
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--steps", f"need >= 1 timed steps after >= 0 warm-up steps, got "
+                          f"{args.steps} after {args.warmup}")
+    from plait.bench import run_cp
+
+    run_cp(load(args), degrees, methods, args.steps, args.warmup)

@@ -51,6 +51,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    cp_method: str = "ring"  # context parallelism: "ring" (attention) | "ulysses" (all-to-all)
     sequence_parallel: bool = False  # with tp > 1: norms and residual on sequence shards
     zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2, 3 (FSDP)
     dp_shard: int = 0  # under ZeRO: shard over groups of this many dp ranks (HSDP); 0 = all of dp

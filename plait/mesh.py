@@ -45,10 +45,16 @@ class ParallelDims:
         return math.prod(self.shape)
 
     @property
-    def batch(self) -> int:
+    def rows(self) -> int:
         """Ranks that split the batch's rows: dp x ep (expert parallelism's ranks route their own
         tokens, so for the dense parameters they are data-parallel ranks)."""
         return self.dp * self.ep
+
+    @property
+    def batch(self) -> int:
+        """Ranks that split the batch's tokens, over whose gradients the dense parameters' are
+        the mean: dp x cp x ep (rows over dp x ep, each row's sequence over cp)."""
+        return self.dp * self.cp * self.ep
 
     @property
     def shard(self) -> int:
@@ -94,23 +100,36 @@ class Axis:
         return cls(name, None, rank, size)
 
 
-def batch_axis(axes: dict[str, Axis]) -> Axis:
-    """The dp x ep ranks that share this rank's other coordinates, as one axis "batch" (index
-    dp * ep + ep: the rank's share of each micro-batch's rows). It is the dp or the ep axis when
-    the other has size 1, else a new group (then every rank must call this, like `hsdp_groups`)."""
+BATCH_AXES = ("dp", "cp", "ep")  # the data-like axes: each rank a different part of the batch
+
+
+def rows_share(axes: dict[str, Axis]) -> tuple[int, int]:
+    """(this rank's index, ranks) among those that split the batch's rows: dp x ep (the cp ranks
+    of a row share it, each holding part of its sequence)."""
     dp, ep = axes["dp"], axes["ep"]
-    index, size = dp.rank * ep.size + ep.rank, dp.size * ep.size
-    if ep.size == 1 or dp.size == 1:
-        return Axis("batch", (ep if dp.size == 1 else dp).group, index, size)
-    if dp.group is None:
+    return dp.rank * ep.size + ep.rank, dp.size * ep.size
+
+
+def batch_axis(axes: dict[str, Axis]) -> Axis:
+    """The dp x cp x ep ranks that share this rank's other coordinates, as one axis "batch"
+    (row-major over `BATCH_AXES`): the group over which dense gradients are averaged. It is one
+    of those axes when the others have size 1, else a new group (then every rank must call this,
+    like `hsdp_groups`)."""
+    index, size = 0, 1
+    for a in BATCH_AXES:
+        index, size = index * axes[a].size + axes[a].rank, size * axes[a].size
+    split = [a for a in BATCH_AXES if axes[a].size > 1]
+    if len(split) <= 1:
+        return Axis("batch", axes[split[0] if split else "dp"].group, index, size)
+    if axes["dp"].group is None:
         return Axis.dry("batch", index, size)
     dims = ParallelDims(**{a: dist.get_world_size(axes[a].group) for a in AXES})
     lists = []
     for rank in range(dims.world_size):
         c = dims.coords(rank)
-        if c["dp"] == 0 and c["ep"] == 0:
-            lists.append([dims.rank(**{**c, "dp": d, "ep": e})
-                          for d in range(dims.dp) for e in range(dims.ep)])
+        if all(c[a] == 0 for a in BATCH_AXES):
+            lists.append([dims.rank(**{**c, "dp": d, "cp": k, "ep": e}) for d in range(dims.dp)
+                          for k in range(dims.cp) for e in range(dims.ep)])
     group, _ = dist.new_subgroups_by_enumeration(lists)
     return Axis("batch", group, index, size)
 

@@ -320,11 +320,43 @@ def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int
     return rows
 
 
+def run_cp(cfg: Config, degrees: list[int], methods: list[str], steps: int,
+           warmup: int) -> list[dict]:
+    """One long sequence per step on one rank, then over C ranks by each method: bench/cp.py."""
+    from plait.bench.cp import bench_cp, with_cp
+
+    variants = [(1, "ring")] + [(c, m) for c in degrees if c > 1 for m in methods]
+    configs = {v: with_cp(cfg, *v) for v in variants}
+    for (c, _), vcfg in configs.items():
+        validate(vcfg, c)  # every variant is checked before any worker starts
+    rows = []
+    for c, m in each(variants, "bench cp: cp, method"):
+        rows.append({"cp": c, "method": m if c > 1 else "-",
+                     **launch(c, bench_cp, configs[c, m], steps, warmup)[0]})
+    args, one = cfg.model.args(), rows[0]
+    table = Table(title=(
+        f"plait bench cp: a sequence of {cfg.data.seq_len:,} tokens x {cfg.train.global_batch} "
+        f"per step, model dim {args.dim} x {args.n_layers} layers ({args.n_heads} heads, "
+        f"{args.n_kv_heads} kv); median of {steps} steps after {warmup}; no CPU peer (torch's "
+        "context_parallel is CUDA-only)"))
+    for col in ("cp", "method", "step (ms)", "vs cp 1", "cp comm wait (ms)", "cp bytes / step",
+                "activations, rank 0", "formula", "vs cp 1 "):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["cp"]), r["method"], f"{r['step_s'] * 1e3:,.0f}",
+                      f"{r['step_s'] / one['step_s']:.2f}", f"{r['cp_wait_s'] * 1e3:,.0f}",
+                      _size(r["cp_bytes"]) if r["cp_bytes"] else "-",
+                      _size(r["activation_bytes"]), _size(r["activation_formula"]),
+                      f"{r['activation_bytes'] / one['activation_bytes']:.2f}")
+    Console(width=150).print(table)
+    return rows
+
+
 def _size(n: int) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.2f} MiB"
     return f"{n / 2**10:.1f} KiB"
 
 
-__all__ = ["run_checkpoint", "run_comm", "run_compression", "run_moe", "run_pp", "run_scaling",
-           "run_step"]
+__all__ = ["run_checkpoint", "run_comm", "run_compression", "run_cp", "run_moe", "run_pp",
+           "run_scaling", "run_step"]

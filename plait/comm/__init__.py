@@ -14,6 +14,7 @@ from plait.comm.collectives import (
     recv,
     reduce_scatter,
     send,
+    shift,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "recv",
     "reduce_scatter",
     "send",
+    "shift",
 ]

@@ -6,7 +6,9 @@ the partial outputs; each one's backward is the other's forward. Sequence parall
 (Korthikanti et al. 2022, section 4.2.2) splits g into a reduce-scatter along the sequence and f
 into an all-gather, so the activations between block halves are held 1/T per rank.
 
-Expert parallelism adds an all-to-all of rows with uneven splits, its own conjugate.
+Expert parallelism adds an all-to-all of rows with uneven splits, its own conjugate; Ulysses
+context parallelism (Jacobs et al. 2023) a pair of all-to-alls that trade a sequence shard of all
+heads for the whole sequence of a shard of the heads, each the other's backward.
 
 Tensors are (batch, seq, ...) and the sequence is dim 1; gathered and scattered chunks are in
 rank order. All communication goes through the accounted collectives.
@@ -137,3 +139,53 @@ class AllToAll(torch.autograd.Function):
 def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int],
                     group: ProcessGroup) -> torch.Tensor:
     return AllToAll.apply(x, send, recv, group)
+
+
+def _seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(b, s / C, heads, d), sequence shard r on rank r -> (b, s, heads / C, d), head group r."""
+    n = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()  # head group j -> j
+    out = torch.empty_like(send)
+    all_to_all(out, send, group)  # out[j]: rank j's sequence shard of this rank's head group
+    return out.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The inverse: (b, s, heads / C, d), head group r -> (b, s / C, heads, d), sequence shard r."""
+    n = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    send = x.reshape(b, n, s // n, h, d).transpose(0, 1).contiguous()  # sequence shard j -> j
+    out = torch.empty_like(send)
+    all_to_all(out, send, group)  # out[j]: head group j of this rank's sequence shard
+    return out.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
+
+
+class SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return SeqToHeads.apply(x, group)
+
+
+def heads_to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return HeadsToSeq.apply(x, group)

@@ -8,6 +8,7 @@ ranks and a tensor of D bytes:
     all-gather, reduce-scatter      (n - 1) / n * D   (D = the full, unsharded tensor)
     all-to-all                      (n - 1) / n * D   (D = this rank's input)
     broadcast, send                 D                 (recv moves nothing of its own)
+    shift (send on around a ring)   D                 (booked as a send)
 
 The count is the logical algorithm's, whatever the backend does underneath, so it is exact and
 the same on gloo and NCCL; tests assert it against these formulas. The ledger is process-wide (like
@@ -239,3 +240,36 @@ def recv(tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = F
     src_global = dist.get_global_rank(group, src)
     call = lambda a: (dist.irecv if a else dist.recv)(tensor, src=src_global, group=group, tag=tag)
     return _run(Op.RECV, group, _nbytes(tensor), call, async_op)
+
+
+class _Batch:
+    """The works of one batch of point-to-point operations, waited together."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def shift(tensor: torch.Tensor, out: torch.Tensor, group: ProcessGroup, tag: int = 0,
+          async_op: bool = False) -> Pending | None:
+    """Around the ring of `group`'s ranks: `tensor` to the next rank, `out` <- the previous rank's
+    (one batch of a send and a receive, so NCCL runs every rank's pair together and cannot
+    deadlock). Booked as a send of `tensor`."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        out.copy_(tensor)
+        return Pending(None) if async_op else None
+    me = dist.get_rank(group)
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (me + 1) % n), group, tag),
+           dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (me - 1) % n), group, tag)]
+
+    def call(a: bool):
+        batch = _Batch(dist.batch_isend_irecv(ops))
+        if not a:
+            batch.wait()
+        return batch
+
+    return _run(Op.SEND, group, _nbytes(tensor), call, async_op)

@@ -106,10 +106,18 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torch.Tensor, ...]:
-    """cos and sin of the rotary angles (Su et al. 2021), each (seq, head_dim / 2)."""
+def sequence_positions(seq_len: int, device) -> torch.Tensor:
+    """The positions of a forward's tokens in their sequence: 0 .. seq_len - 1. A model's
+    `positions` attribute; context parallelism replaces it by its shard's positions."""
+    return torch.arange(seq_len, device=device)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int,
+                theta: float) -> tuple[torch.Tensor, ...]:
+    """cos and sin of the rotary angles (Su et al. 2021) at `positions`: each (seq, head_dim/2)."""
+    device = positions.device
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    angles = torch.outer(positions.float(), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -124,16 +132,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class AttentionCore(nn.Module):
     """Rotary embedding and causal attention: q (b, s, heads, head_dim), k and v
     (b, s, kv_heads, head_dim) -> (b, s, heads * head_dim). No weights; a module of its own so that
-    selective activation checkpointing can recompute it (cheap, but its saved tensors are large)."""
+    selective activation checkpointing can recompute it (cheap, but its saved tensors are large),
+    and the swap point of context parallelism (`attention.core`), which replaces it by one that
+    attends across the sequence shards of the cp ranks."""
 
     def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )  # (b, heads, s, head_dim)
-        return out.transpose(1, 2).flatten(-2)
+        return causal_attention(q, k, v).flatten(-2)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim) + causal mask) v over whole sequences: q (b, s, heads, d),
+    k and v (b, s, kv_heads, d), each key/value head shared by heads / kv_heads query heads
+    -> (b, s, heads, d)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    )  # (b, heads, s, head_dim)
+    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -214,10 +231,12 @@ class Transformer(nn.Module):
                                      for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.positions = sequence_positions  # (seq_len, device) -> the tokens' positions
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)  # (b, s, dim)
-        cos, sin = rope_tables(tokens.shape[1], self.args.head_dim, self.args.rope_theta, h.device)
+        positions = self.positions(tokens.shape[1], h.device)
+        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h))

@@ -3,15 +3,17 @@
 `parallelize` is one straight line, the same for every configuration (DESIGN.md):
 
     model -> pipeline chunks (pp = 1: one chunk)
-          -> per chunk: tensor (+ sequence) parallelism, activation checkpointing
+          -> per chunk: tensor (+ sequence), context and expert parallelism, activation
+             checkpointing
           -> the data-parallel engine `parallel.zero` names, over all of this stage's chunks
-             (DDP | ZeRO-1/2 | ZeRO-3, sharded over dp or, hybrid, over groups of dp_shard ranks)
+             (DDP | ZeRO-1/2 | ZeRO-3, over the dp x cp x ep ranks or, hybrid, groups of
+             dp_shard ranks)
 
 Each transform writes its axis into one placement record (`placement.py`), which is then checked
 complete and against the tensors actually held. The trainer drives the result through one
 interface (`Parallelized`): the schedule's executor runs the micro-batches (one stage: gradient
 accumulation), the engine finishes the gradients, one global norm clips them, the optimizer steps.
-Context and expert parallelism are mesh axes of size 1 so far (every parameter replicated).
+Under context parallelism the trainer cuts each sequence by `Parallelized.context`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from plait.config import ParallelConfig
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, hsdp_groups
 from plait.model.llama import Transformer
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
+from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.expert_parallel import apply_ep, expert_overrides
 from plait.parallel.fsdp import FullyShardedDataParallel
@@ -59,6 +62,7 @@ class Parallelized:
     pipeline: PipelineExecutor  # runs a training step's schedule over the micro-batches
     pipeline_eval: PipelineExecutor  # and a forward-only pass
     axes: dict[str, Axis]  # this rank's mesh axes
+    context: ContextLayout  # which tokens of each sequence this rank holds (cp)
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(decay, no_decay): the tensors the optimizer owns (under ZeRO: this rank's slices)."""
@@ -79,15 +83,16 @@ class Parallelized:
         counts once (placement record: shards everywhere, replicas on the first coordinate of
         each axis summed over), then one all-reduce of one float64 per axis whose ranks hold
         different pieces: pp, tp and ep (experts), and the engine's sharding group under ZeRO
-        (under expert parallelism dp, then ep: together they shard the dense parameters, dp the
-        experts). Plain data parallelism communicates nothing for it: every replica has the
+        (dp x cp; under expert parallelism dp, then ep: together they shard the dense parameters,
+        dp the experts). Plain data parallelism communicates nothing for it: every replica has the
         whole gradient."""
         axes = [a for a in (self.axes["pp"], self.axes["tp"], self.axes["ep"]) if a.size > 1]
         over = {a.name for a in axes}
         storage = self.engine.storage_axis
         if storage is not None and storage.size > 1:
             over -= {"ep"}  # the dense slices differ over dp x ep; experts are ep shards
-            axes.append(self.axes["dp"] if storage.name == "batch" else storage)
+            ep = storage.name == "batch" and self.axes["ep"].size > 1
+            axes.append(self.axes["dp"] if ep else storage)
         total = torch.zeros(1, dtype=torch.float64, device=_device(self.module))
         for name, piece in self.engine.grad_pieces():
             if self.record.counts_once(name, over):
@@ -116,9 +121,10 @@ def parallelize(
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
     chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing)
-    # Gradients that are partial sums must be summed: over dp (x ep) by the data-parallel engine,
-    # over tp (the norm gains under sequence parallelism, routers) by tensor parallelism's hooks.
-    unsynced = record.grad_sync_axes() - {"dp", "ep", "tp"}
+    # Gradients that are partial sums must be summed: over dp x cp x ep by the data-parallel
+    # engine, over tp (the norm gains under sequence parallelism, routers) by tensor
+    # parallelism's hooks.
+    unsynced = record.grad_sync_axes() - {"dp", "cp", "ep", "tp"}
     if unsynced:
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
     engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16", axes, record)
@@ -143,24 +149,27 @@ def parallelize(
     evaluate = PipelineExecutor(
         forward_only(schedule.stages, schedule.microbatches, schedule.chunks_per_stage),
         by_index, pp_group, loss_fn, activation, device, compute=compute)
-    return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes)
+    context = ContextLayout(cfg.cp_method, axes["cp"].rank, axes["cp"].size)
+    return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context)
 
 
 def place(model: Transformer, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
           activation_checkpointing: str = "none"):
     """The model-parallel part of the straight line, which needs no communication to apply:
-    pipeline chunks, then per chunk tensor (+ sequence), expert parallelism and activation
-    checkpointing; the data-like axes replicate. Returns (chunks, schedule, placement record).
-    With dry axes (`Axis.dry`) and a `meta` model it runs in one process: `plait train
-    --dry-run`. `axes` holds the mesh axes and "batch", the dp x ep ranks that split the batch."""
+    pipeline chunks, then per chunk tensor (+ sequence), context and expert parallelism and
+    activation checkpointing; the data-like axes replicate. Returns (chunks, schedule, placement
+    record). With dry axes (`Axis.dry`) and a `meta` model it runs in one process: `plait train
+    --dry-run`. `axes` holds the mesh axes and "batch", the dp x cp x ep ranks that split the
+    batch."""
     record = PlacementRecord({a: axes[a].rank for a in AXES}, {a: axes[a].size for a in AXES})
     chunks, schedule = apply_pp(model, axes["pp"], cfg, microbatches, record)
     for chunk in chunks.values():
         apply_tp(chunk, axes["tp"], cfg.sequence_parallel, record)
+        apply_cp(chunk, axes["cp"], cfg.cp_method)
         # Every tp rank attaches the auxiliary losses; the micro-batch's share of the loss is 1/M.
         apply_ep(chunk, axes["ep"], axes["batch"], record, 1 / (microbatches * axes["tp"].size))
         apply_activation_checkpointing(chunk, activation_checkpointing)
-    record.replicate_all("cp")  # not implemented yet: size 1, every parameter replicated
+    record.replicate_all("cp", partial_grad=True)  # other tokens of the same rows
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record
 
@@ -168,7 +177,7 @@ def place(model: Transformer, axes: dict[str, Axis], cfg: ParallelConfig, microb
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                         bf16: bool, axes: dict[str, Axis],
                         record: PlacementRecord) -> SyncedReplicas:
-    """The engine `parallel.zero` names, over the ranks that split the batch (dp x ep; or,
+    """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
     hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
     experts over dp, reducing gradients with the `parallel.compression` method."""
     dp = axes["batch"]

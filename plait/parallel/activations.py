@@ -65,11 +65,11 @@ def _sizes(cfg: Config) -> _Sizes:
     return _Sizes(4, 2, 8, 2, True)  # autocast: the matmul reads a bf16 cast of the norm output
 
 
-def block_bytes(cfg: Config, T: int, rows: int) -> int:
-    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T."""
+def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
+    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C."""
     args, mode, b = cfg.model.args(), cfg.train.activation_checkpointing, _sizes(cfg)
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
-    tokens = rows * cfg.data.seq_len
+    tokens = rows * cfg.data.seq_len // C
     A, Ff = tokens * args.dim, tokens * args.ffn_dim
     kv = Fraction(args.n_kv_heads, args.n_heads)
     if mode == "full":
@@ -84,8 +84,12 @@ def block_bytes(cfg: Config, T: int, rows: int) -> int:
         kept = (2 * b.stream * Fraction(A, S) + b.norm_outs * A
                 + b.matmul * Fraction(A * (2 + 2 * kv) + 3 * Ff, T))
     else:
+        # q, k, v, output: ring attention keeps k and v at their own head counts, not repeated
+        # to every head; Ulysses's output comes back through an all-to-all into a tensor of its
+        # own, beside the one attention keeps.
+        attention = 4 if C == 1 else 2 + 2 * kv if cfg.parallel.cp_method == "ring" else 5
         kept = (2 * b.norm_local * Fraction(A, S) + b.norm_outs * A
-                + b.matmul * Fraction(4 * A + 4 * Ff, T)
+                + b.matmul * Fraction(attention * A + 4 * Ff, T)
                 + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * args.n_heads, T))
     return int(kept) + casts
 
@@ -93,13 +97,13 @@ def block_bytes(cfg: Config, T: int, rows: int) -> int:
 def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last: bool,
                  rows: int) -> int:
     """One chunk's activations for one micro-batch of `rows` rows."""
-    args, T, b = cfg.model.args(), dims.tp, _sizes(cfg)
+    args, T, C, b = cfg.model.args(), dims.tp, dims.cp, _sizes(cfg)
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
-    tokens = rows * cfg.data.seq_len
+    tokens = rows * cfg.data.seq_len // C
     A = tokens * args.dim
-    total = layers * block_bytes(cfg, T, rows)
-    if layers:  # the rotary tables (cos, sin: seq x head_dim / 2 each), one pair per forward
-        total += 4 * cfg.data.seq_len * args.head_dim
+    total = layers * block_bytes(cfg, T, rows, C)
+    if layers:  # the rotary tables (cos, sin: seq / C x head_dim / 2 each), one pair per forward
+        total += 4 * cfg.data.seq_len // C * args.head_dim
     if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
         total += 9 * tokens
     if last:
@@ -109,7 +113,9 @@ def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last
         total += (b.norm_local * A // S + b.norm_out * A + 4 * tokens // S
                   + 4 * tokens * args.vocab_size // T)
         total += 2 * args.dim * args.vocab_size // T if b.weight_casts else 0
-        total += 9 * tokens if T > 1 else (8 * tokens if rows > 1 else 0) + 4
+        # (Under context parallelism the targets are already a contiguous copy: no copy of
+        # their own.)
+        total += 9 * tokens if T > 1 else (8 * tokens if rows > 1 and C == 1 else 0) + 4
     return total
 
 
@@ -118,15 +124,21 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     par = cfg.parallel
     M = microbatches(par, dims)
     schedule = stage_schedule(par, dims.pp, M)
-    rows = cfg.train.global_batch // dims.dp // M
+    rows = cfg.train.global_batch // dims.rows // M
     stage = chunks[0].index % dims.pp
     per_chunk = {c.index: _chunk_bytes(cfg, dims, c.layers, c.first, c.last, rows)
                  for c in chunks}
     peak = peak_held(schedule, stage, per_chunk.__getitem__)
     # The token window of the rank's batch (inputs and targets are views of one (rows, seq + 1)
     # int64 tensor), saved whole by the embedding at tp = 1, and by the loss when a micro-batch
-    # is one row (its targets then flatten to a view).
+    # is one row (its targets then flatten to a view). Under context parallelism inputs and
+    # targets are this rank's copies (rows, seq / C): at tp = 1 the embedding keeps the one, the
+    # loss the other.
     first, last = any(c.first for c in chunks), any(c.last for c in chunks)
-    if dims.tp == 1 and (first or last and rows == 1):
-        peak += 8 * (cfg.train.global_batch // dims.dp) * (cfg.data.seq_len + 1)
+    window = cfg.train.global_batch // dims.rows * (cfg.data.seq_len + 1)
+    if dims.cp > 1:
+        peak += 8 * cfg.train.global_batch // dims.rows * cfg.data.seq_len // dims.cp \
+            * (first + last) * (dims.tp == 1)
+    elif dims.tp == 1 and (first or last and rows == 1):
+        peak += 8 * window
     return peak

@@ -103,9 +103,9 @@ def _padded(numel: int, k: int) -> int:
 def _flats(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     """The data-parallel engine's flat buffers (DDP's buckets, ZeRO's flat parameters), each as
     (the group it is reduced over, that group's size, the layout of its parameters, unpadded):
-    dense parameters over the batch's ranks (dp, or dp_shard under hybrid sharding; dp x ep
-    under expert parallelism), experts over dp."""
-    dense = ("batch", dims.batch) if dims.ep > 1 else \
+    dense parameters over the batch's ranks (dp x cp x ep, or dp_shard under hybrid sharding),
+    experts over dp."""
+    dense = ("batch", dims.batch) if dims.batch > dims.dp else \
         ("dp_shard" if dims.shard < dims.dp else "dp", dims.shard if cfg.parallel.zero else dims.dp)
     return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments in
             _flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb)]
@@ -154,8 +154,8 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     M = microbatches(par, dims)
     schedule = stage_schedule(par, dims.pp, M)  # the schedule the run executes
     C, split = schedule.chunks, schedule.split_backward
-    rows = train.global_batch // dims.batch // M
-    seq, dim, T = cfg.data.seq_len, cfg.model.args().dim, dims.tp
+    rows = train.global_batch // dims.rows // M
+    seq, dim, T = cfg.data.seq_len // dims.cp, cfg.model.args().dim, dims.tp  # this rank's tokens
     bf16 = train.precision == "bf16"
     act_b = 2 if bf16 and par.zero else 4  # residual stream, its gradients, the embedding
     mm_b = 2 if bf16 else 4  # outputs of the row-parallel matmuls
@@ -188,6 +188,11 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
                   M * (2 * (blocks + twice) + first + last + head_twice))
         if last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
             t.add("tp", Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
+
+    # Context parallelism, per block and micro-batch.
+    if dims.cp > 1:
+        twice = sum(c.layers for c in chunks if c.index > 0) if split else 0
+        _context_traffic(t, cfg, dims, rows, blocks, twice, M, mm_b)
 
     # Pipeline: activations forward, gradients back, per micro-batch and chunk boundary.
     message = A // (T if par.sequence_parallel else 1) * act_b
@@ -232,11 +237,43 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
 
     # The global gradient norm (every step: clipping, and the non-finite check): over pp, tp, ep
     # and, under ZeRO, the sharding group (dp under ep: the dense slices' other axis is ep).
-    storage = ("dp_shard", dims.shard) if dims.shard < dims.dp else ("dp", dims.dp)
+    storage = ("dp_shard", dims.shard) if dims.shard < dims.dp else \
+        ("batch", dims.dp * dims.cp) if dims.cp > 1 else ("dp", dims.dp)
     for group, n in (("pp", dims.pp), ("tp", dims.tp), ("ep", dims.ep),
                      storage if par.zero else ("dp", 1)):
         t.add(group, Op.ALL_REDUCE, n, 8)
     return t
+
+
+def _context_traffic(t: Traffic, cfg: Config, dims: ParallelDims, rows: int, blocks: int,
+                     twice: int, M: int, elt: int) -> None:
+    """Context parallelism's collectives on the cp axis, per micro-batch: for `blocks` blocks
+    forward and backward (`twice` of them walked twice by a split backward) and again forward
+    when recomputed. q, k and v are `elt` bytes per element (matmul outputs), at this rank's
+    heads (n_heads / tp, n_kv_heads / tp).
+
+    - ring: the key/value block (keys and values of the kv heads) shifted C - 1 times forward,
+      C - 1 times again in backward with its fp32 gradient shifted C times (home at the end);
+    - Ulysses: all-to-alls of q, k, v and the output forward, and of their gradients backward
+      (k and v at the query heads when C does not divide the kv heads). A selective
+      recomputation stops at attention (q, k, v only); a full one runs the output's too."""
+    args, C, T = cfg.model.args(), dims.cp, dims.tp
+    tokens = rows * cfg.data.seq_len // C  # this rank's, per micro-batch
+    heads, kv_heads = args.n_heads // T, args.n_kv_heads // T
+    mode = cfg.train.activation_checkpointing
+    backward = blocks + twice
+    if cfg.parallel.cp_method == "ring":
+        block = 2 * tokens * kv_heads * args.head_dim
+        forwards = blocks * (1 + (mode != "none"))
+        t.add("cp", Op.SEND, C, block * elt, M * (C - 1) * (forwards + backward))
+        t.add("cp", Op.SEND, C, block * 4, M * C * backward)
+        return
+    if kv_heads % C:
+        kv_heads = heads
+    q, kv = tokens * heads * args.head_dim * elt, tokens * kv_heads * args.head_dim * elt
+    recomputed = {"full": 2, "selective": 1}.get(mode, 0)  # q and the output, or q alone
+    t.add("cp", Op.ALL_TO_ALL, C, q, M * (2 * blocks + 2 * backward + recomputed * blocks))
+    t.add("cp", Op.ALL_TO_ALL, C, kv, M * 2 * (blocks + backward + (mode != "none") * blocks))
 
 
 def all_to_all_bytes(rows: list[tuple[int, int, bool]], dim: int, elt: int,

@@ -91,7 +91,7 @@ def _group_shape(dims: ParallelDims, group: str) -> tuple[int, int]:
         stride[outer] = stride[inner] * getattr(dims, inner)
     K = dims.shard
     return {"dp_shard": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K),
-            "batch": (stride["ep"], dims.batch)}.get(  # dp x ep (cp = 1: one run of stride tp)
+            "batch": (stride["ep"], dims.batch)}.get(  # dp x cp x ep: one run of stride tp
         group, (stride.get(group, 1), getattr(dims, group, 1)))
 
 

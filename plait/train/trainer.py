@@ -20,7 +20,7 @@ from plait.checkpoint import find, load
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
 from plait.config import Config, microbatches
-from plait.mesh import ParallelDims
+from plait.mesh import ParallelDims, rows_share
 from plait.model import build_model, count_params
 from plait.parallel import parallelize
 from plait.train.activation_memory import SavedActivations
@@ -77,10 +77,13 @@ class Trainer:
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)
-        # The ranks that split the batch: dp x ep (expert parallelism's route their own tokens).
+        # The ranks that split the batch: its rows over dp x ep (expert parallelism's ranks route
+        # their own tokens), each row's sequence over cp (`context`).
         batch = self.parallelized.axes["batch"]
         self.dp_group, self.pp_group = batch.group, mesh["pp"].get_group()
-        self.dp_rank, self.dp, self.dims = batch.rank, batch.size, dims
+        self.dp, self.dims = batch.size, dims
+        self.rows_rank, self.rows = rows_share(self.parallelized.axes)
+        self.context = self.parallelized.context
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_step = self.tokens_per_step * flops_per_token(
             args, n_params, cfg.data.seq_len
@@ -96,7 +99,7 @@ class Trainer:
                                    self.checkpoints.group)
 
     def _global_mean(self, value: float) -> float:
-        """Mean over the dp (x ep) ranks of a per-rank mean (every rank holds equally many
+        """Mean over the dp x cp x ep ranks of a per-rank mean (every rank holds equally many
         tokens); the loss exists on the last pipeline stage only, so it is summed over pp first
         (the other stages contribute 0)."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -113,8 +116,8 @@ class Trainer:
         lr = lr_at(step, self.train_cfg)
         set_lr(self.optimizer, lr)
         self.moe.clear()
-        inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.dp_rank, self.dp,
-                                          self.microbatches)
+        inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.rows_rank,
+                                          self.rows, self.microbatches)
         with self.activations:  # peak bytes saved for backward during the step
             loss_sum = self.parallelized.pipeline.run(self._microbatches(inputs, targets))
         with TRACER.span("finish gradients"):
@@ -143,6 +146,7 @@ class Trainer:
         return result
 
     def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        inputs, targets = self.context.shard(inputs), self.context.shard(targets)
         rows = len(inputs) // self.microbatches
         return list(zip(inputs.split(rows), targets.split(rows), strict=True))
 
@@ -155,7 +159,7 @@ class Trainer:
         total = 0.0
         for i in range(self.train_cfg.eval_batches):
             inputs, targets = self.data.val_batch(
-                i, self.train_cfg.global_batch, self.dp_rank, self.dp, self.microbatches
+                i, self.train_cfg.global_batch, self.rows_rank, self.rows, self.microbatches
             )
             total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
         return self._global_mean(total / self.train_cfg.eval_batches)

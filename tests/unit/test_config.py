@@ -153,7 +153,20 @@ BAD_INPUT = [
     (["parallel.pp=0"], "parallel.pp"),
     (["parallel.dp_shard=-1"], "parallel.dp_shard"),
     (["parallel.microbatches=-1"], "parallel.microbatches"),
-    (["parallel.cp=2", "--nproc", "2"], "parallel.cp"),
+    # Context parallelism: the sequence must cut into 2C (ring) or C (Ulysses) equal pieces,
+    # Ulysses must split the heads of each tp rank; the method must be known.
+    (["parallel.cp=2", "--nproc", "2", "data.seq_len=30"], "data.seq_len"),
+    (["parallel.cp=2", "--nproc", "2", "parallel.cp_method=ulysses", "data.seq_len=31"],
+     "data.seq_len"),
+    (["parallel.cp=4", "--nproc", "4", "parallel.cp_method=ulysses"], "parallel.cp"),  # 6 heads
+    (["parallel.cp=2", "parallel.tp=2", "--nproc", "4", "parallel.cp_method=ulysses",
+      "model.n_heads=2", "model.n_kv_heads=2", "model.dim=64"], "parallel.cp"),  # 1 head per tp
+    (["parallel.cp_method=zigzag"], "parallel.cp_method"),
+    (["parallel.cp=2", "--nproc", "2", "model.preset='tiny-moe'"], "parallel.cp"),
+    (["parallel.cp=2", "--nproc", "4", "parallel.zero=1", "parallel.dp_shard=1"],
+     "parallel.dp_shard"),
+    (["parallel.cp=2", "parallel.tp=2", "--nproc", "4", "parallel.cp_method=ulysses",
+      "parallel.sequence_parallel=true", "data.seq_len=34"], "parallel.sequence_parallel"),
     (["parallel.ep=2", "--nproc", "2"], "parallel.ep"),  # a dense model: nothing to split
     # Mixture of experts.
     (["model.preset='tiny-moe'", "parallel.ep=3", "--nproc", "3"], "parallel.ep"),  # 8 % 3
@@ -305,6 +318,11 @@ def test_bad_input_from_a_real_process():
     ]
 
 
-def test_unimplemented_axes_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="parallel.cp: not implemented"):
-        validate(load_config(None, ["parallel.cp=2"]), 2)
+def test_context_parallel_refusals_name_the_fix():
+    with pytest.raises(ConfigError, match=r"data.seq_len: ring attention cuts each sequence "
+                       r"into 2 x cp = 4 equal chunks .*: 30 is not a multiple of 4"):
+        validate(load_config(None, ["parallel.cp=2", "data.seq_len=30"]), 2)
+    with pytest.raises(ConfigError, match=r"parallel.cp: Ulysses splits the 6 attention heads "
+                       r".* use cp_method = 'ring'"):
+        validate(load_config(None, ["parallel.cp=4", "parallel.cp_method=ulysses",
+                                     "model.preset='small'"]), 4)

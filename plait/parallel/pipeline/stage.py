@@ -56,13 +56,15 @@ class PipelineChunk(nn.Module):
             self.norm, self.output = model.norm, model.output
         self.first, self.last = first, last
         # Under sequence parallelism hidden states between chunks hold 1/T of the sequence (set
-        # by apply_tp); rotary positions span the whole sequence.
+        # by apply_tp); rotary positions span the whole sequence (of this cp rank's shard).
         self.seq_shards = 1
+        self.positions = model.positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
         h = self.tok_embeddings(x) if self.first else x
-        cos, sin = rope_tables(seq, self.args.head_dim, self.args.rope_theta, h.device)
+        positions = self.positions(seq, h.device)
+        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h)) if self.last else h

@@ -1,0 +1,254 @@
+"""Context parallelism over the `cp` axis: every sequence is split over the C ranks of the axis,
+so the activations of a long sequence are held 1/C per rank. Only attention mixes tokens; its core
+(`attention.core`, the model's swap point) is replaced by one that attends across the shards.
+
+- `ring` (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): each rank keeps its
+  queries and passes its key/value block around the ring; after C - 1 shifts every query block has
+  met every key/value block. Blocks are merged by their log-sum-exp (the online softmax of flash
+  attention), so nothing of size sequence x sequence is ever held. The next block's transfer is
+  in flight while the current one is computed. The backward passes the key/value blocks around
+  again, with the gradient of each block travelling with it, and a last shift brings each block's
+  gradient home. Causal load balance: the sequence is cut into 2C chunks and rank i holds chunks
+  i and 2C-1-i (one early, one late), so every rank computes the same number of blocks and the
+  same number of unmasked scores (`ring_blocks`). Grouped-query attention sends the key/value
+  heads only.
+- `ulysses` (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all turns q, k and v from a
+  sequence shard of every head into the whole sequence of 1/C of the heads, attention runs as on
+  one device, and one more all-to-all turns the output back (four per layer, and four in
+  backward). Rank i holds the contiguous chunk i. Key/value heads that C does not divide are
+  repeated to the query heads first.
+
+Rotary positions follow the shard (`ContextLayout.positions`, the model's `positions`); the data
+is cut the same way (`ContextLayout.shard`). The loss is each rank's mean over its tokens, equal
+counts on every rank, so the mean of the cp ranks' gradients (the data-parallel engine averages
+dense gradients over dp x cp) is the gradient of the mean over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from plait.comm import shift
+from plait.comm.autograd import heads_to_seq, seq_to_heads
+from plait.mesh import Axis
+from plait.model.llama import apply_rope, causal_attention
+
+METHODS = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """Which tokens of a sequence this cp rank holds."""
+
+    method: str  # "ring" | "ulysses"
+    rank: int
+    size: int
+
+    @property
+    def pieces(self) -> int:
+        """The sequence is cut into this many equal chunks: 2C for the ring, C for Ulysses."""
+        return 2 * self.size if self.method == "ring" else self.size
+
+    def chunks(self, rank: int | None = None) -> tuple[int, ...]:
+        """The chunks `rank` (default: this one) holds, in order."""
+        r = self.rank if rank is None else rank
+        return (r, 2 * self.size - 1 - r) if self.method == "ring" else (r,)
+
+    def index(self, seq_len: int, device=None, rank: int | None = None) -> torch.Tensor:
+        """Positions in the whole sequence of the tokens `rank` holds, in its order."""
+        c = seq_len // self.pieces
+        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
+                          for i in self.chunks(rank)])
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        """The model's `positions` under context parallelism: of this rank's `local_len` tokens."""
+        return self.index(local_len * self.size, device)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of (rows, seq, ...) `x` (a copy; `x` itself at C = 1)."""
+        if self.size == 1:
+            return x
+        return x.index_select(1, self.index(x.shape[1], x.device))
+
+
+def ring_blocks(rank: int, size: int, local_len: int):
+    """The ring's work on `rank`, step by step: (source rank of the key/value block, query rows,
+    key/value rows, causal?), rows as slices of the local sequence (its two chunks, early then
+    late). Step 0 is the rank's own block, under the causal mask. A block from an earlier rank
+    holds one chunk before both of ours and one after both: every query meets its first chunk. A
+    block from a later rank holds two chunks after our early one and before our late one: our
+    late chunk meets all of it. The pairings left out lie entirely in the future."""
+    c, whole = local_len // 2, slice(None)
+    for step in range(size):
+        src = (rank - step) % size
+        if step == 0:
+            yield src, whole, whole, True
+        elif src < rank:
+            yield src, whole, slice(0, c), False
+        else:
+            yield src, slice(c, None), whole, False
+
+
+def attend_block(q, k, v, scale: float, mask: torch.Tensor | None = None):
+    """One block of attention with its log-sum-exp: q (..., sq, d), k and v (..., sk, d), `mask`
+    (sq, sk) True where a query may see a key -> (out (..., sq, d), lse (..., sq)). A query that
+    sees no key gets out 0 and lse -inf, which `merge` then ignores."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    lse = scores.logsumexp(-1)
+    probs = torch.exp(scores - _finite(lse)[..., None])
+    return probs @ v, lse
+
+
+def merge(out, lse, block_out, block_lse):
+    """Two partial attentions over disjoint key sets -> the attention over both (the online
+    softmax: each weighted by its share of the total exp-sum)."""
+    total = torch.logaddexp(lse, block_lse)
+    shift_by = _finite(total)
+    return (out * torch.exp(lse - shift_by)[..., None]
+            + block_out * torch.exp(block_lse - shift_by)[..., None]), total
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """-inf (no key seen) -> 0, so that exp(x - lse) is exp(-inf) = 0 rather than nan."""
+    return lse.masked_fill(lse == -math.inf, 0.0)
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, s, heads, d) -> (b, kv_heads, group, s, d): each key/value head's query heads."""
+    return q.unflatten(2, (kv_heads, -1)).permute(0, 2, 3, 1, 4).float()
+
+
+def _kv(kv: torch.Tensor, which: int) -> torch.Tensor:
+    """Keys (0) or values (1) of a (2, b, s, kv_heads, d) message -> (b, kv_heads, 1, s, d)."""
+    return kv[which].permute(0, 2, 1, 3).unsqueeze(2).float()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole (load-balanced) sequence: q
+    (b, s, heads, d), k and v (b, s, kv_heads, d), the rank's two chunks -> (b, s, heads, d).
+    Computed in fp32 whatever the inputs' dtype; keys and values travel in theirs, their
+    gradients in fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group: ProcessGroup, layout: ContextLayout):
+        with torch.autocast(q.device.type, enabled=False):
+            kvh, scale = k.shape[2], q.shape[-1] ** -0.5
+            qg = _grouped(q, kvh)
+            out = torch.zeros_like(qg)
+            lse = torch.full(qg.shape[:-1], -math.inf, dtype=qg.dtype, device=q.device)
+            kv = torch.stack((k, v))  # the message: keys and values of kv_heads only
+            mask = _causal(layout, q.shape[1], q.device)
+            for step, (_, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
+                last = step == layout.size - 1
+                if not last:  # the next block's transfer, in flight during this one's compute
+                    nxt = torch.empty_like(kv)
+                    pending = shift(kv, nxt, group, async_op=True)
+                o, s = attend_block(qg[..., qs, :], _kv(kv, 0)[..., ks, :],
+                                    _kv(kv, 1)[..., ks, :], scale, mask if causal else None)
+                out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, s)
+                if not last:
+                    pending.wait()
+                    kv = nxt
+            out = out.permute(0, 3, 1, 2, 4).flatten(2, 3).to(q.dtype)  # (b, s, heads, d)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout = group, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout = ctx.layout
+        with torch.autocast(q.device.type, enabled=False):
+            kvh, scale = k.shape[2], q.shape[-1] ** -0.5
+            qg, dout = _grouped(q, kvh), _grouped(grad, kvh)
+            delta = (dout * _grouped(out, kvh)).sum(-1)  # rowsum(dO * O), per query
+            dq = torch.zeros_like(qg)
+            kv = torch.stack((k, v))
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with kv
+            mask = _causal(layout, q.shape[1], q.device)
+            for step, (_, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
+                last = step == layout.size - 1
+                if not last:
+                    nxt = torch.empty_like(kv)
+                    pending = shift(kv, nxt, ctx.group, async_op=True)
+                kb, vb = _kv(kv, 0)[..., ks, :], _kv(kv, 1)[..., ks, :]
+                scores = (qg[..., qs, :] @ kb.transpose(-1, -2)) * scale
+                if causal:
+                    scores = scores.masked_fill(~mask, -math.inf)
+                probs = torch.exp(scores - _finite(lse[..., qs])[..., None])
+                dprobs = dout[..., qs, :] @ vb.transpose(-1, -2)
+                dscores = probs * (dprobs - delta[..., qs, None]) * scale
+                dq[..., qs, :] += dscores @ kb
+                # Summed over each key/value head's query heads: (b, kvh, sk, d) -> (b, sk, kvh, d)
+                dkv[0][:, ks] += (dscores.transpose(-1, -2) @ qg[..., qs, :]).sum(2).transpose(1, 2)
+                dkv[1][:, ks] += (probs.transpose(-1, -2) @ dout[..., qs, :]).sum(2).transpose(1, 2)
+                # The block's gradient goes on with the block: the next rank works on it next.
+                arrived = torch.empty_like(dkv)
+                shift(dkv, arrived, ctx.group, tag=1)
+                dkv = arrived
+                if not last:
+                    pending.wait()
+                    kv = nxt
+            # After C shifts each block's gradient, summed over every rank's queries, is home.
+            dq = dq.permute(0, 3, 1, 2, 4).flatten(2, 3).to(q.dtype)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def _ring(layout: ContextLayout, q: torch.Tensor) -> tuple[int, int, int]:
+    return layout.rank, layout.size, q.shape[1]
+
+
+def _causal(layout: ContextLayout, local_len: int, device) -> torch.Tensor:
+    """(local, local) True where a query of this rank's own block may see a key."""
+    pos = layout.index(local_len * layout.size, device)
+    return pos[:, None] >= pos[None, :]
+
+
+class RingAttentionCore(nn.Module):
+    """`attention.core` under ring context parallelism."""
+
+    def __init__(self, cp: Axis, layout: ContextLayout):
+        super().__init__()
+        self.group, self.layout = cp.group, layout
+
+    def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return RingAttention.apply(q, k, v, self.group, self.layout).flatten(-2)
+
+
+class UlyssesAttentionCore(nn.Module):
+    """`attention.core` under Ulysses context parallelism."""
+
+    def __init__(self, cp: Axis):
+        super().__init__()
+        self.group, self.size = cp.group, cp.size
+
+    def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[2] % self.size:  # too few key/value heads to split: one per query head
+            group = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
+        return heads_to_seq(causal_attention(q, k, v), self.group).flatten(-2)
+
+
+def apply_cp(chunk: nn.Module, cp: Axis, method: str) -> ContextLayout:
+    """Make a model or pipeline chunk attend across the sequence shards of the cp ranks, in place;
+    returns the layout of this rank's shard (the trainer cuts the data by it)."""
+    if method not in METHODS:
+        raise ValueError(f"cp_method is one of {', '.join(METHODS)}, got {method!r}")
+    layout = ContextLayout(method, cp.rank, cp.size)
+    if cp.size == 1:
+        return layout
+    chunk.positions = layout.positions
+    for block in chunk.layers.values():
+        block.attention.core = (RingAttentionCore(cp, layout) if method == "ring"
+                                else UlyssesAttentionCore(cp))
+    return layout
