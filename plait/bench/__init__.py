@@ -340,7 +340,7 @@ def run_cp(cfg: Config, degrees: list[int], methods: list[str], steps: int,
         f"{args.n_kv_heads} kv); median of {steps} steps after {warmup}; no CPU peer (torch's "
         "context_parallel is CUDA-only)"))
     for col in ("cp", "method", "step (ms)", "vs cp 1", "cp comm wait (ms)", "cp bytes / step",
-                "activations, rank 0", "formula", "vs cp 1 "):
+                "activations, rank 0", "formula", "activations vs cp 1"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["cp"]), r["method"], f"{r['step_s'] * 1e3:,.0f}",

@@ -120,43 +120,82 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
-def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(b, s, heads, d) -> (b, kv_heads, group, s, d): each key/value head's query heads."""
-    return q.unflatten(2, (kv_heads, -1)).permute(0, 2, 3, 1, 4).float()
+# The block kernel on CPU: torch's fused flash-attention kernel, which returns the log-sum-exp and
+# takes it back in backward (as torch's own ring attention uses the CUDA ones). Elsewhere, and
+# with this off (tests compare both), the plain math of `attend_block`.
+FUSED_CPU = True
 
 
-def _kv(kv: torch.Tensor, which: int) -> torch.Tensor:
-    """Keys (0) or values (1) of a (2, b, s, kv_heads, d) message -> (b, kv_heads, 1, s, d)."""
-    return kv[which].permute(0, 2, 1, 3).unsqueeze(2).float()
+def _fused(q: torch.Tensor) -> bool:
+    return FUSED_CPU and q.device.type == "cpu"
+
+
+def _block(q, k, v, causal: bool, scale: float):
+    """Attention of q (b, h, sq, d) over k, v (b, h, sk, d), causal on the local order (the
+    ring's own block: its positions increase along it) -> (out fp32, lse fp32 (b, h, sq))."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+        return out.float(), lse
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return attend_block(q.float(), k.float(), v.float(), scale, mask if causal else None)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of one block's q, k, v (fp32) given the *whole* attention's output and
+    log-sum-exp for these queries: each block's share of softmax's backward."""
+    if _fused(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        return (g.float() for g in grads)
+    q, k, v, dout, out = q.float(), k.float(), v.float(), dout.float(), out.float()
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, -math.inf)
+    probs = torch.exp(scores - _finite(lse)[..., None])
+    delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O), per query
+    dscores = probs * (dout @ v.transpose(-1, -2) - delta) * scale
+    return dscores @ k, dscores.transpose(-1, -2) @ q, probs.transpose(-1, -2) @ dout
+
+
+def _heads(kv: torch.Tensor, which: int, group: int) -> torch.Tensor:
+    """Keys (0) or values (1) of a (2, b, s, kv_heads, d) message, repeated to every query head
+    -> (b, heads, s, d)."""
+    return kv[which].repeat_interleave(group, dim=2).transpose(1, 2)
+
+
+def _kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, heads, s, d) gradient of repeated keys or values -> (b, s, kv_heads, d), summed over
+    each key/value head's query heads."""
+    return grad.unflatten(1, (kv_heads, -1)).sum(2).transpose(1, 2)
 
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole (load-balanced) sequence: q
     (b, s, heads, d), k and v (b, s, kv_heads, d), the rank's two chunks -> (b, s, heads, d).
-    Computed in fp32 whatever the inputs' dtype; keys and values travel in theirs, their
-    gradients in fp32."""
+    Blocks are merged in fp32; keys and values travel in their dtype, their gradients in fp32."""
 
     @staticmethod
     def forward(ctx, q, k, v, group: ProcessGroup, layout: ContextLayout):
         with torch.autocast(q.device.type, enabled=False):
-            kvh, scale = k.shape[2], q.shape[-1] ** -0.5
-            qg = _grouped(q, kvh)
-            out = torch.zeros_like(qg)
-            lse = torch.full(qg.shape[:-1], -math.inf, dtype=qg.dtype, device=q.device)
-            kv = torch.stack((k, v))  # the message: keys and values of kv_heads only
-            mask = _causal(layout, q.shape[1], q.device)
+            g, scale = q.shape[2] // k.shape[2], q.shape[-1] ** -0.5
+            qh = q.transpose(1, 2)  # (b, heads, s, d)
+            out = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(qh.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+            kv = torch.stack((k, v))  # the message: keys and values of the kv heads only
             for step, (_, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
                 last = step == layout.size - 1
                 if not last:  # the next block's transfer, in flight during this one's compute
                     nxt = torch.empty_like(kv)
                     pending = shift(kv, nxt, group, async_op=True)
-                o, s = attend_block(qg[..., qs, :], _kv(kv, 0)[..., ks, :],
-                                    _kv(kv, 1)[..., ks, :], scale, mask if causal else None)
-                out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, s)
+                o, s = _block(qh[:, :, qs], _heads(kv, 0, g)[:, :, ks], _heads(kv, 1, g)[:, :, ks],
+                              causal, scale)
+                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
                 if not last:
                     pending.wait()
                     kv = nxt
-            out = out.permute(0, 3, 1, 2, 4).flatten(2, 3).to(q.dtype)  # (b, s, heads, d)
+            out = out.transpose(1, 2).contiguous().to(q.dtype)  # (b, s, heads, d)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout = group, layout
         return out
@@ -167,28 +206,23 @@ class RingAttention(torch.autograd.Function):
         layout = ctx.layout
         with torch.autocast(q.device.type, enabled=False):
             kvh, scale = k.shape[2], q.shape[-1] ** -0.5
-            qg, dout = _grouped(q, kvh), _grouped(grad, kvh)
-            delta = (dout * _grouped(out, kvh)).sum(-1)  # rowsum(dO * O), per query
-            dq = torch.zeros_like(qg)
+            g = q.shape[2] // kvh
+            qh, oh, dout = q.transpose(1, 2), out.transpose(1, 2), grad.transpose(1, 2)
+            dq = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
             kv = torch.stack((k, v))
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with kv
-            mask = _causal(layout, q.shape[1], q.device)
             for step, (_, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
                 last = step == layout.size - 1
                 if not last:
                     nxt = torch.empty_like(kv)
                     pending = shift(kv, nxt, ctx.group, async_op=True)
-                kb, vb = _kv(kv, 0)[..., ks, :], _kv(kv, 1)[..., ks, :]
-                scores = (qg[..., qs, :] @ kb.transpose(-1, -2)) * scale
-                if causal:
-                    scores = scores.masked_fill(~mask, -math.inf)
-                probs = torch.exp(scores - _finite(lse[..., qs])[..., None])
-                dprobs = dout[..., qs, :] @ vb.transpose(-1, -2)
-                dscores = probs * (dprobs - delta[..., qs, None]) * scale
-                dq[..., qs, :] += dscores @ kb
-                # Summed over each key/value head's query heads: (b, kvh, sk, d) -> (b, sk, kvh, d)
-                dkv[0][:, ks] += (dscores.transpose(-1, -2) @ qg[..., qs, :]).sum(2).transpose(1, 2)
-                dkv[1][:, ks] += (probs.transpose(-1, -2) @ dout[..., qs, :]).sum(2).transpose(1, 2)
+                kb, vb = (_heads(kv, i, g)[:, :, ks].contiguous() for i in (0, 1))
+                dq_, dk, dv = _block_backward(
+                    dout[:, :, qs].contiguous(), qh[:, :, qs].contiguous(), kb, vb,
+                    oh[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
+                dq[:, :, qs] += dq_
+                dkv[0][:, ks] += _kv_grad(dk, kvh)
+                dkv[1][:, ks] += _kv_grad(dv, kvh)
                 # The block's gradient goes on with the block: the next rank works on it next.
                 arrived = torch.empty_like(dkv)
                 shift(dkv, arrived, ctx.group, tag=1)
@@ -197,18 +231,12 @@ class RingAttention(torch.autograd.Function):
                     pending.wait()
                     kv = nxt
             # After C shifts each block's gradient, summed over every rank's queries, is home.
-            dq = dq.permute(0, 3, 1, 2, 4).flatten(2, 3).to(q.dtype)
+            dq = dq.transpose(1, 2).to(q.dtype)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def _ring(layout: ContextLayout, q: torch.Tensor) -> tuple[int, int, int]:
     return layout.rank, layout.size, q.shape[1]
-
-
-def _causal(layout: ContextLayout, local_len: int, device) -> torch.Tensor:
-    """(local, local) True where a query of this rank's own block may see a key."""
-    pos = layout.index(local_len * layout.size, device)
-    return pos[:, None] >= pos[None, :]
 
 
 class RingAttentionCore(nn.Module):

@@ -241,9 +241,10 @@ def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list
     elif d["tp"] > 1 and dev.intra_gbps < 100:
         out.append(f"tensor parallelism over slow links ({dev.intra_gbps:g} GB/s): its "
                    "all-reduces in every layer dominate; prefer ZeRO or pipeline stages")
-    if cfg.train.global_batch < cluster.gpus:
-        out.append(f"{cfg.train.global_batch / cluster.gpus:g} samples per GPU: fewer samples "
-                   "than GPUs; raise train.global_batch or use fewer GPUs")
+    if cfg.train.global_batch * d["cp"] < cluster.gpus:  # cp: each GPU a shard of a sequence
+        out.append(f"{cfg.train.global_batch * d['cp'] / cluster.gpus:g} samples per GPU (a "
+                   "cp shard of a sequence counting as one): fewer samples than GPUs; raise "
+                   "train.global_batch or use fewer GPUs")
     if d["pp"] > 1 and (d["pp"] - 1) / d["microbatches"] > 0.5:
         out.append(f"pipeline bubble {p.bubble:.0%} of the step: {d['pp']} stages with "
                    f"{d['microbatches']} micro-batches idle (p-1)/m = "
@@ -273,6 +274,9 @@ def reasons(p: Plan, cluster: Cluster) -> list[str]:
     if d["pp"] > 1:
         out.append(f"{d['pp']} pipeline stages, {d['pp_schedule']}, {d['microbatches']} "
                    f"micro-batches: bubble {p.bubble:.0%}")
+    if d["cp"] > 1:
+        out.append(f"context parallelism {d['cp']}: each GPU holds 1/{d['cp']} of every sequence "
+                   "and its activations")
     if d["dp"] > 1:
         out.append(f"data parallelism {d['dp']}" + (f" (hybrid: shards of {d['dp_shard']})"
                                                     if d["dp_shard"] else ""))

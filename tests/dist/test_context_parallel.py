@@ -23,7 +23,7 @@ from training import run_steps
 from plait.checks import validate
 from plait.mesh import build_mesh
 from plait.model import build_model
-from plait.parallel import parallelize
+from plait.parallel import context_parallel, parallelize
 
 # (id, ranks, overrides): every Done-when row, for both methods where it applies.
 ROWS = [
@@ -53,15 +53,39 @@ ROWS = [
 ]
 
 
+# bf16, against one process of the same precision, with the matrix's bf16 tolerances: the ring's
+# blocks are merged in fp32 but each block's output is rounded to bf16 first (the fused kernel's),
+# and its key/value blocks travel in bf16.
+BF16_ROWS = [
+    ("ring-cp2-bf16", 2, ["parallel.cp=2"]),
+    ("ulysses-cp2-bf16", 2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
+    ("ring-cp2-dp2-zero1-bf16", 4, ["parallel.cp=2", "parallel.zero=1"]),
+]
+
+
 @pytest.fixture(scope="module")
 def reference():
     return run_world(run_steps, 1, config())[0]
+
+
+@pytest.fixture(scope="module")
+def bf16_references():
+    return {zero: run_world(run_steps, 1, config("train.precision=bf16",
+                                                 f"parallel.zero={zero}"))[0] for zero in (0, 1)}
 
 
 @pytest.mark.parametrize("ranks,overrides", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_context_parallel_equals_one_process(reference, ranks, overrides):
     cfg = config(*overrides)
     compare(cfg, run_world(run_steps, ranks, cfg, timeout=240), reference, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("ranks,overrides", [r[1:] for r in BF16_ROWS],
+                         ids=[r[0] for r in BF16_ROWS])
+def test_bf16_context_parallel_tracks_one_process(bf16_references, ranks, overrides):
+    cfg = config("train.precision=bf16", *overrides)
+    ref = bf16_references[cfg.parallel.zero]
+    compare(cfg, run_world(run_steps, ranks, cfg, timeout=240), ref, 1e-3, param_mean_atol=3e-4)
 
 
 def _forward_backward(cfg):
@@ -81,8 +105,12 @@ def _forward_backward(cfg):
     return index, logits.detach(), {n: p.grad for n, p in par.module.named_parameters()}
 
 
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_logits_and_gradients_equal_one_process(method):
+@pytest.mark.parametrize("method,fused", [("ring", True), ("ring", False), ("ulysses", True)],
+                         ids=["ring", "ring-math-blocks", "ulysses"])
+def test_logits_and_gradients_equal_one_process(method, fused, monkeypatch):
+    """Also with the ring's blocks computed by `attend_block`'s plain math (off CPU, the path
+    every block takes) instead of torch's fused CPU kernel; workers fork with the switch set."""
+    monkeypatch.setattr(context_parallel, "FUSED_CPU", fused)
     cfg = config(f"parallel.cp_method={method}")
     _, ref_logits, ref_grads = run_world(_forward_backward, 1, cfg)[0]
     for index, logits, grads in run_world(_forward_backward, 4, config(

@@ -27,6 +27,9 @@ TOY = Device("toy", peak_flops=1e12, memory_bytes=1e9, intra_gbps=10, inter_gbps
     (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.zero=2"], 4),
     (["parallel.pp=2", "parallel.tp=2", "train.activation_checkpointing=full",
       "train.precision=bf16", "parallel.zero=3"], 8),
+    (["parallel.cp=2", "parallel.tp=2", "parallel.zero=3"], 8),
+    (["parallel.cp=4", "parallel.cp_method=ulysses", "train.activation_checkpointing=selective"],
+     4),
 ])
 def test_a_plan_prices_bytes_as_the_dry_run_does(overrides, gpus):
     cfg = tiny_config("model.n_layers=4", *overrides)
