@@ -233,6 +233,11 @@ OTHER_BAD_INPUT = [
     (["bench", "scaling", "--steps", "0"], "--steps"),
     (["bench", "scaling", "--png", "{files}/empty_dir"], "--png"),  # a directory
     (["bench", "scaling", "parallel.tp=3"], "parallel"),  # tp 3 at world size 1
+    (["bench", "cp", "--cp", "1"], "--cp"),  # cp 1 is the reference, always run
+    (["bench", "cp", "--cp", "two"], "--cp"),
+    (["bench", "cp", "--methods", "zigzag"], "--methods"),
+    (["bench", "cp", "--steps", "0"], "--steps"),
+    (["bench", "cp", "--cp", "3"], "data.seq_len"),  # 4096 tokens do not cut into 6 chunks
     (["report", "{files}/missing.jsonl"], "report"),
     (["report", "{files}/tiny.txt"], "report"),  # not metrics lines
     (["report", "{files}/empty_dir"], "report"),  # no *.jsonl in it
