@@ -5,8 +5,8 @@ so the activations of a long sequence are held 1/C per rank. Only attention mixe
 - `ring` (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): each rank keeps its
   queries and passes its key/value block around the ring; after C - 1 shifts every query block has
   met every key/value block. Blocks are merged by their log-sum-exp (the online softmax of flash
-  attention), so nothing of size sequence x sequence is ever held. The next block's transfer is
-  in flight while the current one is computed. The backward passes the key/value blocks around
+  attention), one block's attention computed at a time. The next block's transfer is in flight
+  while the current one is computed. The backward passes the key/value blocks around
   again, with the gradient of each block travelling with it, and a last shift brings each block's
   gradient home. Causal load balance: the sequence is cut into 2C chunks and rank i holds chunks
   i and 2C-1-i (one early, one late), so every rank computes the same number of blocks and the

@@ -80,6 +80,10 @@ RESHARD = {
     "zero1-dp2-to-zero3-dp4": ((2, ["parallel.zero=1"]), (4, ["parallel.zero=3"])),
     "moe-ep2-to-ep4-zero3": ((2, ["model.preset='tiny-moe'", "parallel.ep=2"]),
                              (4, ["model.preset='tiny-moe'", "parallel.ep=4", "parallel.zero=3"])),
+    # ZeRO-3 slices over the dp x cp ranks, resumed on another cp method and sharding group.
+    "ring-cp2-zero3-to-ulysses-cp2-dp2-zero1": (
+        (2, ["parallel.cp=2", "parallel.zero=3"]),
+        (4, ["parallel.cp=2", "parallel.cp_method='ulysses'", "parallel.zero=1"])),
 }
 
 
