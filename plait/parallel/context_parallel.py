@@ -98,12 +98,23 @@ def attend_block(q, k, v, scale: float, mask: torch.Tensor | None = None):
     """One block of attention with its log-sum-exp: q (..., sq, d), k and v (..., sk, d), `mask`
     (sq, sk) True where a query may see a key -> (out (..., sq, d), lse (..., sq)). A query that
     sees no key gets out 0 and lse -inf, which `merge` then ignores."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
+    scores = _scores(q, k, scale, mask)
     lse = scores.logsumexp(-1)
     probs = torch.exp(scores - _finite(lse)[..., None])
     return probs @ v, lse
+
+
+def _scores(q, k, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """q k^T * scale, -inf where `mask` is False."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    return scores if mask is None else scores.masked_fill(~mask, -math.inf)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor | None:
+    """The ring's own block's mask on its local order (its positions increase along it)."""
+    if not causal:
+        return None
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
 
 
 def merge(out, lse, block_out, block_lse):
@@ -137,8 +148,7 @@ def _block(q, k, v, causal: bool, scale: float):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
         return out.float(), lse
-    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    return attend_block(q.float(), k.float(), v.float(), scale, mask if causal else None)
+    return attend_block(q.float(), k.float(), v.float(), scale, _causal(q, k, causal))
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -149,20 +159,16 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
         return (g.float() for g in grads)
     q, k, v, dout, out = q.float(), k.float(), v.float(), dout.float(), out.float()
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, -math.inf)
-    probs = torch.exp(scores - _finite(lse)[..., None])
+    probs = torch.exp(_scores(q, k, scale, _causal(q, k, causal)) - _finite(lse)[..., None])
     delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O), per query
     dscores = probs * (dout @ v.transpose(-1, -2) - delta) * scale
     return dscores @ k, dscores.transpose(-1, -2) @ q, probs.transpose(-1, -2) @ dout
 
 
-def _heads(kv: torch.Tensor, which: int, group: int) -> torch.Tensor:
-    """Keys (0) or values (1) of a (2, b, s, kv_heads, d) message, repeated to every query head
-    -> (b, heads, s, d)."""
-    return kv[which].repeat_interleave(group, dim=2).transpose(1, 2)
+def _heads(kv: torch.Tensor, which: int, group: int, rows: slice) -> torch.Tensor:
+    """Keys (0) or values (1) of a (2, b, s, kv_heads, d) message, the `rows` the block needs,
+    repeated to every query head -> (b, heads, rows, d)."""
+    return kv[which][:, rows].repeat_interleave(group, dim=2).transpose(1, 2)
 
 
 def _kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -189,8 +195,8 @@ class RingAttention(torch.autograd.Function):
                 if not last:  # the next block's transfer, in flight during this one's compute
                     nxt = torch.empty_like(kv)
                     pending = shift(kv, nxt, group, async_op=True)
-                o, s = _block(qh[:, :, qs], _heads(kv, 0, g)[:, :, ks], _heads(kv, 1, g)[:, :, ks],
-                              causal, scale)
+                o, s = _block(qh[:, :, qs], _heads(kv, 0, g, ks), _heads(kv, 1, g, ks), causal,
+                              scale)
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
                 if not last:
                     pending.wait()
@@ -216,7 +222,7 @@ class RingAttention(torch.autograd.Function):
                 if not last:
                     nxt = torch.empty_like(kv)
                     pending = shift(kv, nxt, ctx.group, async_op=True)
-                kb, vb = (_heads(kv, i, g)[:, :, ks].contiguous() for i in (0, 1))
+                kb, vb = (_heads(kv, i, g, ks).contiguous() for i in (0, 1))
                 dq_, dk, dv = _block_backward(
                     dout[:, :, qs].contiguous(), qh[:, :, qs].contiguous(), kb, vb,
                     oh[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
