@@ -45,8 +45,6 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
             f"tp={dims.tp}" + (f" x cp={dims.cp}" if dims.cp > 1 else "") + " must divide "
             f"data.seq_len={cfg.data.seq_len} to split the sequence",
         )
-    if args.n_layers % dims.pp:
-        raise ConfigError("parallel.pp", f"pp={dims.pp} must divide n_layers={args.n_layers}")
     _check_pipeline(cfg, dims, args)
     dims = _check_hybrid(cfg.parallel, dims)
     _check_context(cfg, dims, args)

@@ -77,8 +77,16 @@ PRESETS: dict[str, ModelArgs] = {
                            ffn_multiplier=0.5, moe_experts=8, moe_top_k=2, moe_every=2),
     "7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
                     max_seq_len=4096, multiple_of=256),
+    # Llama-2 13B's dimensions.
+    "13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
+                     max_seq_len=4096, multiple_of=256),
     "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                      ffn_multiplier=1.3, max_seq_len=8192, multiple_of=1024, rope_theta=500000.0),
+    # GPT-3 175B's (Brown et al. 2020): 96 layers of 12288, 96 heads, 2048 tokens, the vocabulary
+    # padded to 51200 as Megatron-LM does; the SwiGLU hidden size 32768 keeps GPT-3's 12 dim^2
+    # parameters per block (175.2B in all, embedding and head untied).
+    "175b": ModelArgs(dim=12288, n_layers=96, n_heads=96, n_kv_heads=96, vocab_size=51200,
+                      max_seq_len=2048, intermediate_size=32768),
     # Mixtral 8x7B's dimensions: 8 experts of 14336 hidden units, top-2, in every block.
     "8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                       max_seq_len=4096, intermediate_size=14336, rope_theta=1e6, moe_experts=8,

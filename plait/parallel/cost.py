@@ -75,10 +75,13 @@ class Traffic:
     bytes: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)
 
-    def add(self, group: str, op: Op, n: int, nbytes: int, times: int = 1) -> None:
-        if n <= 1 or times == 0:
+    def add(self, group: str, op: Op, n: int, nbytes: int, times: int = 1,
+            calls: int | None = None) -> None:
+        """`times` calls of `nbytes` each; or, given `calls`, that many moving `nbytes` in all."""
+        if n <= 1 or times == 0 or calls == 0:
             return  # a collective on a group of one is a no-op, not counted
         moved = times * bus_bytes(op, n, nbytes)
+        times = times if calls is None else calls
         self.calls[op] += times
         self.bytes[op] = self.bytes.get(op, Fraction(0)) + moved
         entry = self.groups.setdefault(group, {}).setdefault(op, [0, Fraction(0)])
@@ -152,7 +155,7 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     par, train = cfg.parallel, cfg.train
     t = Traffic()
     M = microbatches(par, dims)
-    schedule = stage_schedule(par, dims.pp, M)  # the schedule the run executes
+    schedule = stage_schedule(par, dims.pp, M, checked=False)  # the schedule the run executes
     C, split = schedule.chunks, schedule.split_backward
     rows = train.global_batch // dims.rows // M
     seq, dim, T = cfg.data.seq_len // dims.cp, cfg.model.args().dim, dims.tp  # this rank's tokens
@@ -215,13 +218,21 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     # Data parallelism (compressed: once compression has started).
     method = _compression(cfg) if dims.shard > 1 else None
     R = dims.dp // dims.shard
+    # (Summed per group and op first: bus bytes are linear in the bytes, and a 7B model has a
+    # thousand buckets.)
+    buffers = {}  # (group, op, n) -> [calls, bytes]
+
+    def add(group: str, op: Op, n: int, nbytes: int, times: int = 1) -> None:
+        entry = buffers.setdefault((group, op, n), [0, 0])
+        entry[0], entry[1] = entry[0] + times, entry[1] + times * nbytes
+
     if par.zero == 0:
         for group, K, segments in _flats(cfg, dims, record):
             numel = members_numel(segments)
             reduction = (method.messages(segments, numel, K, sharded=False) if method
                          else [(Op.ALL_REDUCE, 4 * numel)])
             for op, nbytes in reduction:
-                t.add(group, op, K, nbytes)
+                add(group, op, K, nbytes)
     else:
         param_b = 2 if bf16 else 4
         reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
@@ -231,9 +242,11 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
             reduction = (method.messages(segments, padded, K, sharded=True) if method
                          else [(Op.REDUCE_SCATTER, padded * reduce_b)])
             for op, nbytes in reduction:
-                t.add(group, op, K, nbytes)
-            t.add(group, Op.ALL_GATHER, K, padded * param_b, gathers)
-            t.add("dp_replicate", Op.ALL_REDUCE, R, padded // K * reduce_b)
+                add(group, op, K, nbytes)
+            add(group, Op.ALL_GATHER, K, padded * param_b, gathers)
+            add("dp_replicate", Op.ALL_REDUCE, R, padded // K * reduce_b)
+    for (group, op, n), (calls, nbytes) in buffers.items():
+        t.add(group, op, n, nbytes, calls=calls)
 
     # The global gradient norm (every step: clipping, and the non-finite check): over pp, tp, ep
     # and, under ZeRO, the sharding group (dp under ep: the dense slices' other axis is ep).
@@ -283,6 +296,23 @@ def all_to_all_bytes(rows: list[tuple[int, int, bool]], dim: int, elt: int,
     the return in forward, both again in reverse in backward; (ep - 1) / ep of each input."""
     total = sum((s + r) * (2 if backward else 1) for s, r, backward in rows)
     return bus_bytes(Op.ALL_TO_ALL, ep, total * dim * elt)
+
+
+def routed_traffic(t: Traffic, cfg: Config, dims: ParallelDims,
+                   chunks: list[ChunkLayout]) -> None:
+    """Adds to `t` the token all-to-alls of expert parallelism as a plan expects them (a run's
+    depend on its routing: `all_to_all_bytes`): routing balanced and nothing dropped, so per MoE
+    block and micro-batch each of the rank's tokens sends top_k rows out (dispatch) and gets them
+    back (return), in forward, again when recomputed, and in reverse in backward."""
+    moe = sum(c.moe for c in chunks)
+    if not moe or dims.ep == 1:
+        return
+    args, M = cfg.model.args(), microbatches(cfg.parallel, dims)
+    tokens = cfg.train.global_batch // dims.rows // M * cfg.data.seq_len // dims.cp
+    elt = 2 if cfg.train.precision == "bf16" and cfg.parallel.zero else 4
+    passes = 2 + (cfg.train.activation_checkpointing == "full")
+    t.add("ep", Op.ALL_TO_ALL, dims.ep, tokens * args.moe_top_k * args.dim * elt,
+          2 * M * moe * passes)
 
 
 def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:

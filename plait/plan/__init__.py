@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from plait.checks import validate
@@ -32,16 +33,17 @@ from plait.mesh import AXES, Axis, ParallelDims, batch_axis
 from plait.model import ModelArgs, build_model
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
+from plait.parallel.cost import ChunkLayout, routed_traffic
 from plait.parallel.fsdp import unit_prefixes
-from plait.parallel.pipeline import stage_schedule
-from plait.parallel.pipeline.simulator import simulate
+from plait.parallel.pipeline.simulator import bubble_formula
+from plait.parallel.pipeline.stage import chunk_sizes
 from plait.plan.hardware import Cluster
 
 HEADROOM = 0.9  # of device memory a plan may use
 # Message steps of a ring collective on n ranks, in units of n - 1 (send: one step).
 STEPS = {Op.ALL_REDUCE: 2, Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_TO_ALL: 1}
-DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "microbatches", "pp_schedule",
-           "activation_checkpointing", "sequence_parallel")
+DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "cp_method", "microbatches",
+           "pp_schedule", "activation_checkpointing", "sequence_parallel")
 
 
 @dataclass
@@ -63,25 +65,50 @@ class Plan:
                                    if k != "degrees"}}
 
 
-@functools.lru_cache(maxsize=4096)
-def _placed(args: ModelArgs, pp: int, tp: int, schedule: str, virtual: int, split: tuple,
-            stage: int):
-    """One stage's placement record and chunk layouts (what the formulas need)."""
+@functools.lru_cache(maxsize=16)
+def _meta_model(args: ModelArgs):
+    return build_model(args, 0, device="meta")
+
+
+@functools.lru_cache(maxsize=1024)
+def _sizes(args: ModelArgs, chunks: int, split: tuple) -> tuple[int, ...]:
+    """Layers per pipeline chunk, as `apply_pp` cuts them."""
+    if chunks == 1:
+        return (args.n_layers,)
+    return split or tuple(chunk_sizes(_meta_model(args), chunks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stages(args: ModelArgs, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayout], tuple]]:
+    """Per stage, its chunks as the formulas see them (chunk c on stage c % pp) and its kind:
+    what its model state and traffic depend on (per chunk which of its blocks are MoE, whether
+    it holds the embedding, the head, which neighbours it sends to). Stages of one kind price
+    alike: a 64-stage pipeline has three or four kinds."""
+    C, out = len(sizes), []
+    starts = [sum(sizes[:c]) for c in range(C)]
+    for stage in range(pp):
+        chunks, kind = [], []
+        for c in range(stage, C, pp):
+            moe = tuple(args.is_moe(i) for i in range(starts[c], starts[c] + sizes[c]))
+            chunks.append(ChunkLayout(c, sizes[c], c == 0, c == C - 1, sum(moe)))
+            kind.append((moe, c == 0, c == C - 1, c > 0, c < C - 1))
+        out.append((chunks, tuple(kind)))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int):
+    """One stage's placement record (what the formulas need), the chunks cut as `sizes` says."""
     from plait.config import ParallelConfig
 
-    par = ParallelConfig(pp=pp, tp=tp, pp_schedule=schedule, pp_virtual=virtual,
-                         pp_split=list(split))
-    sizes = {"pp": pp, "tp": tp}
-    axes = {a: Axis.dry(a, stage if a == "pp" else 0, sizes.get(a, 1)) for a in AXES}
+    virtual = len(sizes) // pp
+    par = ParallelConfig(pp=pp, tp=tp, ep=ep, pp_schedule="interleaved" if virtual > 1 else "1f1b",
+                         pp_virtual=virtual, pp_split=list(sizes) if len(sizes) > 1 else [])
+    degrees = {"pp": pp, "tp": tp, "ep": ep}
+    axes = {a: Axis.dry(a, stage if a == "pp" else 0, degrees.get(a, 1)) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    chunks, _, record = place(build_model(args, 0, device="meta"), axes, par, pp)
-    return record, cost.chunk_layouts(chunks)
-
-
-def _stage(cfg: Config, dims: ParallelDims, stage: int):
-    par = cfg.parallel
-    return _placed(cfg.model.args(), dims.pp, dims.tp, par.pp_schedule if dims.pp > 1 else "1f1b",
-                   par.pp_virtual, tuple(par.pp_split), stage)
+    _, _, record = place(build_model(args, 0, device="meta"), axes, par, pp)
+    return record
 
 
 def _group_shape(dims: ParallelDims, group: str) -> tuple[int, int]:
@@ -124,31 +151,39 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks) -> tuple[float, floa
 
 def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     """Price one configuration (validated for dims.world_size)."""
-    par, dev = cfg.parallel, cluster.device
+    par, dev, args = cfg.parallel, cluster.device, cfg.model.args()
     M = microbatches(par, dims)
-    bubble = simulate(stage_schedule(par, dims.pp, M)).bubble if dims.pp > 1 else 0.0
-    per_stage, step = [], 0.0
-    for stage in range(dims.pp):
-        record, chunks = _stage(cfg, dims, stage)
-        state = cost.state_bytes(cfg, dims, record)
-        act = activation_bytes(cfg, dims, chunks)
-        traffic = cost.step_traffic(cfg, dims, record, chunks)
-        model_flops, flops = _flops(cfg, dims, record, chunks)
-        compute = flops / (dev.peak_flops * dev.efficiency)
-        comm = _comm_seconds(traffic, dims, cluster)
-        data = sum(t for g, t in comm.items() if g.startswith("dp"))
-        hidden = compute if par.zero == 3 else compute * 2 / 3  # backward
-        pipelined = (compute + comm.get("tp", 0.0) + comm.get("pp", 0.0)) / (1 - bubble)
-        step = max(step, pipelined + max(0.0, data - hidden))
-        buffers = _gathered_units(record, cfg) if par.zero == 3 else 0
-        per_stage.append((state, act, traffic, buffers, model_flops))
+    schedule = par.pp_schedule if dims.pp > 1 else "1f1b"
+    virtual = par.pp_virtual if schedule == "interleaved" else 1
+    bubble = bubble_formula(schedule, dims.pp, M, virtual) if dims.pp > 1 else 0.0
+    sizes = _sizes(args, dims.pp * virtual, tuple(par.pp_split))
+    priced, per_stage, step = {}, [], 0.0
+    for stage, (chunks, kind) in enumerate(_stages(args, dims.pp, sizes)):
+        if kind not in priced:
+            record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage)
+            traffic = cost.step_traffic(cfg, dims, record, chunks)
+            routed_traffic(traffic, cfg, dims, chunks)
+            model_flops, flops = _flops(cfg, dims, record, chunks)
+            compute = flops / (dev.peak_flops * dev.efficiency)
+            comm = _comm_seconds(traffic, dims, cluster)
+            data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
+            hidden = compute if par.zero == 3 else compute * 2 / 3  # backward
+            exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
+            time = (compute + exposed) / (1 - bubble) + max(0.0, data - hidden)
+            buffers = _gathered_units(record, cfg) if par.zero == 3 else 0
+            priced[kind] = (cost.state_bytes(cfg, dims, record), traffic, buffers, model_flops,
+                            time)
+        state, traffic, buffers, model_flops, time = priced[kind]
+        step = max(step, time)
+        per_stage.append((state, activation_bytes(cfg, dims, chunks), traffic, buffers,
+                          model_flops))
     state, act, traffic, _, _ = per_stage[0]
     memory = {**{k: state[k] for k in ("params", "grads", "optimizer")}, "activations": act}
     memory["total"] = sum(state.values()) + act
     peak = max(sum(s.values()) + a + b for s, a, _, b, _ in per_stage)
     model_flops = sum(f for *_, f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    return Plan(degrees=_degrees(cfg, dims), params=_count(cfg.model.args()), memory_bytes=memory,
+    return Plan(degrees=_degrees(cfg, dims), params=_count(args), memory_bytes=memory,
                 peak_memory_bytes=peak, step_time_s=step, tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
                 comm_bytes=float(traffic.total),
@@ -157,21 +192,25 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
 
 def _gathered_units(record, cfg: Config) -> int:
     """ZeRO-3 holds at most two units whole at once (the current and the prefetched)."""
-    size = 2 if cfg.train.precision == "bf16" else 4
+    return (2 if cfg.train.precision == "bf16" else 4) * _two_largest_units(record)
+
+
+@functools.lru_cache(maxsize=1024)
+def _two_largest_units(record) -> int:
     units = [sum(p.local_numel for n, p in record.params.items() if n.startswith(prefixes))
              for prefixes in unit_prefixes(record.params)]
-    return size * sum(sorted(units)[-2:])
+    return sum(sorted(units)[-2:])
 
 
 @functools.lru_cache(maxsize=64)
 def _count(args: ModelArgs) -> int:
-    return sum(p.numel() for p in build_model(args, 0, device="meta").parameters())
+    return sum(p.numel() for p in _meta_model(args).parameters())
 
 
 def _degrees(cfg: Config, dims: ParallelDims) -> dict:
     par = cfg.parallel
     return {"dp": dims.dp, "dp_shard": par.dp_shard, "tp": dims.tp, "pp": dims.pp,
-            "cp": dims.cp, "ep": dims.ep, "zero": par.zero,
+            "cp": dims.cp, "ep": dims.ep, "zero": par.zero, "cp_method": par.cp_method,
             "microbatches": microbatches(par, dims), "pp_schedule": par.pp_schedule,
             "activation_checkpointing": cfg.train.activation_checkpointing,
             "sequence_parallel": par.sequence_parallel}
@@ -189,24 +228,51 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+LONG_SEQUENCE = 16384  # tokens from which context parallelism is searched
+MIN_CP_CHUNK = 1024  # tokens a ring chunk keeps at least (2 cp chunks per sequence)
+
+
+def _meshes(cfg: Config, cluster: Cluster, fixed: dict):
+    """(tp, pp, cp, ep) layouts to search: tp within a node (across nodes only when pinned: its
+    all-reduces in every layer would cross the slow links), pp up to one layer per stage, cp for
+    long sequences, ep for mixtures of experts; the rest of the GPUs are dp."""
+    N, G, args = cluster.gpus, cluster.gpus_per_node, cfg.model.args()
+    seq = cfg.data.seq_len
+    for tp in [fixed["tp"]] if "tp" in fixed else _divisors(math.gcd(N, G)):
+        for pp in [fixed["pp"]] if "pp" in fixed else _divisors(N // tp):
+            if N % (tp * pp) or pp > args.n_layers:
+                continue
+            rest = N // (tp * pp)
+            cps = [fixed["cp"]] if "cp" in fixed else [
+                c for c in _divisors(rest) if c == 1 or seq >= LONG_SEQUENCE
+                and seq // (2 * c) >= MIN_CP_CHUNK]
+            for cp in cps:
+                eps = [fixed["ep"]] if "ep" in fixed else [
+                    e for e in _divisors(rest // cp) if args.moe_experts % e == 0]
+                for ep in eps:
+                    if rest % (cp * ep) == 0:
+                        yield tp, pp, cp, ep, rest // (cp * ep)
+
+
 def candidates(cfg: Config, cluster: Cluster, fixed: dict):
     """Every layout validate accepts on cluster.gpus ranks; `fixed` pins degrees. Left out
     unless pinned, as dominated: GPipe (1F1B's bubble with more activations in flight) and tp
-    without sequence parallelism (the same bytes, more activations)."""
-    N, G, args = cluster.gpus, cluster.gpus_per_node, cfg.model.args()
-    for tp, pp in itertools.product(_divisors(N), _divisors(N)):
-        if N % (tp * pp) or args.n_layers % pp or fixed.get("tp", tp) != tp \
-                or fixed.get("pp", pp) != pp:
-            continue
-        dp = N // (tp * pp)
+    without sequence parallelism (the same bytes, more activations). Activation checkpointing
+    varies last, from none to full, so `rank_plans` can stop at the first mode that fits."""
+    G = cluster.gpus_per_node
+    for tp, pp, cp, ep, dp in _meshes(cfg, cluster, fixed):
+        rows = cfg.train.global_batch // (dp * ep) or 1
         choice = {
-            "tp": [tp], "pp": [pp], "zero": [0, 1, 2, 3],
+            "tp": [tp], "pp": [pp], "cp": [cp], "ep": [ep], "zero": [0, 1, 2, 3],
+            "cp_method": ["ring", "ulysses"] if cp > 1 else ["ring"],
             "pp_schedule": ["1f1b", "interleaved", "zb1"] if pp > 1 else ["1f1b"],
-            "activation_checkpointing": ["none", "selective", "full"],
             "sequence_parallel": [tp > 1],
-            "microbatches": [pp * k for k in (1, 2, 4, 8)],
+            # and one row per micro-batch.
+            "microbatches": sorted({pp * k for k in (1, 2, 4, 8)}
+                                   | {rows}),
             # Hybrid sharding: shard within a node, replicate across nodes.
             "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else []),
+            "activation_checkpointing": ["none", "selective", "full"],
         }
         choice.update({k: [v] for k, v in fixed.items()})
         keys = list(choice)
@@ -216,19 +282,27 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
                 continue
             c = with_degrees(cfg, **d, dp=0)
             try:
-                yield c, validate(c, N)
+                yield c, validate(c, cluster.gpus)
             except ConfigError:
                 continue
 
 
 def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
-    """Every valid layout priced, the ones that fit first, fastest first; warnings attached."""
-    plans = []
+    """Every valid layout priced, the ones that fit first, fastest first; warnings attached.
+    Of the checkpointing modes of one layout only the first that fits is kept (recomputation
+    only costs time)."""
+    plans, fitted = [], set()
     for c, dims in candidates(cfg, cluster, fixed):
+        layout = tuple(v for k, v in _degrees(c, dims).items() if k != "activation_checkpointing")
+        if layout in fitted:
+            continue
         plan = estimate(c, dims, cluster)
+        if plan.fits:
+            fitted.add(layout)
         plan.warnings = warnings(plan, c, dims, cluster)
         plans.append(plan)
-    return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.peak_memory_bytes))
+    return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.degrees["zero"],
+                                        p.peak_memory_bytes))
 
 
 def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
@@ -277,6 +351,9 @@ def reasons(p: Plan, cluster: Cluster) -> list[str]:
     if d["cp"] > 1:
         out.append(f"context parallelism {d['cp']}: each GPU holds 1/{d['cp']} of every sequence "
                    "and its activations")
+    if d["ep"] > 1:
+        out.append(f"expert parallelism {d['ep']}: each GPU holds 1/{d['ep']} of the experts, "
+                   "tokens reach them by all-to-all")
     if d["dp"] > 1:
         out.append(f"data parallelism {d['dp']}" + (f" (hybrid: shards of {d['dp_shard']})"
                                                     if d["dp_shard"] else ""))

@@ -13,7 +13,8 @@ from plait.config import Config, ConfigError
 from plait.plan import Plan, rank_plans, reasons
 from plait.plan.hardware import Cluster
 
-PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.zero": "zero",
+PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
+            "parallel.cp_method": "cp_method", "parallel.zero": "zero",
             "parallel.dp_shard": "dp_shard", "parallel.microbatches": "microbatches",
             "parallel.pp_schedule": "pp_schedule",
             "parallel.sequence_parallel": "sequence_parallel",
@@ -57,20 +58,23 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
 
 def _layout(p: Plan) -> str:
     d = p.degrees
-    return (f"tp {d['tp']}, pp {d['pp']}, dp {d['dp']}, ZeRO-{d['zero']}, "
+    return (f"tp {d['tp']}, pp {d['pp']}, cp {d['cp']}, ep {d['ep']}, dp {d['dp']}, "
+            f"ZeRO-{d['zero']}, "
             f"{d['activation_checkpointing']} checkpointing")
 
 
 def print_plans(plans: list[Plan], cluster: Cluster, top: int, params: int) -> None:
-    console = Console(width=150)
+    console = Console(width=170)
     table = Table(title=f"plait plan: {params / 1e9:.2f}B parameters on {cluster.gpus} x "
                         f"{cluster.device.name}, {cluster.gpus_per_node} per node; best first")
-    for col in ("#", "tp", "pp", "dp", "zero", "shard", "M", "schedule", "ckpt", "sp",
+    for col in ("#", "tp", "pp", "cp", "ep", "dp", "zero", "shard", "M", "schedule", "ckpt", "sp",
                 "GB/GPU", "step (s)", "tokens/s", "MFU", "bubble", "warnings"):
         table.add_column(col, justify="right")
     for i, p in enumerate(plans[:top], 1):
         d = p.degrees
-        table.add_row(str(i), str(d["tp"]), str(d["pp"]), str(d["dp"]), str(d["zero"]),
+        cp = f"{d['cp']} {d['cp_method']}" if d["cp"] > 1 else "1"
+        table.add_row(str(i), str(d["tp"]), str(d["pp"]), cp, str(d["ep"]), str(d["dp"]),
+                      str(d["zero"]),
                       str(d["dp_shard"] or "-"), str(d["microbatches"]),
                       d["pp_schedule"] if d["pp"] > 1 else "-", d["activation_checkpointing"],
                       "yes" if d["sequence_parallel"] else "-",
@@ -93,8 +97,9 @@ def write_recipe(path: str, cfg: Config, plan: Plan, cluster: Cluster) -> None:
     d = plan.degrees
     sections = {
         "model": {"preset": cfg.model.preset, **cfg.model.overrides},
-        "parallel": {k: d[k] for k in ("tp", "pp", "zero", "dp_shard", "microbatches",
-                                       "pp_schedule", "sequence_parallel")},
+        "parallel": {k: d[k] for k in ("tp", "pp", "cp", "ep", "zero", "dp_shard",
+                                       "microbatches", "pp_schedule", "sequence_parallel",
+                                       "cp_method")},
         "train": {"global_batch": cfg.train.global_batch, "precision": cfg.train.precision,
                   "activation_checkpointing": d["activation_checkpointing"]},
         "data": {"seq_len": cfg.data.seq_len},

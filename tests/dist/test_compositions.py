@@ -58,6 +58,7 @@ ROWS = [
     ("pp2-tp2-sp", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("pp2-tp2-sp-zb1", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                            "parallel.pp_schedule=zb1"]),
+    ("pp3-uneven", 3, ["parallel.pp=3", "parallel.microbatches=4"]),  # 4 layers on 3 stages
     ("pp4-dp2", 8, ["parallel.pp=4", "parallel.microbatches=4"]),
     ("pp4-tp2", 8, ["parallel.pp=4", "parallel.tp=2", "parallel.microbatches=4"]),
     ("pp4-dp2-zero2", 8, ["parallel.pp=4", "parallel.zero=2", "parallel.microbatches=4"]),

@@ -56,7 +56,7 @@ BAD_INPUT = [
     (["parallel.tp=2", "--nproc", "3"], "parallel"),
     (["parallel.dp=2", "--nproc", "4"], "parallel"),
     (["parallel.tp=3", "parallel.dp=1", "--nproc", "3"], "parallel.tp"),
-    (["parallel.pp=3", "parallel.dp=1", "--nproc", "3"], "parallel.pp"),
+    (["parallel.pp=4", "parallel.dp=1", "--nproc", "4", "model.n_layers=2"], "parallel.pp"),
     (["parallel.pp_schedule=2f2b"], "parallel.pp_schedule"),
     (["parallel.pp=2", "parallel.dp=1", "--nproc", "2", "parallel.microbatches=3"],
      "parallel.microbatches"),

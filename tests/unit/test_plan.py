@@ -12,6 +12,7 @@ from training import tiny_config
 
 from plait.checks import validate
 from plait.config import ConfigError, load_config
+from plait.parallel.cost import all_to_all_bytes
 from plait.plan import estimate, rank_plans, with_degrees
 from plait.plan.hardware import DEVICES, Cluster, Device
 from plait.plan.show import choose
@@ -30,6 +31,7 @@ TOY = Device("toy", peak_flops=1e12, memory_bytes=1e9, intra_gbps=10, inter_gbps
     (["parallel.cp=2", "parallel.tp=2", "parallel.zero=3"], 8),
     (["parallel.cp=4", "parallel.cp_method=ulysses", "train.activation_checkpointing=selective"],
      4),
+    (["parallel.pp=3", "parallel.microbatches=4"], 3),  # 4 layers on 3 stages: uneven
 ])
 def test_a_plan_prices_bytes_as_the_dry_run_does(overrides, gpus):
     cfg = tiny_config("model.n_layers=4", *overrides)
@@ -46,12 +48,28 @@ def test_a_plan_prices_bytes_as_the_dry_run_does(overrides, gpus):
     assert 0 < plan.mfu <= TOY.efficiency and plan.step_time_s > 0
 
 
+def test_expert_parallel_plans_add_the_balanced_token_all_to_alls():
+    """A run's token all-to-alls depend on its routing; a plan prices them as balanced and
+    dropless, which is what `cost.all_to_all_bytes` gives a run whose every rank sends and
+    receives top_k rows per token (expert-choice routing at capacity factor 1 does)."""
+    cfg = tiny_config("model.preset='tiny-moe'", "parallel.ep=2", "parallel.microbatches=2")
+    dims = validate(cfg, 4)
+    plan = estimate(cfg, dims, Cluster(4, 8, TOY))
+    rank0 = describe_rank(cfg, dims, 0)
+    args = cfg.model.args()
+    tokens = cfg.train.global_batch // dims.rows // 2 * cfg.data.seq_len
+    rows = [(tokens * args.moe_top_k, tokens * args.moe_top_k, True)] * (2 * args.n_layers)
+    routed = all_to_all_bytes(rows, args.dim, 4, dims.ep)
+    assert routed > 0 and plan.comm_bytes == float(rank0["traffic"].total + routed)
+
+
 def test_pinning_every_degree_prices_that_plan_alone():
     cfg = tiny_config("model.n_layers=4")
     fixed = {"tp": 2, "pp": 2, "zero": 1, "dp_shard": 0, "microbatches": 4,
              "pp_schedule": "1f1b", "sequence_parallel": True, "activation_checkpointing": "none"}
     plans = rank_plans(cfg, Cluster(8, 8, TOY), fixed)
-    assert len(plans) == 1 and plans[0].degrees == {**fixed, "dp": 2, "cp": 1, "ep": 1}
+    expected = {**fixed, "dp": 2, "cp": 1, "ep": 1, "cp_method": "ring"}
+    assert len(plans) == 1 and plans[0].degrees == expected
 
 
 def _warned(cfg, gpus, per_node, fixed, text):
@@ -105,3 +123,34 @@ def test_the_zero_paper_model_state_table():
         assert abs(plan.params / 7.5e9 - 1) < 1e-4
         state = sum(plan.memory_bytes[k] for k in ("params", "grads", "optimizer"))
         assert state / 1e9 == pytest.approx(gb, abs=0.1), stage
+
+
+BF16 = ["train.precision='bf16'"]
+FAST = {"pp_schedule": "1f1b", "activation_checkpointing": "none"}
+
+
+@pytest.mark.parametrize("overrides,gpus,gpu,pins,chosen", [
+    # 1-10B on 8 GPUs: data parallelism while it fits (1B: 16 GB of state), ZeRO when it does
+    # not (7B: 108 GB of state as plain DP).
+    (["model.preset='1b'", "train.global_batch=256", "data.seq_len=4096"], 8, "h100", FAST,
+     lambda d: d["tp"] == d["pp"] == 1 and d["zero"] == 0),
+    (["model.preset='7b'", "train.global_batch=256", "data.seq_len=4096"], 8, "h100", FAST,
+     lambda d: d["tp"] == d["pp"] == 1 and d["zero"] >= 1),
+    # 70B on 64: tensor parallelism within a node, pipeline stages across nodes.
+    (["model.preset='70b'", "train.global_batch=512", "data.seq_len=4096"], 64, "h100",
+     {**FAST, "zero": 1}, lambda d: 1 < d["tp"] <= 8 and d["pp"] > 1),
+    # GPT-3 175B on 1024 A100s, tp 8 within each node: pipeline stages between nodes.
+    (["model.preset='175b'", "train.global_batch=1536", "data.seq_len=2048"], 1024, "a100",
+     {**FAST, "tp": 8, "zero": 1, "activation_checkpointing": "full"}, lambda d: d["pp"] > 1),
+    # A mixture of experts: experts spread over the GPUs.
+    (["model.preset='8x7b'", "train.global_batch=512", "data.seq_len=4096"], 64, "h100",
+     {**FAST, "tp": 1, "pp": 1, "zero": 1}, lambda d: d["ep"] > 1),
+    # 128K-token sequences: context parallelism.
+    (["model.preset='7b'", "model.max_seq_len=131072", "train.global_batch=64",
+      "data.seq_len=131072"], 64, "h100", {**FAST, "pp": 1, "zero": 1},
+     lambda d: d["cp"] > 1),
+], ids=["1b-8-ddp", "7b-8-zero", "70b-64-tp-pp", "175b-1024-pp", "8x7b-64-ep", "7b-128k-cp"])
+def test_the_planner_follows_the_fields_decision_framework(overrides, gpus, gpu, pins, chosen):
+    cfg = load_config(None, [*overrides, *BF16])
+    best = rank_plans(cfg, Cluster(gpus, 8, DEVICES[gpu]), pins)[0]
+    assert best.fits and chosen(best.degrees), best.degrees

@@ -18,20 +18,26 @@ from plait.parallel.pipeline.stage import StageModules, split_model
 from plait.parallel.placement import PlacementRecord
 
 
-def stage_schedule(cfg: ParallelConfig, stages: int, microbatches: int) -> Schedule:
-    """The checked schedule this configuration runs (one stage: accumulation, whatever it
-    names: every schedule of one stage is F B F B ...)."""
-    if stages == 1:
-        return _checked("1f1b", 1, microbatches, 1)
-    V = cfg.pp_virtual if cfg.pp_schedule == "interleaved" else 1
-    return _checked(cfg.pp_schedule, stages, microbatches, V)
+def stage_schedule(cfg: ParallelConfig, stages: int, microbatches: int,
+                   checked: bool = True) -> Schedule:
+    """The schedule this configuration runs (one stage: accumulation, whatever it names: every
+    schedule of one stage is F B F B ...), checked complete and deadlock-free unless the caller
+    only reads its shape (the formulas)."""
+    V = cfg.pp_virtual if cfg.pp_schedule == "interleaved" and stages > 1 else 1
+    key = (cfg.pp_schedule if stages > 1 else "1f1b", stages, microbatches, V)
+    return _checked(*key) if checked else _built(*key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _built(name: str, stages: int, microbatches: int, virtual: int) -> Schedule:
+    """Built once (the planner prices thousands of layouts; schedules are data that nothing
+    modifies)."""
+    return build_schedule(name, stages, microbatches, virtual)
 
 
 @functools.lru_cache(maxsize=1024)
 def _checked(name: str, stages: int, microbatches: int, virtual: int) -> Schedule:
-    """Built and checked once (the planner prices thousands of layouts; schedules are data that
-    nothing modifies)."""
-    schedule = build_schedule(name, stages, microbatches, virtual)
+    schedule = _built(name, stages, microbatches, virtual)
     check(schedule)
     return schedule
 

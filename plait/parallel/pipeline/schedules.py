@@ -120,9 +120,9 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     later stages, which feed the gradients, send each B on without a W in between; the pending W
     passes fill the idle slots and the cool-down. Stage s then holds at most P activations, 1F1B's
     peak."""
-    out = []
+    out, base_schedule = [], one_f_one_b(stages, microbatches)
     for s in range(stages):
-        base = one_f_one_b(stages, microbatches).actions[s]
+        base = base_schedule.actions[s]
         delay = s
         seq, pending = [], []
         for action in base:

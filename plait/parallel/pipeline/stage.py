@@ -82,14 +82,19 @@ class StageModules(nn.ModuleDict):
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
 
 
+def chunk_sizes(model: Transformer, chunks: int) -> list[int]:
+    """Layers per chunk, balanced by parameter count."""
+    per_layer = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
+    head = sum(p.numel() for p in (*model.norm.parameters(), *model.output.parameters()))
+    return balanced_split(per_layer, model.tok_embeddings.weight.numel(), head, chunks)
+
+
 def split_model(model: Transformer, chunks: int, sizes: list[int] | None = None):
     """All C chunks of `model` (sharing its modules), balanced unless `sizes` lists the layers
     per chunk."""
     args = model.args
     if sizes is None:
-        per_layer = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
-        head = sum(p.numel() for p in (*model.norm.parameters(), *model.output.parameters()))
-        sizes = balanced_split(per_layer, model.tok_embeddings.weight.numel(), head, chunks)
+        sizes = chunk_sizes(model, chunks)
     if len(sizes) != chunks or sum(sizes) != args.n_layers or min(sizes) < 1:
         raise ValueError(f"split {sizes} must give {chunks} chunks >= 1 layer, "
                          f"{args.n_layers} layers in all")
