@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="choose the layout for a model on a cluster: memory, "
                           "time, warnings; before any GPU-hour")
     plan.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    plan.add_argument("--gpus", type=int, required=True, help="devices in the job")
+    plan.add_argument("--gpus", type=int, help="devices in the job (required unless --calibrate)")
     plan.add_argument("--gpus-per-node", type=int, default=8)
     plan.add_argument("--gpu", default="h100", help="a100, h100, h200, b200, or cpu (this machine)")
     plan.add_argument("--intra-node-gbps", type=float, help="GB/s each way within a node")
@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=5, help="plans shown")
     plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
     plan.add_argument("--write-recipe", metavar="FILE", help="write the best plan as a recipe")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure this machine (matmul rate, gloo alpha-beta) for --gpu cpu")
     plan.add_argument("overrides", nargs="*", metavar="section.key=value")
     plan.set_defaults(func=cmd_plan)
     report = sub.add_parser("report", help="PNGs of a run's metrics: loss, throughput, "
@@ -247,6 +249,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from plait.plan.hardware import DEVICES, Cluster, device
     from plait.plan.show import as_json, choose, pinned, print_plans, write_recipe
 
+    if args.calibrate:
+        from plait.plan.show import calibrate_and_print
+
+        calibrate_and_print()
+        return
+    if args.gpus is None:
+        raise ConfigError("--gpus", "required: the number of devices the job runs on")
     for option, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
                           ("--top", args.top)):
         if value < 1:
@@ -261,7 +270,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         check_output_path(args.write_recipe, "--write-recipe")
     cfg = load(args)
     cluster = Cluster(args.gpus, args.gpus_per_node,
-                      device(args.gpu, args.intra_node_gbps, args.inter_node_gbps))
+                      device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus))
     plans = choose(cfg, cluster, pinned(cfg, args.overrides))
     if args.json:
         print(as_json(plans, args.top))

@@ -1,7 +1,7 @@
-"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp [--nproc N]
-[--config FILE] [key=value ...]`: the benchmark suites' options and commands (`plait.bench`
-runs them). Like every command, bad input exits with status 2 and one line before any worker
-starts."""
+"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp | plan
+[--nproc N] [--config FILE] [key=value ...]`: the benchmark suites' options and commands
+(`plait.bench` runs them). Like every command, bad input exits with status 2 and one line
+before any worker starts."""
 
 from __future__ import annotations
 
@@ -79,6 +79,11 @@ def add_bench(sub, parser_class) -> None:
     cp.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     cp.add_argument("overrides", nargs="*", metavar="section.key=value")
     cp.set_defaults(func=cmd_bench_cp)
+    plan = suites.add_parser("plan", help="the planner's predictions against runs here (bytes, "
+                             "state, activations, step time) and published GPU runs")
+    plan.add_argument("--which", default="all", help="measured, published or all")
+    plan.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    plan.set_defaults(func=cmd_bench_plan)
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> None:
@@ -190,3 +195,13 @@ def cmd_bench_cp(args: argparse.Namespace) -> None:
     from plait.bench import run_cp
 
     run_cp(load(args), degrees, methods, args.steps, args.warmup)
+
+
+def cmd_bench_plan(args: argparse.Namespace) -> None:
+    if args.which not in ("all", "measured", "published"):
+        raise ConfigError("--which", f"measured, published or all; got {args.which!r}")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"at least 1 timed step, got {args.steps}")
+    from plait.bench.plan import run_plan_bench
+
+    run_plan_bench(args.steps, args.which)

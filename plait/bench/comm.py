@@ -61,7 +61,7 @@ def _cases(n: int, rank: int, group):
     ]
 
 
-def _time(fn, group, min_seconds: float) -> float:
+def time_call(fn, group, min_seconds: float) -> float:
     """Seconds per call, the slowest rank's. Ranks agree up front on how many calls fill about
     `min_seconds` (from one timed call after the warm-up), then run them back to back."""
     fn()  # warm up (connections, allocations)
@@ -89,7 +89,7 @@ def bench_comm(sizes: list[int], min_seconds: float) -> list[dict] | None:
         op, make = cases[name]
         for size in sizes:
             size -= size % (4 * n)  # whole fp32 shards for every rank
-            t = _time(make(size), group, min_seconds)
+            t = time_call(make(size), group, min_seconds)
             algbw = size / t
             rows.append({
                 "collective": name, "bytes": size, "time_us": t * 1e6,

@@ -82,6 +82,10 @@ PRESETS: dict[str, ModelArgs] = {
                      max_seq_len=4096, multiple_of=256),
     "70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                      ffn_multiplier=1.3, max_seq_len=8192, multiple_of=1024, rope_theta=500000.0),
+    # Llama 3 405B's (Llama Team 2024, table 3): 126 layers of 16384, 128 heads sharing 8 key/value
+    # heads, feed-forward 53248.
+    "405b": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                      max_seq_len=8192, intermediate_size=53248, rope_theta=500000.0),
     # GPT-3 175B's (Brown et al. 2020): 96 layers of 12288, 96 heads, 2048 tokens, the vocabulary
     # padded to 51200 as Megatron-LM does; the SwiGLU hidden size 32768 keeps GPT-3's 12 dim^2
     # parameters per block (175.2B in all, embedding and head untied).

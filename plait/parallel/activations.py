@@ -94,14 +94,44 @@ def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
     return int(kept) + casts
 
 
+def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
+    """What a mixture-of-experts block keeps beyond a dense block, for one micro-batch, with the
+    routing balanced and nothing dropped (expert choice at capacity factor 1: each of the N
+    tokens' k assignments, A = N k rows, is sent once and each rank receives as many): the
+    router's logits and probabilities (N E, fp32), the z-loss's log-sum-exp (N) and the aux
+    loss's fractions (E); int64 indices: the experts' sort of all N tokens (the choice is a
+    slice of it), the gather of the rows and their scatter back (A each), across ep ranks also
+    the arrivals' order by expert and back; the rows the experts read (A dim), their
+    feed-forwards (4 A F / T: w1 x, w3 x, silu, the gate, in place of the dense 4 N F / T),
+    the gate weights (A), the expert outputs and their weighted copy (2 A dim). Token choice
+    keeps other indices and routes unevenly: there it is an expectation, not an equality."""
+    if cfg.train.activation_checkpointing == "full":
+        return 0
+    args, T, b = cfg.model.args(), dims.tp, _sizes(cfg)
+    N = rows * cfg.data.seq_len // dims.cp
+    E, A = args.moe_experts, N * args.moe_top_k
+    router = 4 * (2 * N * E + N + E)
+    indices = 8 * E * N + 8 * A * (2 + 2 * (dims.ep > 1))
+    rows_kept = b.matmul * A * args.dim * 3 + 4 * A
+    ffn = b.matmul * 4 * (A - N) * args.ffn_dim // T
+    casts = 0
+    if b.weight_casts:  # autocast: each expert's w1 and w3 keep a bf16 cast of the rows, the
+        # experts' bf16 output times the fp32 gate weight is fp32; each held expert's weights
+        # are cast (the dense block counted one feed-forward's)
+        rows_kept = 2 * 2 * A * args.dim + 2 * A * args.dim + 4 * A * args.dim + 4 * A
+        casts = (E // dims.ep - 1) * 2 * 3 * args.dim * args.ffn_dim // T
+    return router + indices + rows_kept + ffn + casts
+
+
 def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last: bool,
-                 rows: int) -> int:
-    """One chunk's activations for one micro-batch of `rows` rows."""
+                 rows: int, moe: int = 0) -> int:
+    """One chunk's activations for one micro-batch of `rows` rows; `moe` of its blocks are
+    mixtures of experts."""
     args, T, C, b = cfg.model.args(), dims.tp, dims.cp, _sizes(cfg)
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
     tokens = rows * cfg.data.seq_len // C
     A = tokens * args.dim
-    total = layers * block_bytes(cfg, T, rows, C)
+    total = layers * block_bytes(cfg, T, rows, C) + moe * moe_extra_bytes(cfg, dims, rows)
     if layers:  # the rotary tables (cos, sin: seq / C x head_dim / 2 each), one pair per forward
         total += 4 * cfg.data.seq_len // C * args.head_dim
     if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
@@ -126,7 +156,7 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     schedule = stage_schedule(par, dims.pp, M, checked=False)
     rows = cfg.train.global_batch // dims.rows // M
     stage = chunks[0].index % dims.pp
-    per_chunk = {c.index: _chunk_bytes(cfg, dims, c.layers, c.first, c.last, rows)
+    per_chunk = {c.index: _chunk_bytes(cfg, dims, c.layers, c.first, c.last, rows, c.moe)
                  for c in chunks}
     peak = peak_held(schedule, stage, per_chunk.__getitem__)
     # The token window of the rank's batch (inputs and targets are views of one (rows, seq + 1)

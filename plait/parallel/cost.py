@@ -309,10 +309,13 @@ def routed_traffic(t: Traffic, cfg: Config, dims: ParallelDims,
         return
     args, M = cfg.model.args(), microbatches(cfg.parallel, dims)
     tokens = cfg.train.global_batch // dims.rows // M * cfg.data.seq_len // dims.cp
-    elt = 2 if cfg.train.precision == "bf16" and cfg.parallel.zero else 4
+    # Bytes per element out (the block's residual dtype) and back (the experts' output: bf16
+    # under autocast); backward sends the gradients of each the other way.
+    bf16 = cfg.train.precision == "bf16"
+    out, back = (2 if bf16 and cfg.parallel.zero else 4), (2 if bf16 else 4)
     passes = 2 + (cfg.train.activation_checkpointing == "full")
-    t.add("ep", Op.ALL_TO_ALL, dims.ep, tokens * args.moe_top_k * args.dim * elt,
-          2 * M * moe * passes)
+    t.add("ep", Op.ALL_TO_ALL, dims.ep, tokens * args.moe_top_k * args.dim * (out + back)
+          * M * moe * passes, calls=2 * M * moe * passes)
 
 
 def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:

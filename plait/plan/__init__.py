@@ -164,10 +164,12 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
             model_flops, flops = _flops(cfg, dims, record, chunks)
-            compute = flops / (dev.peak_flops * dev.efficiency)
+            layers = sum(c.layers for c in chunks) / args.n_layers
+            compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
+                       + dev.microbatch_overhead_s * M * layers)
             comm = _comm_seconds(traffic, dims, cluster)
             data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
-            hidden = compute if par.zero == 3 else compute * 2 / 3  # backward
+            hidden = 0.0 if not dev.overlap else compute if par.zero == 3 else compute * 2 / 3
             exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
             time = (compute + exposed) / (1 - bubble) + max(0.0, data - hidden)
             buffers = _gathered_units(record, cfg) if par.zero == 3 else 0

@@ -7,7 +7,7 @@ Sources, vendors' datasheets (dense, no sparsity): A100 SXM 80 GB, 312 TFLOP/s b
 H200 SXM 141 GB, 989 TFLOP/s, NVLink 4; B200 180 GB, 2.25 PFLOP/s, NVLink 5 at 1.8 TB/s (900).
 Between nodes one 400 Gb/s InfiniBand NDR port per GPU (50 GB/s; 200 Gb/s HDR, 25 GB/s, in the
 A100 generation). `cpu` is this machine: one rank per core, its measured fp32 matmul rate, gloo on
-loopback.
+loopback, as `plait plan --calibrate` measured it (`plait.plan.calibrate`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class Device:
     intra_alpha_s: float = 5e-6  # per message step
     inter_alpha_s: float = 10e-6
     efficiency: float = 0.55  # share of peak the matmuls reach in a real step (MFU ~40-55%)
+    # Measured on a CPU (`plait plan --calibrate`); a GPU's are hidden by asynchronous launches.
+    step_overhead_s: float = 0.0  # per optimizer step, beyond the matmuls
+    microbatch_overhead_s: float = 0.0  # per micro-batch through the whole model
+    overlap: bool = True  # collectives run beside compute (not when ranks fill every core)
 
 
 DEVICES = {
@@ -38,19 +42,26 @@ DEVICES = {
 }
 
 
-def cpu_device() -> Device:
-    """This machine, measured: one core's fp32 matmul rate, loopback gloo (about 1 GB/s and 1 ms
-    per step on 2 cores, from `plait bench comm`)."""
+def cpu_device(ranks: int = 1) -> Device:
+    """This machine for a job of `ranks` ranks: as `plait plan --calibrate` measured it, or, not
+    yet calibrated, one core's fp32 matmul rate measured now with loopback gloo guessed (about
+    1 GB/s and 1 ms per message step on 2 cores, from `plait bench comm`)."""
+    from plait.plan.calibrate import calibrated_device, load
     from plait.train.metrics import measure_cpu_flops
 
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (os.cpu_count() or 1)
-    return Device("cpu (this machine, per core)", measure_cpu_flops(), memory, 1.0, 1.0,
-                  intra_alpha_s=1e-3, inter_alpha_s=1e-3, efficiency=1.0)
+    found = load()
+    if found is not None:
+        return calibrated_device(found, ranks)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks, 1)
+    return Device("cpu (not calibrated: plait plan --calibrate)", measure_cpu_flops(), memory,
+                  1.0, 1.0, intra_alpha_s=1e-3, inter_alpha_s=1e-3, efficiency=1.0)
 
 
-def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None) -> Device:
-    """A named device (KeyError if unknown), links overridden where given."""
-    found = cpu_device() if name == "cpu" else DEVICES[name]
+def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None,
+           ranks: int = 1) -> Device:
+    """A named device (KeyError if unknown), links overridden where given; `cpu` is this machine
+    for a job of `ranks` ranks."""
+    found = cpu_device(ranks) if name == "cpu" else DEVICES[name]
     if intra_gbps is not None:
         found = replace(found, intra_gbps=intra_gbps)
     if inter_gbps is not None:

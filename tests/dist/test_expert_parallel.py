@@ -29,6 +29,7 @@ from plait.checks import validate
 from plait.comm import Op
 from plait.parallel import cost
 from plait.parallel.expert_parallel import moe_layers
+from plait.train.dry_run import describe_rank
 
 BASE = ["model.preset='tiny-moe'", "train.warmup_steps=2", "train.steps=4"]
 
@@ -142,4 +143,11 @@ def test_capacity_drops_the_tokens_a_single_process_drops(ranks, overrides):
     ref = run(1, config(*overrides[1:]), route_groups=ranks)[0]
     dropped = [d for step in ref["probe"]["routing"] for layer in step.values() for _, d in layer]
     assert max(dropped) > 0  # the rule bites: some tokens are dropped
-    compare(cfg, run(ranks, cfg), ref)
+    results = run(ranks, cfg)
+    compare(cfg, results, ref)
+    if cfg.model.args().moe_router == "expert_choice":
+        # Expert choice at capacity 1 routes evenly: the activations are the formula's, which
+        # assumes that (plait.parallel.activations.moe_extra_bytes).
+        dims = validate(cfg, ranks)
+        for r in results:
+            assert r["activation_bytes"] == describe_rank(cfg, dims, r["rank"])["activations"]

@@ -243,6 +243,9 @@ OTHER_BAD_INPUT = [
     (["report", "{files}/empty_dir"], "report"),  # no *.jsonl in it
     (["report", "{files}/tiny.txt", "--out", "{files}/three.bin"], "--out"),
     (["plan", "--gpus", "0"], "--gpus"),
+    (["plan"], "--gpus"),  # required unless --calibrate
+    (["bench", "plan", "--which", "some"], "--which"),
+    (["bench", "plan", "--steps", "0"], "--steps"),
     (["plan", "--gpus", "8", "--gpu", "tpu"], "--gpu"),
     (["plan", "--gpus", "8", "--inter-node-gbps", "0"], "--inter-node-gbps"),
     (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),

@@ -142,9 +142,10 @@ FAST = {"pp_schedule": "1f1b", "activation_checkpointing": "none"}
     # GPT-3 175B on 1024 A100s, tp 8 within each node: pipeline stages between nodes.
     (["model.preset='175b'", "train.global_batch=1536", "data.seq_len=2048"], 1024, "a100",
      {**FAST, "tp": 8, "zero": 1, "activation_checkpointing": "full"}, lambda d: d["pp"] > 1),
-    # A mixture of experts: experts spread over the GPUs.
+    # A mixture of experts: experts spread over the GPUs (ZeRO-1 keeps every parameter whole:
+    # 8x7B's 47B would not fit otherwise).
     (["model.preset='8x7b'", "train.global_batch=512", "data.seq_len=4096"], 64, "h100",
-     {**FAST, "tp": 1, "pp": 1, "zero": 1}, lambda d: d["ep"] > 1),
+     {"pp_schedule": "1f1b", "tp": 1, "pp": 1, "zero": 1}, lambda d: d["ep"] > 1),
     # 128K-token sequences: context parallelism.
     (["model.preset='7b'", "model.max_seq_len=131072", "train.global_batch=64",
       "data.seq_len=131072"], 64, "h100", {**FAST, "pp": 1, "zero": 1},
@@ -154,3 +155,34 @@ def test_the_planner_follows_the_fields_decision_framework(overrides, gpus, gpu,
     cfg = load_config(None, [*overrides, *BF16])
     best = rank_plans(cfg, Cluster(gpus, 8, DEVICES[gpu]), pins)[0]
     assert best.fits and chosen(best.degrees), best.degrees
+
+
+def test_calibration_fits_alpha_beta_and_prices_this_machine(tmp_path, monkeypatch):
+    """`plait plan --calibrate`'s fit recovers the latency and bandwidth that made the timings,
+    and the stored result is the `cpu` device: links at the nearest measured world size,
+    compute and overheads shared by ranks beyond the cores, no overlap then."""
+    from plait.comm.collectives import Op, bus_bytes
+    from plait.plan import calibrate
+    from plait.plan.hardware import device
+
+    alpha, beta, n = 300e-6, 1.5e9, 4
+    samples = [(s, 2 * (n - 1) * alpha + float(bus_bytes(Op.ALL_REDUCE, n, s)) / beta)
+               for s in calibrate.LINK_SIZES]
+    fitted = calibrate.fit_alpha_beta(n, samples)
+    assert fitted == pytest.approx((alpha, beta), rel=1e-6)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert calibrate.load() is None
+    stored = {"matmul_flops": 1e11, "efficiency": 0.5, "step_overhead_s": 0.01,
+              "microbatch_overhead_s": 0.002, "cores": 2, "measured_at": "now",
+              "links": {"2": {"alpha_s": 1e-4, "beta_Bps": 1e9},
+                        "4": {"alpha_s": 3e-4, "beta_Bps": 1.5e9}}}
+    calibrate.path().parent.mkdir(parents=True)
+    calibrate.path().write_text(__import__("json").dumps(stored))
+    two, eight = device("cpu", ranks=2), device("cpu", ranks=8)
+    assert (two.intra_alpha_s, two.intra_gbps, two.efficiency, two.overlap) == (1e-4, 1, 0.5,
+                                                                                 False)
+    assert (eight.intra_alpha_s, eight.intra_gbps, eight.efficiency) == (3e-4, 1.5, 0.125)
+    assert eight.step_overhead_s == pytest.approx(0.04)
+    cfg = tiny_config("model.n_layers=4")
+    slow = estimate(cfg, validate(cfg, 8), Cluster(8, 8, eight)).step_time_s
+    assert slow > estimate(cfg, validate(cfg, 2), Cluster(2, 2, two)).step_time_s

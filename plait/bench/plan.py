@@ -1,0 +1,262 @@
+"""`plait bench plan`: the planner's predictions against real runs on this machine, and against
+published runs on GPU clusters.
+
+Measured (`ROWS`, every strategy and composition, each its own job of CPU ranks): rank 0's
+model-state bytes, bytes communicated in a step and peak activation bytes, which the plan must
+equal (activations: within 5%; expert parallelism's token all-to-alls are balanced by
+expert-choice routing at capacity factor 1, which is what a plan expects); and the step time
+(median after two warm-up steps, the slowest rank's) against the plan's on the device that
+`plait plan --calibrate` measured.
+
+Published (`PUBLISHED`): Megatron-LM's weak-scaling table (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21, Table 1: GPT models
+of vocabulary 51,200 and 2,048 tokens on A100s, full activation recomputation) and Llama 3 405B's
+pre-training layouts (Llama Team 2024, "The Llama 3 Herd of Models", Table 4: 8,192 tokens on
+H100s). Each model, cluster and batch is planned with the recipe the paper used pinned (ZeRO
+stage, recomputation) and the layout (tp, pp, cp, dp) searched; the paper's layout must be among
+the planner's three best distinct layouts. Published throughput in tokens/s follows from the
+reported FLOP/s per GPU: Megatron counts 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs per batch
+(with recomputation), Llama 3 reports MFU, model FLOPs per token 6 N + 6 l s d (plait's count).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from plait.bench.step import start_worker
+from plait.comm import LEDGER
+
+BASE = ["model.preset='small'", "train.global_batch=8", "data.seq_len=128"]
+MOE = ["model.preset='small-moe'", "model.moe_router='expert_choice'",
+       "model.moe_capacity_factor=1.0"]
+PP = ["parallel.microbatches=4"]
+
+# (name, ranks, overrides on BASE)
+ROWS = [
+    ("one rank", 1, []),
+    ("DDP dp2", 2, []),
+    ("DDP dp4", 4, []),
+    ("DDP dp2, accumulation 2", 2, ["parallel.microbatches=2"]),
+    ("ZeRO-1 dp2", 2, ["parallel.zero=1"]),
+    ("ZeRO-2 dp4", 4, ["parallel.zero=2"]),
+    ("ZeRO-3 dp4", 4, ["parallel.zero=3"]),
+    ("HSDP ZeRO-3 dp4 shard 2", 4, ["parallel.zero=3", "parallel.dp_shard=2"]),
+    ("ZeRO-1 dp2 bf16", 2, ["parallel.zero=1", "train.precision='bf16'"]),
+    ("DDP dp2 fp16-compressed", 2, ["parallel.compression='fp16'"]),
+    ("tp2", 2, ["parallel.tp=2"]),
+    ("tp2 + sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("tp2 dp2 ZeRO-1", 4, ["parallel.tp=2", "parallel.zero=1"]),
+    ("pp2 GPipe", 2, ["parallel.pp=2", "parallel.pp_schedule='gpipe'", *PP]),
+    ("pp2 1F1B", 2, ["parallel.pp=2", *PP]),
+    ("pp2 interleaved", 2, ["parallel.pp=2", "parallel.pp_schedule='interleaved'", *PP]),
+    ("pp2 zero-bubble", 2, ["parallel.pp=2", "parallel.pp_schedule='zb1'", *PP]),
+    ("pp4 1F1B", 4, ["parallel.pp=4", *PP]),
+    ("3D pp2 tp2 dp2 ZeRO-1", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1", *PP]),
+    ("cp2 ring", 2, ["parallel.cp=2"]),
+    ("cp2 Ulysses", 2, ["parallel.cp=2", "parallel.cp_method='ulysses'"]),
+    ("cp2 tp2 ZeRO-3", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.zero=3"]),
+    ("ep2 (MoE)", 2, [*MOE, "parallel.ep=2"]),
+    ("ep2 dp2 ZeRO-1 (MoE)", 4, [*MOE, "parallel.ep=2", "parallel.zero=1"]),
+    ("DDP dp2, full checkpointing", 2, ["train.activation_checkpointing='full'"]),
+    ("tp2, selective checkpointing", 2, ["parallel.tp=2",
+                                         "train.activation_checkpointing='selective'"]),
+]
+
+
+@record
+def measure_run(cfg, steps: int) -> dict | None:
+    """On every rank: `steps` training steps after two warm-ups; rank 0 returns its last step's
+    bytes and the median step time of the slowest rank."""
+    from plait.train.trainer import Trainer
+
+    dims, mesh = start_worker(cfg)
+    trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
+    times = []
+    for step in range(steps + 2):
+        LEDGER.reset()
+        dist.barrier()
+        start = time.perf_counter()
+        result = trainer.train_step(step)
+        times.append(time.perf_counter() - start)
+    ledger = LEDGER.snapshot()
+    slowest = torch.tensor(times[2:])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    state = trainer.parallelized.state_bytes(trainer.optimizer)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {"state": sum(state.values()), "comm": ledger["bytes"],
+            "activations": result["activation_bytes"],
+            "step_s": statistics.median(slowest.tolist())}
+
+
+def predicted(cfg, ranks: int, device) -> dict:
+    """The plan's numbers for rank 0 of cfg on `ranks` ranks of one machine."""
+    from plait.checks import validate
+    from plait.plan import estimate
+    from plait.plan.hardware import Cluster
+
+    plan = estimate(cfg, validate(cfg, ranks), Cluster(ranks, ranks, device))
+    memory = plan.memory_bytes
+    return {"state": memory["total"] - memory["activations"], "comm": plan.comm_bytes,
+            "activations": memory["activations"], "step_s": plan.step_time_s}
+
+
+def relative(pred: float, meas: float) -> float:
+    return pred / meas - 1 if meas else (0.0 if pred == meas else float("inf"))
+
+
+# (name, model overrides, GPUs, device, global batch, pinned recipe, published layout
+#  (tp, pp, cp), published FLOP/s per GPU (Megatron: with recomputation) or MFU (Llama 3))
+def _megatron(params, heads, dim, layers, tp, pp, gpus, batch, tflops):
+    model = [f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+             f"model.n_kv_heads={heads}", "model.vocab_size=51200", "model.max_seq_len=2048",
+             f"model.intermediate_size={round(8 * dim / 3 / 128) * 128}"]
+    return (f"Megatron-LM {params}B", ["model.preset='175b'", *model, "data.seq_len=2048"],
+            gpus, "a100", batch, {"zero": 0, "activation_checkpointing": "full"},
+            (tp, pp, 1), ("tflops", tflops))
+
+
+LLAMA3 = ["model.preset='405b'", "data.seq_len=8192"]
+PUBLISHED = [
+    _megatron(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    _megatron(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    _megatron(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    _megatron(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    ("Llama 3 405B, 8K tokens", LLAMA3, 8192, "h100", 2048, {"zero": 1}, (8, 16, 1),
+     ("mfu", 0.43)),
+    ("Llama 3 405B, 8K tokens", LLAMA3, 16384, "h100", 2048, {"zero": 1}, (8, 16, 1),
+     ("mfu", 0.41)),
+]
+
+
+def _published_tokens_per_s(cfg, gpus: int, figure: tuple, flops_per_token: float) -> float:
+    kind, value = figure
+    if kind == "mfu":
+        return value * 989e12 * gpus / flops_per_token
+    args, s = cfg.model.args(), cfg.data.seq_len
+    B, L, h, V = cfg.train.global_batch, args.n_layers, args.dim, args.vocab_size
+    flops = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    return B * s / (flops / (value * 1e12 * gpus))
+
+
+def published_rows() -> list[dict]:
+    """Each published run planned: the rank of its layout among the planner's distinct layouts
+    (those that fit, best first), the best plan for that layout, and the published throughput."""
+    from plait.config import load_config
+    from plait.plan import rank_plans
+    from plait.plan.hardware import DEVICES, Cluster
+
+    rows = []
+    for name, model, gpus, gpu, batch, pins, layout, figure in PUBLISHED:
+        cfg = load_config(None, [*model, f"train.global_batch={batch}", "train.precision='bf16'"])
+        plans = rank_plans(cfg, Cluster(gpus, 8, DEVICES[gpu]), pins)
+        best: dict[tuple, object] = {}
+        for p in plans:
+            key = (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"])
+            if p.fits and key not in best:
+                best[key] = p
+        ranked = list(best)
+        mine = best.get(layout)
+        tokens = cfg.train.global_batch * cfg.data.seq_len
+        flops_per_token = (mine.mfu * gpus * DEVICES[gpu].peak_flops * mine.step_time_s / tokens
+                           if mine else float("nan"))
+        rows.append({
+            "name": name, "params": plans[0].params, "gpus": gpus, "gpu": DEVICES[gpu].name,
+            "layout": layout, "rank": ranked.index(layout) + 1 if mine else None,
+            "top": ranked[:3], "predicted": mine.tokens_per_s if mine else None,
+            "plan": mine.degrees if mine else None, "predicted_mfu": mine.mfu if mine else None,
+            "published": _published_tokens_per_s(cfg, gpus, figure, flops_per_token),
+        })
+    return rows
+
+
+def measured_rows(steps: int) -> list[dict]:
+    """Each row of ROWS run (its own job) and planned on the calibrated CPU device."""
+    from plait.checks import validate
+    from plait.config import load_config
+    from plait.launch import launch
+    from plait.plan.hardware import cpu_device
+    from plait.train.progress import each
+
+    configs = [(name, n, load_config(None, [*BASE, *overrides])) for name, n, overrides in ROWS]
+    for _, n, cfg in configs:
+        validate(cfg, n)  # every row checked before any worker starts
+    rows = []
+    for name, n, cfg in each(configs, "bench plan: configurations"):
+        measured = launch(n, measure_run, cfg, steps)[0]
+        rows.append({"name": name, "ranks": n, "measured": measured,
+                     "predicted": predicted(cfg, n, cpu_device(n))})
+    return rows
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.1%}" if x == x else "-"
+
+
+def print_measured(rows: list[dict], device_name: str) -> None:
+    table = Table(title=f"plait bench plan: predicted vs measured on this machine, rank 0 "
+                        f"('small' preset, 8 x 128 tokens; step time on {device_name})")
+    for col in ("configuration", "ranks", "state MiB", "state", "comm MiB", "comm",
+                "activations MiB", "activations", "step ms (pred / meas)", "step time"):
+        table.add_column(col, justify="left" if col == "configuration" else "right")
+    errors = {k: [] for k in ("state", "comm", "activations", "step_s")}
+    for r in rows:
+        p, m = r["predicted"], r["measured"]
+        err = {k: relative(p[k], m[k]) for k in errors}
+        for k, e in err.items():
+            errors[k].append(abs(e))
+        table.add_row(r["name"], str(r["ranks"]), f"{m['state'] / 2**20:,.2f}",
+                      "equal" if p["state"] == m["state"] else _pct(err["state"]),
+                      f"{m['comm'] / 2**20:,.2f}",
+                      "equal" if p["comm"] == m["comm"] else _pct(err["comm"]),
+                      f"{m['activations'] / 2**20:,.2f}",
+                      "equal" if p["activations"] == m["activations"]
+                      else _pct(err["activations"]),
+                      f"{p['step_s'] * 1e3:,.0f} / {m['step_s'] * 1e3:,.0f}",
+                      _pct(err["step_s"]))
+    for label, pick in (("mean |error|", statistics.mean), ("worst |error|", max)):
+        table.add_row(label, "", "", f"{pick(errors['state']):.1%}", "",
+                      f"{pick(errors['comm']):.1%}", "", f"{pick(errors['activations']):.1%}",
+                      "", f"{pick(errors['step_s']):.1%}", style="bold")
+    Console(width=170).print(table)
+
+
+def print_published(rows: list[dict]) -> None:
+    table = Table(title="plait bench plan: published runs, the paper's layout among the "
+                        "planner's distinct layouts (tp, pp, cp) that fit, best first")
+    for col in ("run", "parameters", "GPUs", "published (tp, pp, cp)", "its rank",
+                "planner's top 3", "tokens/s published", "tokens/s predicted", "error"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in rows:
+        table.add_row(r["name"], f"{r['params'] / 1e9:.1f}B", f"{r['gpus']:,} {r['gpu'][:4]}",
+                      str(r["layout"]), str(r["rank"] or "does not fit"),
+                      " ".join(f"({t}, {p}, {c})" for t, p, c in r["top"]),
+                      f"{r['published']:,.0f}",
+                      f"{r['predicted']:,.0f}" if r["predicted"] else "-",
+                      _pct(relative(r["predicted"], r["published"])) if r["predicted"] else "-")
+    Console(width=170).print(table)
+
+
+def run_plan_bench(steps: int, which: str) -> dict:
+    """`plait bench plan`: the measured table (needs `plait plan --calibrate` first for step
+    times in this machine's seconds), the published table, or both."""
+    from plait.plan.calibrate import load
+
+    out = {}
+    if which in ("all", "measured"):
+        out["measured"] = measured_rows(steps)
+        calibrated = "calibrated" if load() else "NOT calibrated: run plait plan --calibrate"
+        print_measured(out["measured"], f"the cpu device, {calibrated}")
+    if which in ("all", "published"):
+        out["published"] = published_rows()
+        print_published(out["published"])
+    return out
