@@ -233,13 +233,13 @@ def print_measured(rows: list[dict], device_name: str) -> None:
 def print_published(rows: list[dict]) -> None:
     table = Table(title="plait bench plan: published runs, the paper's layout among the "
                         "planner's distinct layouts (tp, pp, cp) that fit, best first")
-    for col in ("run", "parameters", "GPUs", "published (tp, pp, cp)", "its rank",
+    for col in ("run", "parameters", "GPUs", "published tp/pp/cp", "its rank",
                 "planner's top 3", "tokens/s published", "tokens/s predicted", "error"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
         table.add_row(r["name"], f"{r['params'] / 1e9:.1f}B", f"{r['gpus']:,} {r['gpu'][:4]}",
-                      str(r["layout"]), str(r["rank"] or "does not fit"),
-                      " ".join(f"({t}, {p}, {c})" for t, p, c in r["top"]),
+                      "/".join(map(str, r["layout"])), str(r["rank"] or "does not fit"),
+                      ", ".join("/".join(map(str, t)) for t in r["top"]),
                       f"{r['published']:,.0f}",
                       f"{r['predicted']:,.0f}" if r["predicted"] else "-",
                       _pct(relative(r["predicted"], r["published"])) if r["predicted"] else "-")
