@@ -129,6 +129,9 @@ def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
         times[batch, m] = launch(1, time_one_step, cfg, steps)[0]
     per_microbatch = max(0.0, (times[8, 4] - times[8, 1]) / 3)
     per_sequence = (times[8, 1] - times[2, 1]) / 6
+    if per_sequence <= 0:
+        raise RuntimeError(f"calibration: 8 sequences took no longer than 2 ({times}); the "
+                           "machine is too busy to measure, run it again when it is idle")
     per_step = max(0.0, times[8, 1] - 8 * per_sequence - per_microbatch)
     ideal = Device("ideal", rate, 1e12, 1.0, 1.0, efficiency=1.0)
     cfg = load_config(None, [*STEP_OVERRIDES, "train.global_batch=1"])
