@@ -138,10 +138,11 @@ PUBLISHED = [
 ]
 
 
-def _published_tokens_per_s(cfg, gpus: int, figure: tuple, flops_per_token: float) -> float:
+def _published_tokens_per_s(cfg, gpus: int, peak: float, figure: tuple,
+                            flops_per_token: float) -> float:
     kind, value = figure
     if kind == "mfu":
-        return value * 989e12 * gpus / flops_per_token
+        return value * peak * gpus / flops_per_token
     args, s = cfg.model.args(), cfg.data.seq_len
     B, L, h, V = cfg.train.global_batch, args.n_layers, args.dim, args.vocab_size
     flops = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
@@ -166,15 +167,14 @@ def published_rows() -> list[dict]:
                 best[key] = p
         ranked = list(best)
         mine = best.get(layout)
-        tokens = cfg.train.global_batch * cfg.data.seq_len
-        flops_per_token = (mine.mfu * gpus * DEVICES[gpu].peak_flops * mine.step_time_s / tokens
+        tokens, peak = cfg.train.global_batch * cfg.data.seq_len, DEVICES[gpu].peak_flops
+        flops_per_token = (mine.mfu * gpus * peak * mine.step_time_s / tokens
                            if mine else float("nan"))
         rows.append({
             "name": name, "params": plans[0].params, "gpus": gpus, "gpu": DEVICES[gpu].name,
             "layout": layout, "rank": ranked.index(layout) + 1 if mine else None,
             "top": ranked[:3], "predicted": mine.tokens_per_s if mine else None,
-            "plan": mine.degrees if mine else None, "predicted_mfu": mine.mfu if mine else None,
-            "published": _published_tokens_per_s(cfg, gpus, figure, flops_per_token),
+            "published": _published_tokens_per_s(cfg, gpus, peak, figure, flops_per_token),
         })
     return rows
 

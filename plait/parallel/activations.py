@@ -112,19 +112,19 @@ def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
     E, A = args.moe_experts, N * args.moe_top_k
     router = 4 * (2 * N * E + N + E)
     indices = 8 * E * N + 8 * A * (2 + 2 * (dims.ep > 1))
-    rows_kept = b.matmul * A * args.dim * 3 + 4 * A
     ffn = b.matmul * 4 * (A - N) * args.ffn_dim // T
-    casts = 0
     if b.weight_casts:  # autocast: each expert's w1 and w3 keep a bf16 cast of the rows, the
         # experts' bf16 output times the fp32 gate weight is fp32; each held expert's weights
         # are cast (the dense block counted one feed-forward's)
-        rows_kept = 2 * 2 * A * args.dim + 2 * A * args.dim + 4 * A * args.dim + 4 * A
+        rows_kept = (2 * 2 + 2 + 4) * A * args.dim + 4 * A
         casts = (E // dims.ep - 1) * 2 * 3 * args.dim * args.ffn_dim // T
+    else:
+        rows_kept, casts = 3 * b.matmul * A * args.dim + 4 * A, 0
     return router + indices + rows_kept + ffn + casts
 
 
 def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last: bool,
-                 rows: int, moe: int = 0) -> int:
+                 rows: int, moe: int) -> int:
     """One chunk's activations for one micro-batch of `rows` rows; `moe` of its blocks are
     mixtures of experts."""
     args, T, C, b = cfg.model.args(), dims.tp, dims.cp, _sizes(cfg)

@@ -164,9 +164,9 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
             model_flops, flops = _flops(cfg, dims, record, chunks)
-            layers = sum(c.layers for c in chunks) / args.n_layers
+            share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
             compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
-                       + dev.microbatch_overhead_s * M * layers)
+                       + dev.microbatch_overhead_s * M * share)
             comm = _comm_seconds(traffic, dims, cluster)
             data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
             hidden = 0.0 if not dev.overlap else compute if par.zero == 3 else compute * 2 / 3

@@ -86,28 +86,9 @@ def time_all_reduces(sizes: list[int], min_seconds: float) -> list[tuple[int, fl
     return out if rank == 0 else None
 
 
-@record
-def time_one_step(cfg, steps: int) -> float | None:
-    """The median seconds of a one-rank training step (after two warm-up steps)."""
-    from plait.checks import validate
-    from plait.mesh import build_mesh
-    from plait.train.trainer import Trainer
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    dims = validate(cfg, 1)
-    trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
-    times = []
-    for step in range(steps + 2):
-        start = time.perf_counter()
-        trainer.train_step(step)
-        times.append(time.perf_counter() - start)
-    dist.destroy_process_group()
-    return statistics.median(times[2:])
-
-
 def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     """Measure this machine and store the result; returns it."""
+    from plait.bench.plan import measure_run
     from plait.checks import validate
     from plait.config import load_config
     from plait.launch import launch
@@ -126,7 +107,7 @@ def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     for batch, m in ((8, 1), (2, 1), (8, 4)):
         cfg = load_config(None, [*STEP_OVERRIDES, f"train.global_batch={batch}",
                                  f"parallel.microbatches={m}"])
-        times[batch, m] = launch(1, time_one_step, cfg, steps)[0]
+        times[batch, m] = launch(1, measure_run, cfg, steps)[0]["step_s"]
     per_microbatch = max(0.0, (times[8, 4] - times[8, 1]) / 3)
     per_sequence = (times[8, 1] - times[2, 1]) / 6
     if per_sequence <= 0:
@@ -154,15 +135,15 @@ def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
 def calibrated_device(found: dict, ranks: int):
     """The `cpu` device for a job of `ranks` ranks on the measured machine: the links measured
     at the nearest world size at or below it, compute shared when ranks exceed the cores."""
-    from plait.plan.hardware import Device
+    from plait.plan.hardware import Device, host_memory_per_rank
 
     measured = sorted(int(n) for n in found["links"])
     n = max([m for m in measured if m <= ranks] or measured[:1])
     link = found["links"][str(n)]
     share = min(1.0, found["cores"] / ranks)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks, 1)
     return dataclasses.replace(
-        Device(f"cpu (calibrated {found['measured_at']})", found["matmul_flops"], memory,
+        Device(f"cpu (calibrated {found['measured_at']})", found["matmul_flops"],
+               host_memory_per_rank(ranks),
                link["beta_Bps"] / 1e9, link["beta_Bps"] / 1e9),
         intra_alpha_s=link["alpha_s"], inter_alpha_s=link["alpha_s"],
         efficiency=found["efficiency"] * share, step_overhead_s=found["step_overhead_s"] / share,

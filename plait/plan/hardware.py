@@ -42,6 +42,11 @@ DEVICES = {
 }
 
 
+def host_memory_per_rank(ranks: int) -> float:
+    """This machine's memory, shared by `ranks` ranks."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks, 1)
+
+
 def cpu_device(ranks: int = 1) -> Device:
     """This machine for a job of `ranks` ranks: as `plait plan --calibrate` measured it, or, not
     yet calibrated, one core's fp32 matmul rate measured now with loopback gloo guessed (about
@@ -52,9 +57,9 @@ def cpu_device(ranks: int = 1) -> Device:
     found = load()
     if found is not None:
         return calibrated_device(found, ranks)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks, 1)
-    return Device("cpu (not calibrated: plait plan --calibrate)", measure_cpu_flops(), memory,
-                  1.0, 1.0, intra_alpha_s=1e-3, inter_alpha_s=1e-3, efficiency=1.0)
+    return Device("cpu (not calibrated: plait plan --calibrate)", measure_cpu_flops(),
+                  host_memory_per_rank(ranks), 1.0, 1.0, intra_alpha_s=1e-3,
+                  inter_alpha_s=1e-3, efficiency=1.0)
 
 
 def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None,
