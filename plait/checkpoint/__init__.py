@@ -5,7 +5,8 @@ A checkpoint is a folder `step-NNNNNNNN` (the number of optimizer steps done) ho
 
 - DCP's shard files and `.metadata`: `model.<name>` (the parameters the optimizer steps: fp32
   masters under bf16), `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`, `optim.step` (AdamW's
-  step count), `train.step`, `rng` (the CPU generator's state);
+  step count), `train.step`, `rng` (the CPU generator's state), and with a compression method
+  its state: `compression.error.<name>`, `compression.q.<name>` (`compression.py`);
 - `plait.json`: the step, the configuration and world it was made with, and what it contains
   (a Hugging Face import holds the model alone);
 - `COMPLETE`, written last by rank 0 once DCP has gathered every rank's write results and
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from plait.checkpoint.compression import compression_state
 from plait.checkpoint.layout import Boxes, LoadPlanner, boxes_of
 
 MARKER = "COMPLETE"
@@ -131,6 +133,7 @@ def training_state(par, optimizer: torch.optim.Optimizer, step: int = 0,
         first = next(iter(optimizer.state.values()))
         sd["optim.step"] = first["step"].detach().clone()
         sd["rng"] = torch.get_rng_state()
+        sd.update(compression_state(par)[0])
     return sd
 
 
@@ -140,11 +143,18 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
     returns the step to continue from (0 for a checkpoint of the model alone)."""
     full = "optim" in read_meta(path)["contents"]
     sd = training_state(par, optimizer, with_optimizer=full)
+    if full:  # compression's entries as they were saved (see compression.py)
+        sd = {k: v for k, v in sd.items() if not k.startswith("compression.")}
+        entries, compression_loaded = compression_state(par, saved_sizes(path))
+        sd.update(entries)
     dcp.load(sd, checkpoint_id=str(path), planner=LoadPlanner(), process_group=group)
     if full:
         for state in optimizer.state.values():
             state["step"].copy_(sd["optim.step"])
         torch.set_rng_state(sd["rng"])
+        compression_loaded()
+        if par.engine.compression is not None:  # its start counts optimizer steps
+            par.engine.compression.steps = int(sd["train.step"])
     # Masters into the bf16 parameters; ZeRO-1/2 gather every slice back into each replica.
     par.finish_step()
     return int(sd["train.step"]) if full else 0
@@ -156,6 +166,12 @@ def one_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         yield
+
+
+def saved_sizes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The size of every tensor a checkpoint holds, by key."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: tuple(v.size) for k, v in saved.items() if hasattr(v, "size")}
 
 
 def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:

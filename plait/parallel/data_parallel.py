@@ -132,6 +132,11 @@ class SyncedReplicas(nn.Module):
             state["compression"] = self.compression.state_bytes()
         return state
 
+    def flat_buffers(self) -> list:
+        """The flat buffers (`FlatParam`: key, segments, full, group) whose reductions a
+        compression method replaces; their state is keyed by them."""
+        return []
+
     def _compressing(self, n: int) -> bool:
         return self.compression is not None and self.compression.active(n)
 
@@ -224,6 +229,9 @@ class DataParallel(SyncedReplicas):
             self._next = launch_ready(self.buckets, self._next, self._launch)
 
         return on_gradient
+
+    def flat_buffers(self) -> list[FlatParam]:
+        return self.buckets
 
     def _launch(self, bucket: FlatParam) -> None:
         """The bucket's all-reduce (in place: the mean comes back in `bucket.grad`)."""

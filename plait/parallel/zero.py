@@ -81,6 +81,9 @@ class ShardedEngine(SyncedReplicas):
     def flats(self) -> list[FlatParam]:
         raise NotImplementedError
 
+    def flat_buffers(self) -> list[FlatParam]:
+        return self.flats
+
     def _reduce_grad(self, flat: FlatParam):
         """Start the reduce-scatter of a flat gradient into this rank's `grad_shard`."""
         flat.grad_shard = torch.empty_like(flat.slice.shard, dtype=self.reduce_dtype)

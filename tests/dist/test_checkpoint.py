@@ -19,11 +19,14 @@ from plait.train.trainer import Trainer
 STEPS, STOP = 8, 4
 
 
-def _fit(cfg):
+def _setup(cfg):
     dims = validate(cfg, dist.get_world_size())
-    trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
-    summary = trainer.fit()
-    return trainer, summary
+    return cfg, dims, build_mesh(dims), torch.device("cpu")
+
+
+def _fit(cfg):
+    trainer = Trainer(*_setup(cfg))
+    return trainer, trainer.fit()
 
 
 def _straight_then_resumed(layout, ckdir):
@@ -48,6 +51,14 @@ LAYOUTS = {
                "parallel.pp_schedule='interleaved'", "parallel.microbatches=2",
                "model.n_layers=4"]),
     "moe-ep2-dp2-zero1": (4, ["model.preset='tiny-moe'", "parallel.ep=2", "parallel.zero=1"]),
+    # Compression's state: top-k's error feedback; PowerSGD's errors and Q (one per tp slice),
+    # under ZeRO-2. Started after 2 steps, so both uncompressed and compressed steps are saved.
+    "ddp-topk": (2, ["parallel.dp=2", "parallel.compression='topk'",
+                     "parallel.compression_start=2"]),
+    "tp2-dp2-zero2-powersgd": (4, ["parallel.tp=2", "parallel.zero=2",
+                                   "parallel.compression='powersgd'",
+                                   "parallel.compression_rank=2",
+                                   "parallel.compression_start=2"]),
 }
 
 
@@ -104,3 +115,38 @@ def test_resharded_resume_continues_the_run(name, tmp_path):
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5, msg=key)
     assert read_meta(tmp_path / "run" / f"step-{STEPS:08d}")["world_size"] == n_b
+
+
+def _summed_errors(overrides, ckdir):
+    """A trainer on this layout resuming from `ckdir`: its error feedback, summed over the
+    ranks of each reduction."""
+    trainer = Trainer(*_setup(tiny_config(*overrides, f"checkpoint.dir={ckdir}")))
+    engine, out = trainer.parallelized.engine, {}
+    for buf in engine.flat_buffers():
+        state = engine.compression.method.state_tensors(buf.key, buf.segments,
+                                                        buf.full.numel(), torch.device("cpu"))
+        for name, error in state["error"].items():
+            out[name] = error.clone()
+            dist.all_reduce(out[name], group=buf.group)
+    return out
+
+
+TOPK = ["parallel.compression='topk'", "parallel.compression_start=1"]
+REDISTRIBUTE = {"dp4-to-dp2": ((4, []), (2, [])),
+                "dp2-zero1-to-dp4": ((2, ["parallel.zero=1"]), (4, []))}
+
+
+@pytest.mark.parametrize("name", list(REDISTRIBUTE))
+def test_error_feedback_resumes_on_another_dp_degree(name, tmp_path):
+    """Saved on n ranks, resumed on n': rank j takes rows j, j + n', ... of the saved errors, so
+    their sum over the ranks, what the mean gradient has not yet received, is kept (to fp32
+    summation order) and no rank starts with another's error twice."""
+    (n_a, a), (n_b, b) = REDISTRIBUTE[name]
+    run_world(_run, n_a, [*TOPK, *a], str(tmp_path), f"train.stop_after={STOP}")
+    saved = load_full(tmp_path / f"step-{STOP:08d}", "compression.error.")
+    assert saved and all(e.shape[0] == n_a and e.abs().sum() > 0 for e in saved.values())
+    got = run_world(_summed_errors, n_b, [*TOPK, *b], str(tmp_path))
+    for sums in got:
+        assert sums.keys() == saved.keys()
+        for key, total in sums.items():
+            torch.testing.assert_close(total, saved[key].sum(0), rtol=1e-6, atol=1e-9, msg=key)

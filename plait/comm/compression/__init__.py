@@ -157,6 +157,11 @@ class GatheredWithFeedback:
     def state_bytes(self) -> int:
         return sum(e.numel() * e.element_size() for e in self.error.values())
 
+    def state_tensors(self, key: str, segments: list[Segment], numel: int,
+                      device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+        error = self.error.setdefault(key, torch.zeros(numel, device=device))
+        return {"error": {s.name: s.of(error).view(s.shape) for s in segments}}
+
 
 class Method(Protocol):
     def all_reduce(self, key: str, flat: torch.Tensor, segments: list[Segment],
@@ -181,6 +186,14 @@ class Method(Protocol):
 
     def state_bytes(self) -> int:
         """Bytes of state this rank holds now."""
+        ...
+
+    def state_tensors(self, key: str, segments: list[Segment], numel: int,
+                      device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+        """The state kept for buffer `key` (`numel` elements on `device`), as views that a
+        checkpoint saves from and loads into: {"error": {parameter name: this rank's error
+        feedback, in the parameter's shape}, "q": {name: PowerSGD's Q}}. State not made yet is
+        made now as the first step would (zeros, Q's seeded start), to read a checkpoint into."""
         ...
 
 

@@ -122,3 +122,14 @@ class PowerSGD:
     def state_bytes(self) -> int:
         tensors = [*self.q.values(), *self.error.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_tensors(self, key, segments: list[Segment], numel: int,
+                      device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+        out = {"error": {}, "q": {}}
+        for s in segments:
+            if r := compressed_rank(s.shape, self.rank):
+                error = self.error.setdefault(s.name, torch.zeros(matrix_shape(s.shape),
+                                                                  device=device))
+                out["error"][s.name] = error.view(s.shape)
+                out["q"][s.name] = self._q(s, r, device)
+        return out
