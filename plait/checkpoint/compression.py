@@ -25,15 +25,6 @@ from plait.checkpoint.layout import Boxes
 from plait.comm.compression import sum_in_rank_order
 
 
-def _piece(place) -> tuple[int, int]:
-    """(which, of how many): this rank's piece among those the layout cuts a parameter into."""
-    which, count = 0, 1
-    for axis in sorted(place.shards):
-        shard = place.shards[axis]
-        which, count = which * shard.count + shard.index, count * shard.count
-    return which, count
-
-
 def compression_state(par, saved: dict | None = None) -> tuple[dict, Callable[[], None]]:
     """This rank's compression state as checkpoint entries, and what to run after a load. To
     save, `saved` is None; to load, it is the checkpoint's metadata (key -> its size), by which
@@ -61,7 +52,7 @@ def compression_state(par, saved: dict | None = None) -> tuple[dict, Callable[[]
                 after.append(lambda error=error, rows=rows:
                              error.copy_(sum_in_rank_order(rows.values())))
         for name, q in state.get("q", {}).items():
-            which, count = _piece(par.record.params[name])
+            which, count = par.record.params[name].piece
             key, size = f"compression.q.{name}", (count, *q.shape)
             if saved is None or tuple(saved.get(key, ())) == size:
                 entries[key] = Boxes(size, [((which, 0, 0), q[None])])

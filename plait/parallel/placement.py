@@ -58,6 +58,16 @@ class Placement:
         return tuple(origin)
 
     @property
+    def piece(self) -> tuple[int, int]:
+        """(which, of how many): this rank's piece among all those the sharded axes cut the
+        tensor into, numbered over the axes in name order."""
+        which, count = 0, 1
+        for axis in sorted(self.shards):
+            s = self.shards[axis]
+            which, count = which * s.count + s.index, count * s.count
+        return which, count
+
+    @property
     def local_numel(self) -> int:
         return math.prod(self.local_shape)
 
