@@ -11,8 +11,17 @@ probability over E experts, each a SwiGLU feed-forward like the dense one. Two r
 - expert choice (Zhou et al. 2022): each expert takes its top C tokens by probability (C as above,
   with c = 1 when unset), gate weight = that probability; a token may get any number of experts.
 
-Ties go to the lower index (stable sorts), so equal scores route alike on every rank and run. A
-token that no expert takes passes through on the residual: the layer outputs 0 for it.
+Routing ranks scores at a stated precision: probabilities rounded to multiples of 2^-16
+(`RANK_STEP`), then ties go to the lower index (stable sorts; the lower expert under token choice,
+the earlier token of the routing group under expert choice). Why: tokens with identical contexts
+(a window's first byte, a document's BOS) have equal probabilities in exact arithmetic, but a
+matmul can round two rows of one input differently (a kernel's tail rows), and two layouts or two
+machines differ in the last bits; ranked raw, such a tie goes to whichever token the last bit
+favours, so the same scores up to rounding noise routed differently on another machine. Rounded,
+a tie stays a tie (unless it straddles a grid point: odds ~ noise / 2^-16, ~1e-3 for a last-bit
+difference) and the index decides. Values nearer than 2^-16 that are not ties become ties too:
+a bias of at most 2^-16 in a score, in favour of the lower index.
+A token that no expert takes passes through on the residual: the layer outputs 0 for it.
 
 Load balancing (Switch, eq. 4): aux = E * sum_i f_i * P_i, f_i the fraction of the router's picks
 (before capacity) that chose expert i, P_i the mean probability of expert i; 1 when balanced.
@@ -43,6 +52,13 @@ from torch import nn
 from plait.model.llama import FeedForward, ModelArgs
 
 ROUTERS = ("token_choice", "expert_choice")
+RANK_STEP = 2.0**-16  # the precision at which routing compares probabilities
+
+
+def rank_key(scores: torch.Tensor) -> torch.Tensor:
+    """What routing sorts by: `scores` rounded to multiples of RANK_STEP (division and
+    multiplication by a power of two are exact, so only the rounding moves a value)."""
+    return torch.round(scores.detach() / RANK_STEP) * RANK_STEP
 
 
 @dataclass
@@ -83,10 +99,13 @@ def _by_expert(token, expert, weight, picked, n_experts: int, n_tokens: int) -> 
     return Routing(token, expert, weight, picked, kept, int(n_tokens - taken.sum()))
 
 
-def token_choice(probs: torch.Tensor, k: int, cap: int | None) -> Routing:
-    """Top-k experts per token of (N, E) probabilities, at most `cap` assignments per expert."""
+def token_choice(probs: torch.Tensor, k: int, cap: int | None,
+                 scores: torch.Tensor | None = None) -> Routing:
+    """Top-k experts per token of (N, E) probabilities, at most `cap` assignments per expert.
+    The choice ranks `scores` (default: the probabilities); the gates are `probs`'."""
     n, e = probs.shape
-    top = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    key = rank_key(probs if scores is None else scores)
+    top = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :k]
     weight = probs.gather(1, top)  # (N, k)
     if k > 1:
         weight = weight / weight.sum(-1, keepdim=True)
@@ -102,13 +121,14 @@ def token_choice(probs: torch.Tensor, k: int, cap: int | None) -> Routing:
     return _by_expert(token, expert, weight, picked, e, n)
 
 
-def expert_choice(probs: torch.Tensor, cap: int) -> Routing:
-    """Each expert's top `cap` tokens of (N, E) probabilities."""
+def expert_choice(probs: torch.Tensor, cap: int, scores: torch.Tensor | None = None) -> Routing:
+    """Each expert's top `cap` tokens of (N, E) probabilities, ranked by `scores` (default: the
+    probabilities); the gates are `probs`'."""
     n, e = probs.shape
     cap = min(cap, n)
-    scores = probs.t()  # (E, N)
-    token = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[:, :cap]
-    weight = scores.gather(1, token).reshape(-1)
+    key = rank_key(probs if scores is None else scores).t()  # (E, N)
+    token = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :cap]
+    weight = probs.t().gather(1, token).reshape(-1)
     expert = torch.arange(e, device=probs.device).repeat_interleave(cap)
     picked = torch.full((e,), cap, dtype=torch.long, device=probs.device)
     return _by_expert(token.reshape(-1), expert, weight, picked, e, n)
@@ -170,18 +190,20 @@ class MoEFeedForward(nn.Module):
         self.grad_scale = 1.0
         self.stats: list[RouterStats] = []  # one per training forward; the trainer clears it
 
-    def route(self, probs: torch.Tensor) -> Routing:
-        """Route (N, E) probabilities, each routing group on its own."""
+    def route(self, probs: torch.Tensor, scores: torch.Tensor | None = None) -> Routing:
+        """Route (N, E) probabilities, each routing group on its own; the choices rank `scores`
+        (default: the probabilities themselves), the gates are `probs`'."""
         groups = probs.chunk(self.route_groups)
+        ranked = (probs if scores is None else scores).chunk(self.route_groups)
         n = groups[0].shape[0]
         parts = []
-        for group in groups:
+        for group, by in zip(groups, ranked, strict=True):
             cap = capacity(n, self.top_k, self.n_experts, self.capacity_factor)
             if self.router_kind == "expert_choice":
                 parts.append(expert_choice(group, cap or capacity(n, self.top_k,
-                                                                  self.n_experts, 1.0)))
+                                                                  self.n_experts, 1.0), by))
             else:
-                parts.append(token_choice(group, self.top_k, cap))
+                parts.append(token_choice(group, self.top_k, cap, by))
         if len(parts) == 1:
             return parts[0]
         return _by_expert(torch.cat([p.token + i * n for i, p in enumerate(parts)]),

@@ -13,12 +13,29 @@ then by token position): the reference is the single process with each forward's
 into the same groups (`route_groups` = the ranks that split the batch), which makes the same drops
 and so trains the same model.
 
+What equal routing means. Routing is a step function of the router's scores, and the scores of
+two layouts are equal only within float tolerance: from step 1 on they differ in the last bits
+(gradients summed in another order, then AdamW). Where two tokens' scores tie (identical
+contexts: every window that starts with the same byte), the last bit would pick the winner, and
+which one it picks depends on the CPU's kernels (measured: an AMD EPYC swapped tokens 99 and 103
+of expert 5 at step 1, an Intel AVX-512 machine did not). So the capacity rows check two things
+separately: (1) the routing rule, exactly: the single process routes from the very scores the
+distributed run computed (gathered from its ranks, `replay`), with its own probabilities as the
+gates, and must make the same decisions (which tokens each expert took, per step and layer;
+the first step and layer that differ are named); (2) the scores, within float tolerance: the
+single process's own scores are within 1e-5 of the distributed run's (4 AdamW steps of lr 3e-3
+from the same weights, like every activation here). Given equal decisions, losses and weights are
+compared as in every other row. The model's own rule (`plait.model.moe.rank_key`: scores rounded
+to 2^-16, then the lower index) keeps such ties ties in any one run.
+
 Accounting: every collective of the last step equals `cost.step_traffic` plus the token
 all-to-alls computed from the rows actually routed (`cost.all_to_all_bytes`); model state equals
 `cost.state_bytes` (experts sharded over ep count once per ep rank).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -38,35 +55,65 @@ def config(*overrides):
     return tiny_config(*BASE, *overrides)
 
 
-def probe(route_groups: int = 1):
-    """Each step's routing (per MoE layer: kept assignments per expert, dropped fraction) and
-    the token rows this rank's all-to-alls moved in the last step."""
+def probe(route_groups: int = 1, replay=None):
+    """Each step's routing (per MoE layer: kept assignments per expert, dropped fraction), the
+    token rows this rank's all-to-alls moved in the last step, and each training forward's
+    decisions: (step, layer, this rank's share of the batch, its scores, (token, expert) pairs).
+    `replay[step][layer]`: scores to route from instead of the layer's own (the gates stay its
+    own probabilities)."""
 
     def install(trainer):
-        layers = [m for chunk in trainer.model.values() for m in moe_layers(chunk).values()]
-        steps, step = [], trainer.train_step
-        for m in layers:
+        layers = {n: m for chunk in trainer.model.values() for n, m in moe_layers(chunk).items()}
+        steps, decisions, step, now = [], [], trainer.train_step, [0]
+        for name, m in layers.items():
             m.route_groups = route_groups
+            m.route = functools.partial(_recorded, m.route, name, now, decisions, replay,
+                                        trainer.rows_rank)
 
         def train_step(i):  # the trainer forgets the last step's routing as a step starts
+            now[0] = i
             out = step(i)
-            steps.append({id(m): [(s.kept.tolist(), s.dropped) for s in m.stats]
-                          for m in layers})
+            steps.append({n: [(s.kept.tolist(), s.dropped) for s in m.stats]
+                          for n, m in layers.items()})
             return out
 
         trainer.train_step = train_step
-        names = {id(m): n for chunk in trainer.model.values()
-                 for n, m in moe_layers(chunk).items()}
         return lambda: {
-            "routing": [{names[k]: v for k, v in s.items()} for s in steps],
-            "rows": [r for m in layers for r in getattr(m.dispatch, "rows", [])],
+            "routing": steps,
+            "decisions": decisions,
+            "rows": [r for m in layers.values() for r in getattr(m.dispatch, "rows", [])],
         }
 
     return install
 
 
-def run(ranks, cfg, route_groups=1):
-    return run_world(run_steps, ranks, cfg, 4, probe(route_groups), timeout=240)
+def _recorded(route, layer, now, decisions, replay, share, probs):
+    scores = None if replay is None else replay[now[0]][layer]
+    routing = route(probs, scores)
+    if torch.is_grad_enabled():  # a training forward
+        pairs = sorted(zip(routing.token.tolist(), routing.expert.tolist(), strict=True))
+        decisions.append((now[0], layer, share, probs.detach().clone(), pairs))
+    return routing
+
+
+def gathered(results) -> dict:
+    """The distributed run's decisions as one process's: {(step, layer): (scores of the whole
+    batch, sorted (token, expert) pairs with tokens numbered across the ranks' shares)}."""
+    shares: dict = {}
+    for r in results:
+        for step, layer, share, scores, pairs in r["probe"]["decisions"]:
+            shares.setdefault((step, layer), {})[share] = (scores, pairs)
+    out = {}
+    for key, by_share in shares.items():
+        parts = [by_share[i] for i in sorted(by_share)]
+        n = len(parts[0][0])
+        out[key] = (torch.cat([scores for scores, _ in parts]),
+                    sorted((i * n + t, e) for i, (_, pairs) in enumerate(parts) for t, e in pairs))
+    return out
+
+
+def run(ranks, cfg, route_groups=1, replay=None):
+    return run_world(run_steps, ranks, cfg, 4, probe(route_groups, replay), timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +149,10 @@ def compare(cfg, results, ref):
                 assert "ep" in shards, name
         # Every step's routing per layer is the reference's (each rank sees the global one):
         # assignments kept per expert, fraction of tokens dropped.
-        for step, want in zip(r["probe"]["routing"], ref["probe"]["routing"], strict=True):
-            for name, layer in step.items():
-                assert layer == want[name], name
+        for step, (got, want) in enumerate(zip(r["probe"]["routing"], ref["probe"]["routing"],
+                                               strict=True)):
+            for name, layer in got.items():
+                assert layer == want[name], f"step {step}, layer {name}: routing differs"
     assert held.keys() == ref["params"].keys()  # every expert held somewhere
     for name, coords in held.items():  # an expert on one ep rank, the rest on all
         assert len(coords) == (1 if ".experts." in name else dims.ep), name
@@ -138,12 +186,27 @@ def test_expert_parallel_equals_one_process(references, ranks, overrides):
     (2, ["parallel.ep=2", "model.moe_router='expert_choice'", "model.moe_capacity_factor=1.0"]),
 ], ids=["token-choice-capacity-ep2-dp2", "expert-choice-ep2"])
 def test_capacity_drops_the_tokens_a_single_process_drops(ranks, overrides):
-    """The reference routes each forward as `ranks` groups under the same rule: same drops."""
+    """From the distributed run's scores the single process (routing each forward as `ranks`
+    groups under the same rule) takes the same tokens per expert and drops the same ones, and its
+    own scores are the distributed run's within float tolerance; then losses and weights equal."""
     cfg = config(*overrides)
-    ref = run(1, config(*overrides[1:]), route_groups=ranks)[0]
+    results = run(ranks, cfg)
+    dist = gathered(results)
+    replay: dict = {}
+    for (step, layer), (scores, _) in dist.items():
+        replay.setdefault(step, {})[layer] = scores
+    ref = run(1, config(*overrides[1:]), route_groups=ranks, replay=replay)[0]
+    own = {(step, layer): (scores, pairs) for step, layer, _, scores, pairs
+           in ref["probe"]["decisions"]}
+    assert own.keys() == dist.keys()
+    for key in sorted(own):  # the decisions first, step by step
+        assert own[key][1] == dist[key][1], \
+            "step {}, layer {}: the distributed run's experts took other tokens".format(*key)
+    for key in sorted(own):
+        torch.testing.assert_close(own[key][0], dist[key][0], rtol=0, atol=1e-5,
+                                   msg=lambda m, key=key: f"step {key[0]}, layer {key[1]}: {m}")
     dropped = [d for step in ref["probe"]["routing"] for layer in step.values() for _, d in layer]
     assert max(dropped) > 0  # the rule bites: some tokens are dropped
-    results = run(ranks, cfg)
     compare(cfg, results, ref)
     if cfg.model.args().moe_router == "expert_choice":
         # Expert choice at capacity 1 routes evenly: the activations are the formula's, which

@@ -10,6 +10,7 @@ import torch
 
 from plait.model import build_model, model_args
 from plait.model.moe import (
+    RANK_STEP,
     MoEFeedForward,
     aux_loss,
     capacity,
@@ -74,6 +75,27 @@ def test_ties_go_to_the_lower_index():
     e = expert_choice(torch.full((3, 2), 0.5), 2)
     assert pairs(e) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # each expert takes tokens 0 and 1
     assert e.dropped == 1  # token 2
+
+
+def test_a_tie_off_by_the_last_bit_is_still_a_tie():
+    """Identical contexts whose scores a kernel rounded one ulp apart: the later token's higher
+    by 2^-26 (the ulp of values in [1/8, 1/4)). Ranked raw, the later token would win; at
+    RANK_STEP = 2^-16 they tie and the earlier token wins, in either order of the noise."""
+    base = torch.tensor([[0.1378246099, 0.8621753901]] * 3)
+    for noisy in (1, 2):  # the bump on token 1, then on token 2
+        probs = base.clone()
+        probs[noisy, 0] = torch.nextafter(probs[noisy, 0], torch.tensor(1.0))
+        assert probs[noisy, 0] > probs[0, 0]
+        assert pairs(expert_choice(probs, 1)) == [(0, 0), (0, 1)]
+    # A gap of one RANK_STEP or more is not a tie.
+    probs = base.clone()
+    probs[2, 0] += RANK_STEP
+    assert pairs(expert_choice(probs, 1)) == [(0, 1), (2, 0)]
+    # Separate ranking scores: the choice follows them, the gates stay the probabilities'.
+    scores = torch.tensor([[0.1, 0.9], [0.7, 0.3], [0.2, 0.8]])
+    r = expert_choice(base, 1, scores)
+    assert pairs(r) == [(0, 1), (1, 0)]
+    assert r.weight.tolist() == [base[1, 0].item(), base[0, 1].item()]
 
 
 def test_expert_choice_takes_each_experts_top_tokens():
