@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_world
-from training import held_params, tiny_config
+from training import assert_params_close, held_params, tiny_config
 
 from plait.checks import validate
 from plait.checkpoint import complete_checkpoints, load_full, read_meta
@@ -102,7 +102,8 @@ RESHARD = {
 def test_resharded_resume_continues_the_run(name, tmp_path):
     """Saved after 4 steps on one layout, continued for 4 on another: the losses and the final
     parameters equal the uninterrupted run's on the first layout within fp32 reduction order
-    (1e-5, the composition matrix's tolerance: a layout changes only the order of sums)."""
+    (`training.assert_params_close`, as the composition matrix: a layout changes only the order
+    of sums)."""
     (n_a, a), (n_b, b) = RESHARD[name]
     straight = run_world(_run, n_a, a, str(tmp_path / "straight"), timeout=240)[0]
     run_world(_run, n_a, a, str(tmp_path / "run"), f"train.stop_after={STOP}")
@@ -113,7 +114,7 @@ def test_resharded_resume_continues_the_run(name, tmp_path):
     got = load_full(tmp_path / "run" / f"step-{STEPS:08d}")
     assert want.keys() == got.keys()
     for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5, msg=key)
+        assert_params_close(got[key], want[key], key, steps=STEPS)
     assert read_meta(tmp_path / "run" / f"step-{STEPS:08d}")["world_size"] == n_b
 
 

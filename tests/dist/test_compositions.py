@@ -2,8 +2,9 @@
 steps from the same weights and global batches as a single process, and compared with it.
 
 Tolerances (as in test_data_parallel): fp32 rows differ from one process by summation order only:
-losses relative 1e-5; parameters absolute 1e-5 after 4 AdamW steps (an element whose gradient is
-at noise level can move by a few 1e-6 differently; a missed or doubled update moves it by ~lr =
+losses relative 1e-5; parameters absolute 1e-5 after 4 AdamW steps, but for at most 1 element in
+1,000 per tensor (`training.assert_params_close`: an element whose gradient is at noise level
+moves by what the CPU's rounding decides; a missed or doubled update moves most elements by ~lr =
 3e-3). bf16 rows are compared with a single process of the same precision (autocast, or bf16
 parameters with fp32 masters under ZeRO): bf16 keeps 8 significant bits, so summing in another
 order moves results by ~2^-9 relative per operation. Measured here: losses within 7e-5
@@ -22,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_world
-from training import run_steps, tiny_config
+from training import assert_params_close, run_steps, tiny_config
 
 from plait.checks import validate
 from plait.train.dry_run import describe_rank
@@ -160,8 +161,7 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
             if shard is not None:
                 want = want.chunk(shard.count, dim=shard.dim)[shard.index]
             if param_atol is not None:
-                torch.testing.assert_close(p.float(), want.float(), rtol=0, atol=param_atol,
-                                           msg=name)
+                assert_params_close(p, want, name, atol=param_atol, steps=STEPS)
             else:
                 assert (p.float() - want.float()).abs().mean() <= param_mean_atol, name
     assert check_placements(results) == set(ref["params"])  # every parameter held somewhere

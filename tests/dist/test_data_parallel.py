@@ -5,15 +5,17 @@ the last float32 bits (~1e-7 relative):
 - losses: relative 1e-5 (DESIGN.md);
 - gradients of the first step (same weights on both sides): relative 1e-5, absolute 1e-8. This is
   the check that catches a wrong scale (summing instead of averaging), to which Adam is blind;
-- parameters after 5 steps: absolute 1e-5. Adam's update g / (sqrt(v) + eps) is close to +-lr for
-  any element, so an element whose gradient is at noise level can move differently by a few 1e-6
-  (we see one such element in ~10^4); a missed or doubled update moves it by ~lr = 3e-3.
+- parameters after 5 steps: absolute 1e-5, but for at most 1 element in 1,000 per tensor
+  (`training.assert_params_close`). Adam's update g / (sqrt(v) + eps) is close to +-lr for any
+  element, so an element whose gradient is at noise level moves by an amount the noise decides,
+  which differs between CPUs (we see about one such element in ~10^4); a missed or doubled update
+  moves most elements by ~lr = 3e-3.
 """
 
 import pytest
 import torch
 from harness import run_world
-from training import tiny_config, train_here
+from training import assert_params_close, tiny_config, train_here
 
 from plait.comm import Op
 
@@ -52,7 +54,7 @@ def test_dp_matches_single_process(reference, n, microbatches, algorithm):
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-8, msg=name)
         for name, p in params.items():
-            torch.testing.assert_close(p, ref_params[name], rtol=0, atol=1e-5, msg=name)
+            assert_params_close(p, ref_params[name], name)
         assert buckets > 4
         assert (moved, calls) == expected_traffic(algorithm, n, rank, grad_bytes, buckets)
     # Replicas stay identical to the bit.

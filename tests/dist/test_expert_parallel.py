@@ -2,10 +2,12 @@
 block) trained 4 steps on each mesh from the same weights and global batches as a single process.
 
 Tolerances as in the composition matrix (fp32; summation order only): losses relative 1e-5,
-parameters absolute 5e-5: an element whose gradient is at noise level moves differently under
-AdamW's normalisation (measured: one embedding element by 2e-5 at ep2 x tp2), while a missed or
-doubled update moves every element by ~lr = 3e-3. The load-balancing loss is computed per micro-batch over every rank
-that shares it, so a reference with micro-batches accumulates the same micro-batches.
+parameters absolute 1e-5 but for at most 1 element in 1,000 per tensor
+(`training.assert_params_close`): an element whose gradient is at noise level moves differently
+under AdamW's normalisation (measured: one embedding element of 8,192 by 6e-5 at ep2 x tp2),
+while a missed or doubled update moves most elements by ~lr = 3e-3. The load-balancing loss is
+computed per micro-batch over every rank that shares it, so a reference with micro-batches
+accumulates the same micro-batches.
 
 Capacity and expert choice route each rank's micro-batch as one routing group (capacity =
 ceil(factor * tokens * top_k / E) per group and expert, assignments served first choices first,
@@ -40,7 +42,7 @@ import functools
 import pytest
 import torch
 from harness import run_world
-from training import run_steps, tiny_config
+from training import assert_params_close, run_steps, tiny_config
 
 from plait.checks import validate
 from plait.comm import Op
@@ -143,7 +145,7 @@ def compare(cfg, results, ref):
             tp = shards.get("tp")
             if tp is not None:
                 want = want.chunk(tp.count, dim=tp.dim)[tp.index]
-            torch.testing.assert_close(p, want, rtol=0, atol=5e-5, msg=name)
+            assert_params_close(p, want, name, steps=4)
             held.setdefault(name, set()).add(r["coords"]["ep"])
             if ".experts." in name and dims.ep > 1:
                 assert "ep" in shards, name

@@ -8,7 +8,7 @@ runs and the order in which micro-batch gradients are summed.
 import pytest
 import torch
 from harness import run_world
-from training import tiny_config, train_here
+from training import assert_params_close, tiny_config, train_here
 
 from plait.comm import Op
 
@@ -30,7 +30,7 @@ def _compare(results, reference):
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-8, msg=name)
         for name, p in params.items():
-            torch.testing.assert_close(p, ref_params[name], rtol=0, atol=1e-5, msg=name)
+            assert_params_close(p, ref_params[name], name)
     # Together, the stages hold every parameter exactly once.
     held = [n for _, _, params, *_ in results for n in params]
     return held
