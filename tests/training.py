@@ -34,12 +34,12 @@ def assert_params_close(got: torch.Tensor, want: torch.Tensor, name: str, atol: 
     Why not every element within `atol`: Adam divides each element's momentum by the root of its
     second moment, so an element whose gradient is at the noise level of summation order (a sum
     that nearly cancels) takes a step whose size and sign the noise decides, up to ~lr, and the
-    noise is the CPU's kernels' (measured: one embedding element of 8,192 off by 6e-5 at ep2 x tp2
-    on an AMD EPYC after 4 steps, the rest within 5e-6). A real error (a gradient missed, doubled, scaled,
-    or summed on the wrong group; an update skipped or applied to the wrong shard) moves most of a
-    tensor's elements by ~lr = 3e-3. So, per tensor: at most 1 element in 1,000 (at least one)
-    beyond `atol`, none beyond 2 lr per step (two AdamW trajectories cannot drift further), and
-    the mean difference below atol / 10."""
+    noise is the CPU kernels' (measured: one embedding element of 8,192 off by 6e-5 at ep2 x tp2
+    on an AMD EPYC after 4 steps, the rest within 5e-6). A real error (a gradient missed,
+    doubled, scaled or summed on the wrong group; an update skipped or applied to the wrong
+    shard) moves most of a tensor's elements by ~lr = 3e-3. So, per tensor: at most 1 element
+    in 1,000 (at least one) beyond `atol`, none beyond 2 lr per step (two AdamW trajectories
+    cannot drift further), and the mean difference below atol / 10."""
     diff = (got.float() - want.float()).abs()
     beyond = int((diff > atol).sum())
     assert beyond <= max(1, diff.numel() // 1000), \
