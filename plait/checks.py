@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from plait.checkpoint import find, read_meta
 from plait.comm.compression import METHODS, WITH_ERROR_FEEDBACK
 from plait.config import (
     Config,
@@ -338,6 +337,10 @@ def _check_checkpoint(cfg: Config) -> None:
             where = where.parent
         if not where.is_dir() or not os.access(where, os.W_OK):
             raise ConfigError("checkpoint.dir", f"cannot write in {where}; choose another folder")
+    # Imported here: torch.distributed.checkpoint takes seconds to import, which every command
+    # that validates a configuration would pay (`plait plan`, `--dry-run`, the launcher).
+    from plait.checkpoint import find, read_meta
+
     source = find(ck.resume, ck.dir)  # a path given as `resume` is looked in alone
     if ck.resume not in ("auto", "never") and source is None:
         raise ConfigError("checkpoint.resume", f"no complete checkpoint at {ck.resume}; give a "

@@ -127,7 +127,7 @@ def check_output_path(path: str, option: str = "--metrics", folder: bool = False
 
 
 def outputs(args: argparse.Namespace):
-    from plait.train.trainer import Outputs
+    from plait.train.outputs import Outputs
 
     return Outputs(args.metrics, args.tensorboard, args.trace, args.trace_steps)
 
@@ -215,11 +215,11 @@ def cmd_train(args: argparse.Namespace) -> None:
 
         print_dry_run(cfg, dims)
         return
-    from plait.train.run import run_training
+    from plait.train.run import TRAINING_STACK, run_training
 
     try:
         launch(nproc, run_training, cfg, outputs(args), threads=cfg.train.threads,
-               max_restarts=args.max_restarts)
+               max_restarts=args.max_restarts, preload=(TRAINING_STACK,))
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)

@@ -5,8 +5,10 @@ torchrun; either way the usual environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,8 +18,15 @@ from plait.checks import validate
 from plait.comm.watchdog import Heartbeat, diagnose, is_timeout
 from plait.config import Config
 from plait.mesh import build_mesh
+from plait.train.outputs import Outputs
 from plait.train.progress import print_summary
-from plait.train.trainer import Outputs, Summary, Trainer
+
+if TYPE_CHECKING:
+    from plait.train.trainer import Summary
+
+# What a worker imports after starting; the launcher's forkserver imports it before forking the
+# workers (`launch(preload=...)`), and the launcher process itself never needs it.
+TRAINING_STACK = "plait.train.trainer"
 
 
 def worker_device(choice: str = "auto") -> torch.device:
@@ -49,6 +58,7 @@ def run_training(cfg: Config, outputs: Outputs | None = None) -> Summary:
     """Train on the world the environment describes; rank 0 shows progress and the summary. A
     collective that does not complete within parallel.timeout_s ends the job with a message
     naming the ranks that did not arrive."""
+    trainer_class = importlib.import_module(TRAINING_STACK).Trainer
     torch.set_num_threads(cfg.train.threads)
     device = worker_device(cfg.train.device)
     timeout_s = cfg.parallel.timeout_s
@@ -57,7 +67,7 @@ def run_training(cfg: Config, outputs: Outputs | None = None) -> Summary:
     watch = _heartbeat(timeout_s)
     try:
         dims = validate(cfg, dist.get_world_size())
-        trainer = Trainer(cfg, dims, build_mesh(dims, device.type), device)
+        trainer = trainer_class(cfg, dims, build_mesh(dims, device.type), device)
         if trainer.resumed_from is not None and dist.get_rank() == 0:
             print(f"plait: resumed from {trainer.resumed_from} at step {trainer.start_step}",
                   flush=True)

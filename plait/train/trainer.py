@@ -29,24 +29,13 @@ from plait.train.data import TokenData
 from plait.train.faults import maybe_fail
 from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
 from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from plait.train.outputs import Outputs
 from plait.train.progress import Progress
 from plait.train.tracing import STEP, finish_trace, traced_steps
 
 
 class NonFiniteGradient(RuntimeError):
     """The global gradient norm of a step is NaN or infinite (train.nan_policy = "stop")."""
-
-
-@dataclass(frozen=True)
-class Outputs:
-    """Where a run reports besides its summary: rank 0 writes the metrics, the TensorBoard
-    scalars and the progress; every rank writes its trace."""
-
-    metrics: str | None = None
-    tensorboard: str | None = None
-    trace: str | None = None
-    trace_steps: int = 1
-    progress: bool = False
 
 
 @dataclass
@@ -173,10 +162,10 @@ class Trainer:
         broadcast(t, src=0, group=world)
         return t.item()
 
-    def fit(self, outputs: Outputs = Outputs()) -> Summary:
+    def fit(self, outputs: Outputs | None = None) -> Summary:
         """Train from `start_step` until `train.steps` or `train.stop_after` steps are done,
         saving checkpoints when `checkpoint.dir` is set."""
-        cfg, summary = self.train_cfg, Summary()
+        cfg, summary, outputs = self.train_cfg, Summary(), outputs or Outputs()
         last = min(cfg.steps, cfg.stop_after or cfg.steps)
         peak = self._peak_flops() * dist.get_world_size()
         writer = MetricsWriter(outputs.metrics if self.is_logger else None,
