@@ -85,7 +85,8 @@ def write_report(metrics: str, out: str | None = None) -> tuple[list[Path], list
                 ax.plot(steps, values, style, label=key.replace("_", " "), markersize=4)
         ax.set_xlabel("tokens" if per_token else "step")
         ax.set_ylabel("loss")
-        ax.legend()
+        if ax.lines:  # metrics without `tokens` leave the per-token panel empty
+            ax.legend()
         ax.grid(alpha=0.3)
     written.append(_save(fig, folder, "loss.png"))
 
