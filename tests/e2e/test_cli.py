@@ -44,34 +44,34 @@ def read_metrics(path):
 
 
 def test_default_recipe_trains_on_4_workers(tmp_path):
-    """The default recipe, cut to 16 steps (warm-up clipped to them): 4 workers, the loss clearly
-    falling (measured: 5.49 -> 2.71), validation falling between its two passes, metrics exact."""
+    """The default recipe, cut to 8 steps (warm-up clipped to them): 4 workers, the loss clearly
+    falling (measured: 5.49 -> 3.45), validation falling between its two passes, metrics exact."""
     metrics = tmp_path / "m.jsonl"
-    proc = plait("train", "--nproc", "4", "--metrics", str(metrics), "train.steps=16",
-                 "train.eval_every=8")
+    proc = plait("train", "--nproc", "4", "--metrics", str(metrics), "train.steps=8",
+                 "train.eval_every=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "plait train: 4 rank(s)" in proc.stdout + proc.stderr  # the summary table
     records = read_metrics(metrics)
-    assert [r["step"] for r in records] == list(range(16))
+    assert [r["step"] for r in records] == list(range(8))
     assert all(FIELDS <= r.keys() for r in records)
-    assert records[-1]["loss"] < records[0]["loss"] - 2.0
-    assert records[-1]["val_loss"] < records[7]["val_loss"]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.5
+    assert records[-1]["val_loss"] < records[3]["val_loss"]
     state = records[-1]["model_state_bytes"]
     assert state["grads"] == state["params"] and state["optimizer"] == 2 * state["params"]
     # Plain data parallelism: one all-reduce of all gradients, 2 (n - 1) / n of their bytes.
     assert all(r["comm_bytes"] == 2 * 3 / 4 * state["params"] for r in records)
-    assert records[-1]["tokens"] == 16 * 32 * 128
+    assert records[-1]["tokens"] == 8 * 32 * 128
 
 
 def test_dp2_tp2_sp_recipe(tmp_path):
-    """The 2-D recipe, cut to 8 steps: loss falls; each rank holds half of every split weight
-    and all of the norms (exact bytes)."""
+    """The 2-D recipe, cut to 4 steps: the loss falls (measured 5.49 -> 4.17); each rank holds
+    half of every split weight and all of the norms (exact bytes)."""
     from plait.model import build_model, model_args
     from plait.parallel.tensor_parallel import BLOCK_SPLITS
 
     metrics = tmp_path / "m.jsonl"
     proc = plait("train", "--config", "dp2_tp2_sp", "--nproc", "4", "--metrics", str(metrics),
-                 "train.steps=8", "train.eval_every=0")
+                 "train.steps=4", "train.eval_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0

@@ -22,12 +22,13 @@ FINAL = "step-00000008"
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The run no fault touches: its final checkpoint and metrics."""
+    """The run no fault touches: its final checkpoint, metrics, and folder of checkpoints (all
+    four kept)."""
     root = tmp_path_factory.mktemp("straight")
     proc = plait("train", "--nproc", "2", "--metrics", str(root / "m.jsonl"), *RUN,
-                 f"checkpoint.dir={root / 'ck'}")
+                 f"checkpoint.dir={root / 'ck'}", "checkpoint.keep=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return load_full(root / "ck" / FINAL), read_metrics(root / "m.jsonl")
+    return load_full(root / "ck" / FINAL), read_metrics(root / "m.jsonl"), root / "ck"
 
 
 def _faulty(tmp_path, fault):
@@ -49,7 +50,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(
     out = _faulty(tmp_path, fault)
     assert f"resumed from {tmp_path / 'ck' / f'step-{resumed:08d}'} at step {resumed}" in out
     got = load_full(tmp_path / "ck" / FINAL)
-    want, _ = uninterrupted
+    want, *_ = uninterrupted
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -57,23 +58,22 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_nothing_happened(
 
 @pytest.mark.slow
 def test_resume_on_half_the_workers_keeps_the_global_batch(tmp_path, uninterrupted):
-    """Saved by 2 workers after 4 steps, resumed on 1: dp 2 -> 1, each rank accumulates over 2
-    micro-batches of the same size as before, and the losses continue the uninterrupted run's
-    (within fp32 summation order, 1e-5)."""
-    ck = f"checkpoint.dir={tmp_path / 'ck'}"
+    """The uninterrupted run's checkpoint of step 4, saved by 2 workers, resumed on 1: dp 2 -> 1,
+    each rank accumulates over 2 micro-batches of the same size as before, and the losses
+    continue the uninterrupted run's (within fp32 summation order, 1e-5)."""
+    _, straight, saved = uninterrupted
     metrics = tmp_path / "m.jsonl"
-    first = plait("train", "--nproc", "2", "--metrics", str(metrics), *RUN, ck,
-                  "train.stop_after=4")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = plait("train", "--nproc", "1", "--metrics", str(metrics), *RUN, ck)
+    second = plait("train", "--nproc", "1", "--metrics", str(metrics), *RUN,
+                   f"checkpoint.dir={tmp_path / 'ck'}",
+                   f"checkpoint.resume={saved / 'step-00000004'}")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming a run of 2 workers on 1: dp 2 -> 1" in second.stderr
     assert "parallel.microbatches 1 -> 2 per rank, of 4 sequences" in second.stderr
-    records = read_metrics(metrics)  # one file: the resumed run appends
-    assert [r["step"] for r in records] == list(range(8))
-    _, straight = uninterrupted
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(4, 8))
     torch.testing.assert_close(torch.tensor([r["loss"] for r in records]),
-                               torch.tensor([r["loss"] for r in straight]), rtol=1e-5, atol=0)
+                               torch.tensor([r["loss"] for r in straight[4:]]), rtol=1e-5,
+                               atol=0)
     assert json.loads((tmp_path / "ck" / FINAL / "plait.json").read_text())["world_size"] == 1
 
 
@@ -91,5 +91,5 @@ def test_torchrun_restarts_resume_too(tmp_path, uninterrupted):
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr
-    got, (want, _) = load_full(tmp_path / "ck" / FINAL), uninterrupted
+    got, (want, *_) = load_full(tmp_path / "ck" / FINAL), uninterrupted
     assert all(torch.equal(got[name], want[name]) for name in want)
