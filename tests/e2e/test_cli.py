@@ -1,6 +1,7 @@
 """The real thing: `plait train` launching workers through the elastic launcher, and torchrun."""
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -24,19 +25,23 @@ def plait(*args, timeout=240, **kwargs):
                           timeout=timeout, **kwargs)
 
 
-def plait_here(capsys, *args) -> subprocess.CompletedProcess:
-    """`plait ARGS` run by the console script's own `main` in this process, for the commands that
-    start no worker (a new interpreter costs seconds of imports): its exit status and output."""
+def plait_here(*args) -> subprocess.CompletedProcess:
+    """`plait ARGS` run by the console script's own `main` in this process: its exit status and
+    what this process printed. A new interpreter costs seconds of imports, and its launcher a new
+    forkserver (torch imported again, ~3 s); here the workers of every run come from this test
+    process's one forkserver. What the workers print is not captured (it goes where the
+    forkserver's output went): tests that read it, or that set environment variables for the
+    workers, run `plait` as a new process."""
     from plait.cli import main
 
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(path):
@@ -70,8 +75,8 @@ def test_dp2_tp2_sp_recipe(tmp_path):
     from plait.parallel.tensor_parallel import BLOCK_SPLITS
 
     metrics = tmp_path / "m.jsonl"
-    proc = plait("train", "--config", "dp2_tp2_sp", "--nproc", "4", "--metrics", str(metrics),
-                 "train.steps=4", "train.eval_every=0")
+    proc = plait_here("train", "--config", "dp2_tp2_sp", "--nproc", "4", "--metrics", str(metrics),
+                      "train.steps=4", "train.eval_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
@@ -100,8 +105,8 @@ def test_3d_recipe(tmp_path):
     """pp 2 x dp 2 x tp 2, ZeRO-1, interleaved, 8 ranks, cut to 4 steps: the loss falls, and the
     bytes of every step equal what the dry run predicts for rank 0 from one process."""
     metrics = tmp_path / "m.jsonl"
-    proc = plait("train", "--config", "3d", "--nproc", "8", "--metrics", str(metrics),
-                 "train.steps=4", "train.eval_every=0")
+    proc = plait_here("train", "--config", "3d", "--nproc", "8", "--metrics", str(metrics),
+                      "train.steps=4", "train.eval_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
@@ -155,8 +160,8 @@ def test_long_context_recipe(tmp_path):
     metrics = tmp_path / "m.jsonl"
     overrides = ["train.steps=4", "train.warmup_steps=1", "train.eval_every=0",
                  "data.seq_len=512", "data.max_bytes=400000"]
-    proc = plait("train", "--config", "long_context", "--nproc", "4", "--metrics", str(metrics),
-                 *overrides)
+    proc = plait_here("train", "--config", "long_context", "--nproc", "4", "--metrics",
+                      str(metrics), *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
@@ -173,15 +178,15 @@ def test_long_context_recipe(tmp_path):
         assert r["activation_bytes"] == dry["activations"]
 
 
-def test_dry_run_prints_every_rank_and_starts_nothing(capsys):
-    proc = plait_here(capsys, "train", "--dry-run", "--config", "3d", "--nproc", "8")
+def test_dry_run_prints_every_rank_and_starts_nothing():
+    proc = plait_here("train", "--dry-run", "--config", "3d", "--nproc", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout.split("collectives of one training step")[0]
     rows = [line for line in table.splitlines() if line.startswith("│")]
     assert [row.split("│")[1].strip() for row in rows] == [str(r) for r in range(8)]
     assert "reduce_scatter" in proc.stdout and "send" in proc.stdout
     assert "Traceback" not in proc.stderr
-    bad = plait_here(capsys, "train", "--dry-run", "--config", "3d", "--nproc", "6")
+    bad = plait_here("train", "--dry-run", "--config", "3d", "--nproc", "6")
     assert bad.returncode == 2 and bad.stderr.startswith("plait: error: parallel")
 
 
@@ -350,10 +355,10 @@ def test_a_failing_worker_brings_the_job_down_with_its_traceback():
     assert "rank one fails on purpose" in message and "Traceback" in message
 
 
-def test_too_little_data_is_refused_before_the_workers_start(tmp_path, capsys):
+def test_too_little_data_is_refused_before_the_workers_start(tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("too little text " * 4)
-    proc = plait_here(capsys, "train", "--nproc", "2", "parallel.dp=0", f"data.source={small}",
+    proc = plait_here("train", "--nproc", "2", "parallel.dp=0", f"data.source={small}",
                       *TINY)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [proc.stderr.strip()]
@@ -362,7 +367,7 @@ def test_too_little_data_is_refused_before_the_workers_start(tmp_path, capsys):
 
 def test_bench_comm_prints_every_collective():
     """Runs, and covers every row; no timing is asserted (timings live in the bench)."""
-    proc = plait("bench", "comm", "--nproc", "2", "--min-seconds", "0.001")
+    proc = plait_here("bench", "comm", "--nproc", "2", "--min-seconds", "0.001")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("all_reduce (backend)", "all_reduce (ring)", "all_reduce (naive)", "all_gather",
                  "reduce_scatter", "all_to_all", "broadcast"):
@@ -370,7 +375,7 @@ def test_bench_comm_prints_every_collective():
 
 
 def test_bench_step_compares_with_torch_ddp_at_each_world_size():
-    proc = plait("bench", "step", "--nproc", "2", "--steps", "1", *TINY)
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torch DDP" in proc.stdout and "exposed" in proc.stdout and "scaling" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
@@ -379,36 +384,37 @@ def test_bench_step_compares_with_torch_ddp_at_each_world_size():
 
 @pytest.mark.parametrize("stage,peer", [(1, "ZeroRedundancyOptimizer"), (3, "fully_shard")])
 def test_bench_step_zero_against_its_torch_peer(stage, peer):
-    proc = plait("bench", "step", "--nproc", "2", "--steps", "1", f"parallel.zero={stage}", *TINY)
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", f"parallel.zero={stage}",
+                      *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert peer in proc.stdout and f"ZeRO-{stage}" in proc.stdout
 
 
-def test_bench_step_tensor_parallel_against_dtensor(capsys):
-    proc = plait("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2", *TINY)
+def test_bench_step_tensor_parallel_against_dtensor():
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for variant in ("plait TP", "plait TP + sequence parallel", "torch DTensor TP"):
         assert variant in proc.stdout, variant
-    bad = plait_here(capsys, "bench", "step", "--nproc", "4", "parallel.tp=2", *TINY)
+    bad = plait_here("bench", "step", "--nproc", "4", "parallel.tp=2", *TINY)
     assert bad.returncode == 2 and bad.stderr.startswith("plait: error: --nproc")
 
 
-def test_bench_step_3d_against_torchs_composition(capsys):
+def test_bench_step_3d_against_torchs_composition():
     proc = plait("bench", "step", "--nproc", "4", "--steps", "1", "parallel.pp=2", "parallel.tp=2",
                  "parallel.zero=1", "model.n_layers=4", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for variant in ("plait ZeRO-1", "plait ZeRO-3", "torch pipelining + parallelize_module"):
         assert variant in proc.stdout, variant
     assert "Warning" not in proc.stderr
-    bad = plait_here(capsys, "bench", "step", "--nproc", "4", "parallel.pp=2",
+    bad = plait_here("bench", "step", "--nproc", "4", "parallel.pp=2",
                      "parallel.pp_schedule=zb1", *TINY)
     assert bad.returncode == 2 and "parallel.pp_schedule" in bad.stderr
 
 
 def test_bench_pp_tables_every_schedule_and_draws_the_timeline(tmp_path):
     png = tmp_path / "timeline.png"
-    proc = plait("bench", "pp", "--nproc", "2", "--steps", "1", "--png", str(png),
-                 "model.n_layers=4", "parallel.microbatches=4", *TINY)
+    proc = plait_here("bench", "pp", "--nproc", "2", "--steps", "1", "--png", str(png),
+                      "model.n_layers=4", "parallel.microbatches=4", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split("│")[1].strip(): line for line in proc.stdout.splitlines()
             if line.startswith("│")}
@@ -420,8 +426,8 @@ def test_bench_pp_tables_every_schedule_and_draws_the_timeline(tmp_path):
 
 def test_bench_moe_tables_each_degree_and_draws_the_load(tmp_path):
     png = tmp_path / "load.png"
-    proc = plait("bench", "moe", "--nproc", "2", "--ep", "1,2", "--steps", "1", "--warmup", "0",
-                 "--png", str(png), *TINY, "model.preset='tiny-moe'")
+    proc = plait_here("bench", "moe", "--nproc", "2", "--ep", "1,2", "--steps", "1", "--warmup",
+                      "0", "--png", str(png), *TINY, "model.preset='tiny-moe'")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in proc.stdout.splitlines() if line.startswith("│")}
@@ -434,8 +440,8 @@ def test_bench_moe_tables_each_degree_and_draws_the_load(tmp_path):
 
 def test_bench_compression_tables_each_method_and_the_torch_hooks(tmp_path):
     png = tmp_path / "loss.png"
-    proc = plait("bench", "compression", "--nproc", "2", "--methods", "none,int8,topk",
-                 "--png", str(png), *TINY)
+    proc = plait_here("bench", "compression", "--nproc", "2", "--methods", "none,int8,topk",
+                      "--png", str(png), *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in proc.stdout.splitlines() if line.startswith("│")}
@@ -447,8 +453,8 @@ def test_bench_compression_tables_each_method_and_the_torch_hooks(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_compression_refuses_an_unknown_method(capsys):
-    proc = plait_here(capsys, "bench", "compression", "--methods", "none,zip")
+def test_bench_compression_refuses_an_unknown_method():
+    proc = plait_here("bench", "compression", "--methods", "none,zip")
     assert proc.returncode == 2 and proc.stderr.startswith("plait: error: --methods")
 
 
@@ -458,23 +464,23 @@ def _metrics(path, losses):
     return str(path)
 
 
-def test_compare_names_the_first_step_beyond_tolerance(tmp_path, capsys):
+def test_compare_names_the_first_step_beyond_tolerance(tmp_path):
     a = _metrics(tmp_path / "a.jsonl", [5.0, 4.0, 3.0, 2.5])
     same = _metrics(tmp_path / "same.jsonl", [5.0, 4.0 * (1 + 1e-7), 3.0, 2.5])
     off = _metrics(tmp_path / "off.jsonl", [5.0, 4.0, 3.01, 2.6])
     short = _metrics(tmp_path / "short.jsonl", [5.0, 4.0])
     nan = _metrics(tmp_path / "nan.jsonl", [5.0, None, 3.0, 2.5])  # a run's null: not finite
-    assert plait_here(capsys, "compare", a, same).returncode == 0
-    proc = plait_here(capsys, "compare", a, off)
+    assert plait_here("compare", a, same).returncode == 0
+    proc = plait_here("compare", a, off)
     assert proc.returncode == 1 and proc.stdout.startswith("step 2: loss 3.0 vs 3.01"), proc.stdout
-    assert plait_here(capsys, "compare", a, off, "--rtol", "0.05").returncode == 0
-    proc = plait_here(capsys, "compare", a, short)
+    assert plait_here("compare", a, off, "--rtol", "0.05").returncode == 0
+    proc = plait_here("compare", a, short)
     assert proc.returncode == 0 and "2 step(s) only in" in proc.stdout
-    assert plait_here(capsys, "compare", a, nan).returncode == 1
+    assert plait_here("compare", a, nan).returncode == 1
     (tmp_path / "bad.jsonl").write_text("not json\n")
     for args in ([a, str(tmp_path / "missing.jsonl")], [a, str(tmp_path / "bad.jsonl")],
                  [a, a, "--rtol", "-1"]):
-        proc = plait_here(capsys, "compare", *args)
+        proc = plait_here("compare", *args)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
 
 
@@ -489,8 +495,8 @@ def tiny_runs(tmp_path_factory):
                 env={**os.environ, "TMPDIR": str(root / "tmp")})
     assert one.returncode == 0, one.stderr[-3000:]
     (root / "one.out").write_text(one.stdout + one.stderr)
-    two = plait("train", "--nproc", "2", "--metrics", str(root / "two.jsonl"), "--tensorboard",
-                str(root / "tb"), *TINY)
+    two = plait_here("train", "--nproc", "2", "--metrics", str(root / "two.jsonl"), "--tensorboard",
+                     str(root / "tb"), *TINY)
     assert two.returncode == 0, two.stderr[-3000:]
     return root
 
@@ -499,9 +505,9 @@ def test_one_worker_unless_told(tiny_runs):
     assert "plait train: 1 rank(s)" in (tiny_runs / "one.out").read_text()
 
 
-def test_compare_two_layouts_of_one_run(tiny_runs, capsys):
+def test_compare_two_layouts_of_one_run(tiny_runs):
     """What the equivalence tests check, by the user's hand: 1 and 2 data-parallel ranks."""
-    proc = plait_here(capsys, "compare", tiny_runs / "one.jsonl", tiny_runs / "two.jsonl")
+    proc = plait_here("compare", tiny_runs / "one.jsonl", tiny_runs / "two.jsonl")
     assert proc.returncode == 0 and proc.stdout.startswith("4 steps agree"), proc.stdout
 
 
@@ -535,8 +541,8 @@ def traced_run(tmp_path_factory):
     """pp 2 x dp 2 (1F1B), 4 steps, the metrics and a trace of steps 1 and 2."""
     root = tmp_path_factory.mktemp("traced")
     metrics, out = root / "metrics.jsonl", root / "trace"
-    proc = plait("train", "--nproc", "4", "--metrics", str(metrics), "--trace", str(out),
-                 "--trace-steps", "2", "parallel.pp=2", "parallel.microbatches=2", *TINY)
+    proc = plait_here("train", "--nproc", "4", "--metrics", str(metrics), "--trace", str(out),
+                      "--trace-steps", "2", "parallel.pp=2", "parallel.microbatches=2", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
@@ -579,13 +585,13 @@ def test_trace_holds_each_ranks_actions_and_collectives(traced_run):
     assert _png(out / "pipeline.png")
 
 
-def test_report_draws_a_run_and_says_what_it_left_out(traced_run, tmp_path, capsys):
-    proc = plait_here(capsys, "report", str(traced_run), "--out", str(tmp_path / "all"))
+def test_report_draws_a_run_and_says_what_it_left_out(traced_run, tmp_path):
+    proc = plait_here("report", str(traced_run), "--out", str(tmp_path / "all"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("loss", "throughput", "comm", "memory"):
         assert _png(tmp_path / "all" / f"{name}.png"), name
     losses_only = _metrics(tmp_path / "losses.jsonl", [5.0, 4.0, 3.0])
-    proc = plait_here(capsys, "report", losses_only)
+    proc = plait_here("report", losses_only)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _png(tmp_path / "report" / "loss.png")  # default: report/ beside the file
     assert proc.stdout.count("note: left out") == 3
@@ -594,8 +600,8 @@ def test_report_draws_a_run_and_says_what_it_left_out(traced_run, tmp_path, caps
 
 def test_bench_scaling_tables_speedup_and_efficiency(tmp_path):
     png = tmp_path / "speedup.png"
-    proc = plait("bench", "scaling", "--nproc", "1,2", "--weak", "--steps", "1", "--png",
-                 str(png), *TINY)
+    proc = plait_here("bench", "scaling", "--nproc", "1,2", "--weak", "--steps", "1", "--png",
+                      str(png), *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in proc.stdout.splitlines() if line.startswith("│")}
@@ -609,13 +615,13 @@ def test_bench_scaling_tables_speedup_and_efficiency(tmp_path):
     assert _png(png)
 
 
-def test_plan_predicts_the_runs_bytes(traced_run, capsys):
+def test_plan_predicts_the_runs_bytes(traced_run):
     """DESIGN's contract: for a configuration that runs, the plan's memory and communication
     equal the run's model_state_bytes, activation_bytes and comm_bytes (rank 0)."""
     pins = ["parallel.pp=2", "parallel.tp=1", "parallel.zero=0", "parallel.dp_shard=0",
             "parallel.microbatches=2", "parallel.pp_schedule=1f1b",
             "parallel.sequence_parallel=false", "train.activation_checkpointing=none"]
-    proc = plait_here(capsys, "plan", "--gpus", "4", "--gpu", "cpu", "--json", *pins, *TINY)
+    proc = plait_here("plan", "--gpus", "4", "--gpu", "cpu", "--json", *pins, *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plans = json.loads(proc.stdout)
     assert len(plans) == 1  # every degree pinned: that plan alone
