@@ -38,7 +38,7 @@ from plait.bench.step import plait_step, start_worker, time_in_turns
 from plait.config import Config, microbatches
 from plait.model import build_model
 from plait.parallel.pipeline.stage import split_model
-from plait.parallel.tensor_parallel import BLOCK_SPLITS
+from plait.parallel.tensor_parallel import block_splits
 from plait.train.data import TokenData
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
@@ -51,7 +51,8 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _chunk_tp_plan(chunk) -> dict:
     plan = {f"layers.{i}.{path}": ColwiseParallel() if dim == 0 else RowwiseParallel()
-            for i in chunk.layers for path, dim in BLOCK_SPLITS.items()}
+            for i, block in chunk.layers.items()
+            for path, dim in block_splits(chunk.plan, block).items()}
     if chunk.first:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
     if chunk.last:

@@ -26,18 +26,19 @@ from plait.config import Config
 from plait.mesh import Axis
 from plait.model import build_model
 from plait.parallel import apply_tp
-from plait.parallel.tensor_parallel import BLOCK_SPLITS
+from plait.parallel.tensor_parallel import block_splits
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.train.data import TokenData
 
 
-def torch_tp_plan(n_layers: int) -> dict:
+def torch_tp_plan(model) -> dict:
+    """torch's `parallelize_module` plan splitting what plait's model plan splits."""
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
         "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
-    for i in range(n_layers):
-        for path, dim in BLOCK_SPLITS.items():
+    for i, block in model.layers.items():
+        for path, dim in block_splits(model.plan, block).items():
             plan[f"layers.{i}.{path}"] = ColwiseParallel() if dim == 0 else RowwiseParallel()
     return plan
 
@@ -62,7 +63,7 @@ def bench_tp(cfg: Config, steps: int) -> dict | None:
 
     def torch_step():
         model = build_model(args, cfg.train.seed)
-        parallelize_module(model, mesh["tp"], torch_tp_plan(args.n_layers))
+        parallelize_module(model, mesh["tp"], torch_tp_plan(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step():

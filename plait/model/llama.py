@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.model.llama_plan import LLAMA
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -233,6 +235,8 @@ class Transformer(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab). Untied input and output embeddings, so a
     pipeline's first and last stages own their tables outright."""
 
+    plan = LLAMA  # what the parallelisms need to know of it (plait/model/llama_plan.py)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -245,13 +249,26 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.positions = sequence_positions  # (seq_len, device) -> the tokens' positions
 
+    # The forward in three pieces, which a pipeline chunk runs on the modules it holds (the
+    # plan's `first`, blocks, `last` and `shared`, under the same names).
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)  # (b, s) -> (b, s, dim)
+
+    def block_args(self, h: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
+        """What every block takes besides the hidden states: the rotary tables of the tokens'
+        positions (this cp rank's, under context parallelism)."""
+        positions = self.positions(seq_len, h.device)
+        return rope_tables(positions, self.args.head_dim, self.args.rope_theta)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))  # (b, s, dim) -> (b, s, vocab)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)  # (b, s, dim)
-        positions = self.positions(tokens.shape[1], h.device)
-        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
+        h = self.embed(tokens)
+        extra = self.block_args(h, tokens.shape[1])
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+            h = layer(h, *extra)
+        return self.head(h)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.comm import all_reduce
@@ -32,7 +33,6 @@ from plait.comm.allreduce import AllReduceAlgorithm
 from plait.comm.compression import build_compression
 from plait.config import ParallelConfig
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, hsdp_groups
-from plait.model.llama import Transformer
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
@@ -107,7 +107,7 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 
 def parallelize(
-    model: Transformer,
+    model: nn.Module,
     mesh: DeviceMesh,
     cfg: ParallelConfig,
     microbatches: int = 1,
@@ -153,7 +153,7 @@ def parallelize(
     return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context)
 
 
-def place(model: Transformer, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
+def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
           activation_checkpointing: str = "none"):
     """The model-parallel part of the straight line, which needs no communication to apply:
     pipeline chunks, then per chunk tensor (+ sequence), context and expert parallelism and

@@ -8,8 +8,9 @@ Large Transformer Models", section 5): drop tensors saved for backward and recom
 - "full": each transformer block keeps only its input; its forward runs again in its backward
   (one extra forward per block, including its tensor-parallel collectives).
 - "selective": the matmul inputs and outputs are kept; the cheap, memory-hungry operations between
-  them (the two RMSNorms, rotary embedding + attention core, the SwiGLU gate) keep only their
-  inputs and are recomputed. No collective runs again.
+  them (the model plan's `recompute`; for plait's Llama the two RMSNorms, rotary embedding +
+  attention core, the SwiGLU gate) keep only their inputs and are recomputed. No collective runs
+  again.
 
 Applied with torch's composable `checkpoint` (hooks on the module; names unchanged). Its
 recomputation runs under `recomputing()`, so that hooks of other transforms that must not act
@@ -23,7 +24,7 @@ import contextlib
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from plait.model.llama import SwiGLUGate
+from plait.model.plan import matching, plan_of
 
 MODES = ("none", "full", "selective")
 
@@ -52,13 +53,14 @@ def _contexts():
     return contextlib.nullcontext(), _Recomputing()
 
 
-def checkpointed_modules(block: nn.Module, mode: str) -> list[nn.Module]:
-    """The modules of one block whose forward is recomputed under `mode`."""
+def checkpointed_modules(block: nn.Module, mode: str, recompute=()) -> list[nn.Module]:
+    """The modules of one block whose forward is recomputed under `mode`; "selective": those
+    matching the model plan's `recompute` patterns."""
     if mode == "full":
         return [block]
-    if mode == "selective":  # a mixture of experts: each expert's gate
-        gates = [m for m in block.feed_forward.modules() if isinstance(m, SwiGLUGate)]
-        return [block.attention_norm, block.attention.core, block.ffn_norm, *gates]
+    if mode == "selective":
+        paths = matching((path for path, _ in block.named_modules()), recompute)
+        return [block.get_submodule(path) for path in paths]
     return []
 
 
@@ -66,9 +68,11 @@ def apply_activation_checkpointing(chunk: nn.Module, mode: str) -> int:
     """Checkpoint every block of a model or pipeline chunk in place; returns how many modules."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing is one of {', '.join(MODES)}, got {mode!r}")
-    count = 0
-    for block in chunk.layers.values():
-        for module in checkpointed_modules(block, mode):
+    if mode == "none":
+        return 0
+    plan, count = plan_of(chunk), 0
+    for block in chunk.get_submodule(plan.blocks).values():
+        for module in checkpointed_modules(block, mode, plan.recompute):
             checkpoint(module, context_fn=_contexts)
             count += 1
     return count

@@ -37,6 +37,7 @@ from plait.comm import shift
 from plait.comm.autograd import heads_to_seq, seq_to_heads
 from plait.mesh import Axis
 from plait.model.llama import apply_rope, causal_attention
+from plait.model.plan import plan_of
 
 METHODS = ("ring", "ulysses")
 
@@ -281,8 +282,12 @@ def apply_cp(chunk: nn.Module, cp: Axis, method: str) -> ContextLayout:
     layout = ContextLayout(method, cp.rank, cp.size)
     if cp.size == 1:
         return layout
-    chunk.positions = layout.positions
-    for block in chunk.layers.values():
-        block.attention.core = (RingAttentionCore(cp, layout) if method == "ring"
-                                else UlyssesAttentionCore(cp))
+    plan = plan_of(chunk)
+    if plan.attention_core is None or plan.positions is None:
+        raise ValueError(f"context parallelism needs the {plan.family} plan's attention_core "
+                         "and positions")
+    setattr(chunk, plan.positions, layout.positions)
+    for block in chunk.get_submodule(plan.blocks).values():
+        block.set_submodule(plan.attention_core, RingAttentionCore(cp, layout)
+                            if method == "ring" else UlyssesAttentionCore(cp))
     return layout

@@ -39,14 +39,23 @@ from plait.comm import all_reduced, all_to_all
 from plait.comm.autograd import all_to_all_rows
 from plait.mesh import Axis
 from plait.model.moe import MoEFeedForward, Routing, run_experts
+from plait.model.plan import plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.placement import PlacementRecord
 
 
 def moe_layers(chunk: nn.Module) -> dict[str, MoEFeedForward]:
-    """The chunk's MoE feed-forwards by block name."""
-    return {i: b.feed_forward for i, b in chunk.layers.items()
-            if isinstance(b.feed_forward, MoEFeedForward)}
+    """The chunk's mixtures of experts (its plan's `moe` module, where a block has one) by block
+    index."""
+    plan = plan_of(chunk)
+    if plan.moe is None:
+        return {}
+    out = {}
+    for i, block in chunk.get_submodule(plan.blocks).items():
+        layer = block.get_submodule(plan.moe)
+        if isinstance(layer, MoEFeedForward):
+            out[i] = layer
+    return out
 
 
 def expert_range(n_experts: int, ep: Axis) -> range:
@@ -88,12 +97,13 @@ def apply_ep(chunk: nn.Module, ep: Axis, batch: Axis, record: PlacementRecord | 
     `grad_scale` (a micro-batch's share of the loss, and 1 / tp: every tp rank attaches them)."""
     names = [n for n, _ in chunk.named_parameters()]
     experts = set()
+    plan = plan_of(chunk)
     for i, layer in moe_layers(chunk).items():
         if layer.n_experts % ep.size:
             raise ValueError(f"ep={ep.size} must divide moe_experts={layer.n_experts}")
         held = expert_range(layer.n_experts, ep)
         for e in range(layer.n_experts):
-            prefix = f"layers.{i}.feed_forward.experts.{e}."
+            prefix = f"{plan.blocks}.{i}.{plan.moe}.experts.{e}."
             if e in held:
                 experts |= {n for n in names if n.startswith(prefix)}
             else:

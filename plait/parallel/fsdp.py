@@ -40,6 +40,7 @@ from torch import nn
 from plait.comm import Pending, all_gather
 from plait.comm.compression import Compression
 from plait.mesh import Axis
+from plait.model.plan import plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.data_parallel import sync_classes
 from plait.parallel.flat import FlatParam
@@ -48,29 +49,43 @@ from plait.parallel.zero import ShardedEngine
 
 
 def unit_modules(chunk: nn.Module) -> list[list[nn.Module]]:
-    """A model's (or pipeline chunk's) units in execution order: the embedding, each block, the
-    head (final norm + output), each where the chunk has it."""
-    units = [[chunk.tok_embeddings]] if hasattr(chunk, "tok_embeddings") else []
-    units += [[block] for block in chunk.layers.values()]
-    if hasattr(chunk, "output"):
-        units.append([chunk.norm, chunk.output])
-    return units
+    """A model's (or pipeline chunk's) units in execution order: the modules with parameters
+    before its blocks (the embedding), each block, the modules with parameters after them (the
+    final norm and the head), each where the chunk has them. The blocks are the plan's."""
+    blocks = chunk.get_submodule(plan_of(chunk).blocks)
+    before, after, seen = [], [], False
+    for child in chunk.children():
+        if child is blocks:
+            seen = True
+        elif any(True for _ in child.parameters()):
+            (after if seen else before).append(child)
+    return ([before] if before else []) + [[b] for b in blocks.values()] + \
+        ([after] if after else [])
 
 
 def unit_prefixes(names) -> list[tuple[str, ...]]:
     """The parameter-name prefixes of each unit, in the order of `unit_modules`, for parameters
-    named as in the single-device model (`names` in execution order)."""
-    out, seen = [], set()
+    named as in the single-device model (`names` in execution order): a block's parameters are
+    those up to the first integer in their name (`layers.3.`), and the parameters before the
+    first block and after the last form one unit each."""
+    out, seen, loose = [], set(), []
     for name in names:
-        if name.startswith("tok_embeddings."):
-            key = ("tok_embeddings.",)
-        elif name.startswith("layers."):
-            key = (f"layers.{name.split('.')[1]}.",)
-        else:
-            key = ("norm.", "output.")
+        parts = name.split(".")
+        index = next((k for k, p in enumerate(parts) if p.isdigit()), None)
+        if index is None:  # before or after the blocks: grouped until the next block
+            prefix = name.rsplit(".", 1)[0] + "." if "." in name else name
+            if prefix not in loose:
+                loose.append(prefix)
+            continue
+        if loose:
+            out.append(tuple(loose))
+            loose = []
+        key = (".".join(parts[:index + 1]) + ".",)
         if key not in seen:
             seen.add(key)
             out.append(key)
+    if loose:
+        out.append(tuple(loose))
     return out
 
 

@@ -19,7 +19,8 @@ from plait.comm import LEDGER, Op
 from plait.mesh import Axis
 from plait.model import build_model, model_args
 from plait.parallel import apply_tp
-from plait.parallel.tensor_parallel import BLOCK_SPLITS, _verify, split_dims
+from plait.model.llama_plan import LLAMA
+from plait.parallel.tensor_parallel import _verify, split_dims
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
 # 8 query heads sharing 4 key/value heads: grouped-query attention that tp = 2 and 4 both divide.
@@ -30,8 +31,8 @@ def split_dim(name: str) -> int | None:
     """Along which dim `name` is split by apply_tp; None if it is replicated."""
     if name in ("tok_embeddings.weight", "output.weight"):
         return 0
-    for path, dim in BLOCK_SPLITS.items():
-        if name.endswith(f"{path}.weight"):
+    for path, dim in LLAMA.tp_splits.items():
+        if "*" not in path and name.endswith(f"{path}.weight"):
             return dim
     return None
 
@@ -124,10 +125,11 @@ def test_sharded_parameter_bytes():
 def test_verification_catches_a_layer_that_was_not_split():
     def body():
         model = build_model(ARGS, seed=0)
+        full = {n: tuple(p.shape) for n, p in model.named_parameters()}
         apply_tp(model, world_tp())
         model.layers["1"].feed_forward.w1 = torch.nn.Linear(ARGS.dim, ARGS.ffn_dim, bias=False)
         with pytest.raises(RuntimeError, match="layers.1.feed_forward.w1 was not split"):
-            _verify(model, split_dims(model), dist.get_world_size())
+            _verify(model, full, split_dims(model), dist.get_world_size())
         return True
 
     assert all(run_world(body, 2))

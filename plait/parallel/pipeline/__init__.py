@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 
+from torch import nn
+
 from plait.config import ParallelConfig
 from plait.mesh import Axis
-from plait.model.llama import Transformer
 from plait.parallel.pipeline.executor import PipelineExecutor
 from plait.parallel.pipeline.schedules import Schedule, build_schedule, forward_only
 from plait.parallel.pipeline.simulator import check
@@ -42,7 +43,7 @@ def _checked(name: str, stages: int, microbatches: int, virtual: int) -> Schedul
     return schedule
 
 
-def apply_pp(model: Transformer, pp: Axis, cfg: ParallelConfig, microbatches: int,
+def apply_pp(model: nn.Module, pp: Axis, cfg: ParallelConfig, microbatches: int,
              record: PlacementRecord | None = None) -> tuple[StageModules, Schedule]:
     """Keep only this stage's chunks of `model`; returns them with the schedule. The record gets
     every parameter the stage holds (whole, on this pp coordinate) and loses the others."""

@@ -1,7 +1,8 @@
-"""Cutting a `plait.model.Transformer` into pipeline chunks.
+"""Cutting a model into pipeline chunks, as its plan says.
 
-Chunk c of C holds a contiguous run of layers; the first also the embedding, the last also the
-final norm and the output head (the loss is computed there). Layers are balanced by parameter
+Chunk c of C holds a contiguous run of blocks; the first also what comes before them (the
+embedding), the last what comes after (the final norm and the output head; the loss is computed
+there). Layers are balanced by parameter
 count (the embedding and head counting toward their chunks) unless a split is given. A chunk keeps
 the model's parameter names (`layers.4.attention.wq.weight`), so weights, checkpoints and the
 single-device reference line up.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plait.model.llama import Transformer, rope_tables
+from plait.model.plan import plan_of
 
 
 def balanced_split(costs: list[int], first_extra: int, last_extra: int, parts: int) -> list[int]:
@@ -43,31 +44,36 @@ def balanced_split(costs: list[int], first_extra: int, last_extra: int, parts: i
 
 
 class PipelineChunk(nn.Module):
-    """Layers [start, end) of the model, with the embedding if first and the head if last.
-    forward: tokens (b, s) or hidden (b, s, dim) -> hidden (b, s, dim), or logits if last."""
+    """Blocks [start, end) of the model, with the plan's `first` modules if first and `last` if
+    last. forward: inputs or hidden (b, s, dim) -> hidden (b, s, dim), or outputs if last,
+    running the model's own pieces (`embed`, `block_args`, `head`) on the modules it holds,
+    which it keeps under the model's names."""
 
-    def __init__(self, model: Transformer, start: int, end: int, first: bool, last: bool):
+    def __init__(self, model: nn.Module, start: int, end: int, first: bool, last: bool):
         super().__init__()
-        self.args = model.args
-        if first:
-            self.tok_embeddings = model.tok_embeddings
-        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(start, end)})
-        if last:
-            self.norm, self.output = model.norm, model.output
+        plan = plan_of(model)
+        self.args, self.plan, self.code = model.args, plan, type(model)
+        for name in plan.first if first else ():
+            setattr(self, name, getattr(model, name))
+        blocks = model.get_submodule(plan.blocks)
+        setattr(self, plan.blocks, nn.ModuleDict({str(i): blocks[str(i)]
+                                                  for i in range(start, end)}))
+        for name in plan.last if last else ():
+            setattr(self, name, getattr(model, name))
+        for name in plan.shared:
+            setattr(self, name, getattr(model, name))
         self.first, self.last = first, last
         # Under sequence parallelism hidden states between chunks hold 1/T of the sequence (set
-        # by apply_tp); rotary positions span the whole sequence (of this cp rank's shard).
+        # by apply_tp); positions span the whole sequence (of this cp rank's shard).
         self.seq_shards = 1
-        self.positions = model.positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
-        h = self.tok_embeddings(x) if self.first else x
-        positions = self.positions(seq, h.device)
-        cos, sin = rope_tables(positions, self.args.head_dim, self.args.rope_theta)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h)) if self.last else h
+        h = self.code.embed(self, x) if self.first else x
+        extra = self.code.block_args(self, h, seq)
+        for block in self.get_submodule(self.plan.blocks).values():
+            h = block(h, *extra)
+        return self.code.head(self, h) if self.last else h
 
 
 class StageModules(nn.ModuleDict):
@@ -82,22 +88,27 @@ class StageModules(nn.ModuleDict):
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
 
 
-def chunk_sizes(model: Transformer, chunks: int) -> list[int]:
-    """Layers per chunk, balanced by parameter count."""
-    per_layer = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
-    head = sum(p.numel() for p in (*model.norm.parameters(), *model.output.parameters()))
-    return balanced_split(per_layer, model.tok_embeddings.weight.numel(), head, chunks)
+def _numel(model: nn.Module, names) -> int:
+    return sum(p.numel() for n in names for p in getattr(model, n).parameters())
 
 
-def split_model(model: Transformer, chunks: int, sizes: list[int] | None = None):
-    """All C chunks of `model` (sharing its modules), balanced unless `sizes` lists the layers
+def chunk_sizes(model: nn.Module, chunks: int) -> list[int]:
+    """Blocks per chunk, balanced by parameter count."""
+    plan = plan_of(model)
+    per_block = [sum(p.numel() for p in block.parameters())
+                 for block in model.get_submodule(plan.blocks).values()]
+    return balanced_split(per_block, _numel(model, plan.first), _numel(model, plan.last), chunks)
+
+
+def split_model(model: nn.Module, chunks: int, sizes: list[int] | None = None):
+    """All C chunks of `model` (sharing its modules), balanced unless `sizes` lists the blocks
     per chunk."""
-    args = model.args
+    blocks = len(model.get_submodule(plan_of(model).blocks))
     if sizes is None:
         sizes = chunk_sizes(model, chunks)
-    if len(sizes) != chunks or sum(sizes) != args.n_layers or min(sizes) < 1:
+    if len(sizes) != chunks or sum(sizes) != blocks or min(sizes) < 1:
         raise ValueError(f"split {sizes} must give {chunks} chunks >= 1 layer, "
-                         f"{args.n_layers} layers in all")
+                         f"{blocks} layers in all")
     out, start = [], 0
     for c, size in enumerate(sizes):
         out.append(PipelineChunk(model, start, start + size, c == 0, c == chunks - 1))

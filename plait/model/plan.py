@@ -1,0 +1,77 @@
+"""A model plan: what the parallelisms need to know about a model family, as data.
+
+`plait/parallel/` reads plans and never names a model's modules; adding a family is one plan file
+beside its model (torchtitan's per-model `parallelize` + `sharding.py`, Hugging Face's
+`base_model_tp_plan`). Module paths inside a block are patterns matched with `fnmatch` against
+`named_modules()` paths, where `*` also spans dots (`feed_forward.experts.*.w1` matches every
+expert's w1).
+
+A model (or a pipeline chunk of one) carries its plan as the attribute `plan`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model family's plan. The model class also provides its forward in three pieces, which a
+    pipeline chunk runs on the modules it holds: `embed(inputs) -> h`, `block_args(h, seq_len)
+    -> the blocks' other arguments`, `head(h) -> outputs`; each block is called as
+    `block(h, *block_args)`."""
+
+    family: str
+    # The container of the repeated blocks (an nn.ModuleDict keyed by the global block index).
+    blocks: str
+    # Pipeline parallelism: the top-level modules the first chunk holds (before the blocks), the
+    # last (after them), and the attributes every chunk shares (no parameters).
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    # Tensor parallelism (Megatron): block-relative linear pattern -> the dim of its weight that
+    # is split, 0 = output rows (column-parallel), 1 = input columns (row-parallel).
+    tp_splits: Mapping[str, int] = field(default_factory=dict)
+    # The block halves: each starts with column-parallel and ends with row-parallel linears, so
+    # one collective goes in (on its first argument) and one comes out.
+    tp_halves: tuple[str, ...] = ()
+    # Fields of `model.args` that the tp degree must divide (heads, hidden units, vocabulary).
+    tp_divides: tuple[str, ...] = ()
+    # Block-relative parameters replicated over tp whose gradient is a partial sum over tp
+    # anyway (a router whose gates meet only this rank's shard of the expert outputs).
+    tp_partial_grads: tuple[str, ...] = ()
+    # Top-level modules split by vocabulary: the input embedding, the output head.
+    vocab_embedding: str | None = None
+    vocab_head: str | None = None
+    # Context parallelism: the block-relative module that mixes tokens, (q, k, v, cos, sin) ->
+    # attention output, which cp replaces by one attending across the sequence shards; and the
+    # model's attribute holding (seq_len, device) -> the positions of the tokens it sees.
+    attention_core: str | None = None
+    positions: str | None = None
+    # Selective activation checkpointing: the block-relative modules whose forward is cheap and
+    # whose saved tensors are large (norms, the attention core, activation functions).
+    recompute: tuple[str, ...] = ()
+    # The block-relative module that is a mixture of experts in the blocks that have one.
+    moe: str | None = None
+
+
+def plan_of(module: nn.Module) -> ModelPlan:
+    """The plan `module` carries (a model, or a pipeline chunk of one)."""
+    plan = getattr(module, "plan", None)
+    if not isinstance(plan, ModelPlan):
+        raise TypeError(f"{type(module).__name__} has no model plan (attribute `plan`)")
+    return plan
+
+
+def matching(paths, patterns) -> dict[str, str]:
+    """Each path that matches one of `patterns` -> the first pattern it matches."""
+    out = {}
+    for path in paths:
+        hit = next((p for p in patterns if fnmatchcase(path, p)), None)
+        if path and hit is not None:
+            out[path] = hit
+    return out
