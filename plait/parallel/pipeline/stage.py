@@ -2,10 +2,10 @@
 
 Chunk c of C holds a contiguous run of blocks; the first also what comes before them (the
 embedding), the last what comes after (the final norm and the output head; the loss is computed
-there). Layers are balanced by parameter
-count (the embedding and head counting toward their chunks) unless a split is given. A chunk keeps
-the model's parameter names (`layers.4.attention.wq.weight`), so weights, checkpoints and the
-single-device reference line up.
+there). Blocks are balanced by parameter count (the first and last modules counting toward
+their chunks) unless a split is given. A chunk keeps the model's parameter names
+(`layers.4.attention.wq.weight`), so weights, checkpoints and the single-device reference line
+up.
 """
 
 from __future__ import annotations
