@@ -1,3 +1,31 @@
-"""plait: a distributed training engine for PyTorch."""
+"""plait: a distributed training engine for PyTorch.
+
+The Python API (`plait/api.py`; README "Use plait from Python"): `init`, `prepare`, `print0`,
+`finish`, with `ParallelConfig`, `WrapPolicy` and `ModelPlan`. They are imported when first used,
+so that `import plait.cli` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "init": "plait.api",
+    "prepare": "plait.api",
+    "finish": "plait.api",
+    "print0": "plait.api",
+    "Prepared": "plait.api",
+    "ParallelConfig": "plait.config",
+    "WrapPolicy": "plait.parallel.wrap",
+    "ModelPlan": "plait.model.plan",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")

@@ -15,10 +15,10 @@ from plait.config import (
     Config,
     ConfigError,
     DataConfig,
-    ModelConfig,
     ParallelConfig,
     TrainConfig,
     microbatches,
+    model_section,
 )
 from plait.mesh import AXES, ParallelDims
 from plait.model.llama import ModelArgs
@@ -29,6 +29,8 @@ from plait.parallel.context_parallel import METHODS as CP_METHODS
 def validate(cfg: Config, world_size: int) -> ParallelDims:
     """Check everything that can be checked before launch; return the resolved mesh degrees."""
     dims = _resolve_dims(cfg.parallel, world_size)
+    if cfg.model.hf:
+        _check_hf(cfg, dims)
     args = _check_model(cfg.model.args())
     if args.n_heads % dims.tp or args.n_kv_heads % dims.tp:
         raise ConfigError(
@@ -53,6 +55,15 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     _check_train(cfg.train, dims)
     _check_data(cfg.data, args)
     _check_checkpoint(cfg)
+    return dims
+
+
+def validate_parallel(par: ParallelConfig, world_size: int) -> ParallelDims:
+    """The checks of the `parallel` section alone (the Python API: the model and data are the
+    user's); the resolved mesh degrees."""
+    dims = _check_hybrid(par, _resolve_dims(par, world_size))
+    _check_parallel(par)
+    _check_compression(par, dims, "fp32")
     return dims
 
 
@@ -231,6 +242,56 @@ def _check_context(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         raise ConfigError(*why)
 
 
+def _check_hf(cfg: Config, dims: ParallelDims) -> None:
+    """A Hugging Face folder: readable, its family's plan has what the degrees need, and nothing
+    the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
+    sequence)."""
+    from plait.model.hf import HF_PLANS, architecture, hf_args, read_config
+
+    folder = Path(cfg.model.hf)
+    if not (folder / "config.json").is_file():
+        raise ConfigError("model.hf", f"{folder} has no config.json; give a folder that "
+                          "transformers' save_pretrained wrote")
+    try:
+        raw = read_config(folder)
+        hf_args(raw)
+    except (ValueError, KeyError) as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}") from None
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("model.hf", "needs the transformers package: pip install "
+                          "transformers") from None
+    config = AutoConfig.from_pretrained(folder)
+    arch = architecture(raw) or config.model_type
+    plan = HF_PLANS.get(arch)
+    for axis in ("tp", "pp", "cp", "ep"):
+        if getattr(dims, axis) > 1 and plan is None:
+            raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
+                              f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
+                              f"{axis} = 1")
+    if plan is not None and dims.cp > 1 and plan.attention_core is None:
+        raise ConfigError("parallel.cp", f"the {plan.family} plan has no attention core to "
+                          "swap (context parallelism); set cp = 1")
+    if plan is not None and dims.ep > 1 and plan.moe is None:
+        raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
+    if plan is None and cfg.train.activation_checkpointing != "none":
+        raise ConfigError("train.activation_checkpointing", f"{arch} has no plait plan naming "
+                          "its blocks; set it to 'none'")
+    # A planned family's ZeRO-3 units put the embedding and the head apart; with no plan the
+    # module is one unit.
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied and (dims.tp > 1 or dims.pp > 1 or (cfg.parallel.zero == 3 and plan is not None)):
+        raise ConfigError("parallel", "the model ties its input embedding and output head "
+                          "(tie_word_embeddings), which tp, pp and ZeRO-3 would hold apart; use "
+                          "dp with ZeRO-0/1/2, or a model with tie_word_embeddings = false")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < cfg.data.seq_len:
+        raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding "
+                          f"window ({window}), which plait does not apply; use seq_len <= "
+                          f"{window}")
+
+
 def _check_model(args: ModelArgs) -> ModelArgs:
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
         if getattr(args, name) < 1:
@@ -348,7 +409,7 @@ def _check_checkpoint(cfg: Config) -> None:
                           "'never'")
     if source is not None:
         saved = read_meta(source)["config"]["model"]
-        held = ModelConfig(saved["preset"], {k: v for k, v in saved.items() if k != "preset"})
+        held = model_section(saved)
         ours = _weights_signature(cfg.model.args())
         differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
         if differ:

@@ -1,4 +1,5 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR] ...`
+`plait run [--nproc N] script.py [args ...]` (a user's own script, which uses `plait.init()`)
 `plait bench comm | step | pp | compression | scaling | checkpoint | moe ...` (`cli_bench.py`)
 `plait plan --gpus N [--gpu h100] [...]`, `plait compare A.jsonl B.jsonl [--rtol R]`,
 `plait report METRICS [--out DIR]`
@@ -48,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="print what each rank would hold and communicate; start nothing")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
     train.set_defaults(func=cmd_train)
+
+    run = sub.add_parser("run", help="run your own script on N local workers, as torchrun "
+                         "would (it calls plait.init(); README: Use plait from Python)")
+    run.add_argument("--nproc", type=int, default=1, help="local workers (default 1)")
+    run.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
+    run.add_argument("script", help="a Python file")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.set_defaults(func=cmd_run)
 
     from plait.cli_bench import add_bench  # the bench suites' options and commands
 
@@ -213,6 +222,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         from plait.train.dry_run import print_dry_run
 
+        if cfg.model.hf:
+            raise ConfigError("--dry-run", "not yet for model.hf; drop --dry-run")
+
         print_dry_run(cfg, dims)
         return
     from plait.train.run import TRAINING_STACK, run_training
@@ -220,6 +232,22 @@ def cmd_train(args: argparse.Namespace) -> None:
     try:
         launch(nproc, run_training, cfg, outputs(args), threads=cfg.train.threads,
                max_restarts=args.max_restarts, preload=(TRAINING_STACK,))
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)
+        sys.exit(1)
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from plait.launch import ChildFailedError, launch_script
+
+    if args.nproc < 1:
+        raise ConfigError("--nproc", f"need at least one process, got {args.nproc}")
+    if args.threads < 1:
+        raise ConfigError("--threads", f"at least 1, got {args.threads}")
+    if not Path(args.script).is_file():
+        raise ConfigError("script", f"{args.script} is not a file; give the path of a .py file")
+    try:
+        launch_script(args.nproc, args.script, args.args, args.threads)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)
@@ -307,10 +335,10 @@ def cmd_convert(args: argparse.Namespace) -> None:
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
         from plait.checkpoint import read_meta
-        from plait.config import ModelConfig
+        from plait.config import model_section
 
         saved = dict(read_meta(source)["config"]["model"])
-        if ModelConfig(saved.pop("preset"), saved).args().moe_experts:
+        if model_section(saved).args().moe_experts:
             raise ConfigError("CKPT", f"{source} is a mixture of experts, which a Hugging Face "
                               "Llama folder cannot hold; export a dense model")
         print(export_hf(source, out))

@@ -32,12 +32,19 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """`preset` names a size in `plait.model.PRESETS`; any other key overrides one of its fields."""
+    """`preset` names a size in `plait.model.PRESETS`; any other key overrides one of its fields.
+    `hf` names a Hugging Face model folder instead (`plait/model/hf.py`), whose config.json
+    decides the shape."""
 
     preset: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)
+    hf: str = ""
 
     def args(self) -> ModelArgs:
+        if self.hf:
+            from plait.model.hf import hf_args, read_config
+
+            return hf_args(read_config(self.hf))
         return dataclasses.replace(PRESETS[self.preset], **self.overrides)
 
 
@@ -126,7 +133,8 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         model = out.pop("model")
-        out["model"] = {"preset": model["preset"], **model["overrides"]}
+        out["model"] = {"hf": model["hf"]} if model["hf"] else \
+            {"preset": model["preset"], **model["overrides"]}
         out["checkpoint"][ASYNC] = out["checkpoint"].pop("async_")
         return out
 
@@ -193,7 +201,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(key, f"unknown section '{section}'; sections are {known}")
         raw.setdefault(section, {})[name] = value
     return Config(
-        model=_model_section(raw.get("model", {})),
+        model=model_section(raw.get("model", {})),
         **{s: _section(s, raw.get(s, {})) for s in SECTIONS if s != "model"},
     )
 
@@ -205,7 +213,16 @@ def _section(name: str, values: dict[str, Any]):
                   for k, v in values.items()})
 
 
-def _model_section(values: dict[str, Any]) -> ModelConfig:
+def model_section(values: dict[str, Any]) -> ModelConfig:
+    """The `model` section from its keys (a file's, or a checkpoint's plait.json)."""
+    if "hf" in values:
+        hf, others = values["hf"], sorted(k for k in values if k != "hf")
+        if not isinstance(hf, str) or not hf:
+            raise ConfigError("model.hf", "the path of a Hugging Face model folder, as a string")
+        if others:
+            raise ConfigError(f"model.{others[0]}", "the folder's config.json decides the model "
+                              "with model.hf; drop this key")
+        return ModelConfig(hf=hf)
     preset = values.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset '{preset}'; one of {', '.join(PRESETS)}")

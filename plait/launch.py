@@ -85,6 +85,27 @@ def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
 
 
+def _quiet_loopback(threads: int) -> None:
+    # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if sys.platform.startswith("linux"):
+        # Gloo otherwise picks the interface the hostname resolves to, which may not be loopback.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def launch_script(nproc: int, script: str, args: Sequence[str] = (), threads: int = 1) -> None:
+    """`python script args...` on `nproc` local workers, as torchrun would start it (RANK,
+    WORLD_SIZE, MASTER_ADDR, ... set; `plait.init()` reads them), over loopback. Their output
+    goes to this terminal; a worker that fails brings the others down (`ChildFailedError`)."""
+    _quiet_loopback(threads)
+    with tempfile.TemporaryDirectory(prefix="plait-launch-") as logs:
+        try:
+            elastic_launch(_config(nproc, logs), sys.executable)("-u", script, *args)
+        except ChildFailedError as e:
+            raise _with_root_cause(e, Path(logs)) from None
+
+
 def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
            max_restarts: int = 0, preload: Sequence[str] = ()) -> list:
     """Run `entrypoint(*args)` on `nproc` local workers over loopback; their return values by rank.
@@ -95,12 +116,7 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
     workers (up to that many times) when one fails; the error is raised after the last.
     `preload`: more modules the workers will import, imported once by the forkserver (the
     entrypoint's own module always is)."""
-    # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    if sys.platform.startswith("linux"):
-        # Gloo otherwise picks the interface the hostname resolves to, which may not be loopback.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _quiet_loopback(threads)
     # Workers are forked from one server process that imported torch and the entrypoint's module
     # once (a fresh interpreter, started before any worker, so no lock of the launcher's threads
     # is inherited): each spawned worker would import them again, ~3 s of CPU each.
@@ -150,4 +166,4 @@ def _config(nproc: int, logs: str, max_restarts: int = 0) -> LaunchConfig:
     )
 
 
-__all__ = ["ChildFailedError", "in_torchrun", "launch"]
+__all__ = ["ChildFailedError", "in_torchrun", "launch", "launch_script"]

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from plait.checkpoint import finish, load_full, meta, one_process, read_meta
-from plait.config import Config, ModelConfig
+from plait.config import Config, ModelConfig, model_section
 from plait.model.llama import ModelArgs
 
 # plait name -> Hugging Face name; {i} is a layer index.
@@ -99,7 +99,7 @@ def model_overrides(hf: dict) -> dict:
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Write `checkpoint` (any layout) as a Hugging Face Llama folder."""
     saved = read_meta(checkpoint)["config"]["model"]
-    args = ModelConfig(saved["preset"], {k: v for k, v in saved.items() if k != "preset"}).args()
+    args = model_section(saved).args()
     tensors = {}
     for name, t in load_full(checkpoint).items():
         if name.endswith(ROTATED):

@@ -11,6 +11,7 @@ from plait.model.plan import ModelPlan
 LLAMA = ModelPlan(
     family="llama",
     blocks="layers",
+    hidden_size="dim",
     first=("tok_embeddings",),
     last=("norm", "output"),
     shared=("positions",),

@@ -28,6 +28,11 @@ class ModelPlan:
     family: str
     # The container of the repeated blocks (an nn.ModuleDict keyed by the global block index).
     blocks: str
+    # Fields of `model.args` (the family's config): the width of the residual stream, what passes
+    # between pipeline stages as (rows, seq, width); the vocabulary size, which a
+    # vocabulary-parallel loss needs.
+    hidden_size: str = "hidden_size"
+    vocab_size: str = "vocab_size"
     # Pipeline parallelism: the top-level modules the first chunk holds (before the blocks), the
     # last (after them), and the attributes every chunk shares (no parameters).
     first: tuple[str, ...] = ()
@@ -57,6 +62,18 @@ class ModelPlan:
     recompute: tuple[str, ...] = ()
     # The block-relative module that is a mixture of experts in the blocks that have one.
     moe: str | None = None
+
+
+def has_plan(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "plan", None), ModelPlan)
+
+
+def needs_plan(module: nn.Module, what: str) -> ModelPlan:
+    """The plan of `module`, which `what` (a degree, a mode) needs; else one line naming both."""
+    if not has_plan(module):
+        raise ValueError(f"{what} needs a model plan, and {type(module).__name__} has none "
+                         "(attribute `plan`, a plait.ModelPlan; README: Use plait from Python)")
+    return plan_of(module)
 
 
 def plan_of(module: nn.Module) -> ModelPlan:

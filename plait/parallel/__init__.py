@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,27 +29,40 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.comm import all_reduce
+from plait.comm import all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm
 from plait.comm.compression import build_compression
+from plait.comm.trace import TRACER
 from plait.config import ParallelConfig
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, hsdp_groups
+from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.expert_parallel import apply_ep, expert_overrides
-from plait.parallel.fsdp import FullyShardedDataParallel
+from plait.parallel.fsdp import FullyShardedDataParallel, unit_names
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.tensor_parallel import apply_tp
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
+from plait.parallel.wrap import WrapPolicy
 from plait.parallel.zero import ZeroDataParallel
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean over the tokens of (b, s, V) logits and (b, s) targets."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+@dataclass(frozen=True)
+class ModuleOptions:
+    """What a model with no plan says about itself (any `nn.Module`, through the Python API)."""
+
+    loss_fn: Callable[..., torch.Tensor] | None = None  # (outputs, targets) -> mean loss;
+    # None: cross-entropy over (b, s, V) logits
+    wrap: WrapPolicy = WrapPolicy()  # ZeRO-3's units
+    checkpoint: WrapPolicy = WrapPolicy()  # what activation checkpointing = "full" recomputes
 
 
 @dataclass
@@ -70,6 +84,43 @@ class Parallelized:
 
     def finish_gradients(self) -> None:
         self.engine.finish_gradients()
+
+    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+             optimizer: torch.optim.Optimizer, grad_clip: float = 0.0) -> tuple[float, float]:
+        """One optimizer step, the one every caller drives (trainer, Python API, benches):
+        buffers synced, the schedule over this rank's micro-batches (inputs, targets), gradients
+        finished, the global norm, clipping to `grad_clip` (0: none), the optimizer's step.
+        Returns (the sum of this rank's scaled micro-batch losses, the global gradient norm);
+        when the norm is not finite nothing is updated and the caller decides what that means."""
+        self.sync_buffers()
+        loss_sum = self.pipeline.run(microbatches)
+        with TRACER.span("finish gradients"):
+            self.finish_gradients()
+        # The global norm, every step: for clipping, and because a NaN or infinite loss or
+        # gradient anywhere shows in it, the same on every rank (it is reduced over the axes
+        # whose ranks hold different gradients; replicas hold equal ones).
+        with TRACER.span("gradient norm"):
+            norm = self.grad_norm_sq().sqrt().item()
+        if not math.isfinite(norm):
+            return loss_sum, norm  # no update: every rank decides alike
+        if grad_clip > 0:
+            clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], grad_clip,
+                            norm)
+        with TRACER.span("optimizer"):
+            optimizer.step()
+            self.finish_step()
+        return loss_sum, norm
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Before a step: persistent buffers (BatchNorm's running statistics) from the first rank
+        of the batch group, as torch DDP does (`broadcast_buffers`); a model with none (plait's
+        Llama: its rotary tables are not state) communicates nothing."""
+        group = self.axes["batch"].group
+        for module in self.module.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    broadcast(buffer, src=0, group=group)
 
     def finish_step(self) -> None:
         """After the optimizer step: ZeRO gathers the updated slices back into every replica."""
@@ -102,6 +153,20 @@ class Parallelized:
         return total[0]
 
 
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, norm: float) -> None:
+    """Scale gradients so that their global norm is at most `max_norm`.
+
+    The caller supplies the global norm, because only the parallel layout knows which
+    gradients are shards to sum over ranks and which are replicas to count once. The coefficient
+    is torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6), capped at 1."""
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
 def _device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
@@ -113,30 +178,39 @@ def parallelize(
     microbatches: int = 1,
     precision: str = "fp32",
     activation_checkpointing: str = "none",
+    options: ModuleOptions = ModuleOptions(),
 ) -> Parallelized:
     """Apply every configured parallelism to `model` in the documented order. With bf16 and
     ZeRO, parameters are held in bf16 with fp32 masters of each rank's slices; without ZeRO, bf16
     is autocast over fp32 parameters. Do not use `model` afterwards: its pieces now live in the
-    returned chunks."""
+    returned chunks. A model with no plan gets the data-parallel engines (`options` says what it
+    would otherwise read from a plan); a degree that needs a plan raises, naming it."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing)
+    chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing,
+                                     options.checkpoint, options.wrap)
     # Gradients that are partial sums must be summed: over dp x cp x ep by the data-parallel
     # engine, over tp (the norm gains under sequence parallelism, routers) by tensor
     # parallelism's hooks.
     unsynced = record.grad_sync_axes() - {"dp", "cp", "ep", "tp"}
     if unsynced:
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
-    engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16", axes, record)
+    engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16", axes, record,
+                                 options.wrap)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
 
     tp = axes["tp"]
-    loss_fn = cross_entropy
-    if tp.size > 1:
+    loss_fn = options.loss_fn or cross_entropy
+    plan = plan_of(model) if has_plan(model) else None
+    if tp.size > 1 and plan.vocab_head is not None:  # the head's output is split by vocabulary
+        if options.loss_fn is not None:
+            raise ValueError("parallel.tp splits the output head by vocabulary: the loss is "
+                             "plait's vocabulary-parallel cross-entropy; pass no loss_fn")
         loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp.group,
-                                    vocab_size=model.args.vocab_size)
+                                    vocab_size=getattr(model.args, plan.vocab_size))
     bf16_params = precision == "bf16" and cfg.zero > 0
-    activation = Activation(model.args.dim, tp.size if cfg.sequence_parallel else 1,
+    width = getattr(model.args, plan.hidden_size) if plan else 0  # only pp > 1 (a plan) sends
+    activation = Activation(width, tp.size if cfg.sequence_parallel else 1,
                             torch.bfloat16 if bf16_params else torch.float32)
     device = _device(chunks)
     compute = contextlib.nullcontext
@@ -154,7 +228,8 @@ def parallelize(
 
 
 def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
-          activation_checkpointing: str = "none"):
+          activation_checkpointing: str = "none", checkpoint: WrapPolicy | None = None,
+          wrap: WrapPolicy | None = None):
     """The model-parallel part of the straight line, which needs no communication to apply:
     pipeline chunks, then per chunk tensor (+ sequence), context and expert parallelism and
     activation checkpointing; the data-like axes replicate. Returns (chunks, schedule, placement
@@ -168,15 +243,17 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
         apply_cp(chunk, axes["cp"], cfg.cp_method)
         # Every tp rank attaches the auxiliary losses; the micro-batch's share of the loss is 1/M.
         apply_ep(chunk, axes["ep"], axes["batch"], record, 1 / (microbatches * axes["tp"].size))
-        apply_activation_checkpointing(chunk, activation_checkpointing)
+        apply_activation_checkpointing(chunk, activation_checkpointing, checkpoint)
+    if not has_plan(model):  # ZeRO-3's units, as the wrap policy chooses them
+        record.units = [u for chunk in chunks.values() for u in unit_names(chunk, wrap)]
     record.replicate_all("cp", partial_grad=True)  # other tokens of the same rows
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record
 
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
-                        bf16: bool, axes: dict[str, Axis],
-                        record: PlacementRecord) -> SyncedReplicas:
+                        bf16: bool, axes: dict[str, Axis], record: PlacementRecord,
+                        wrap: WrapPolicy | None = None) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
     hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
     experts over dp, reducing gradients with the `parallel.compression` method."""
@@ -200,7 +277,8 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
         return FullyShardedDataParallel(chunks, shard, **precision, offload=cfg.offload,
                                         replicate=replicate,
                                         reshard_after_forward=cfg.reshard_after_forward,
-                                        compression=compression, overrides=overrides)
+                                        compression=compression, overrides=overrides,
+                                        wrap=wrap)
     return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
                             offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
                             compression=compression, overrides=overrides)
@@ -209,8 +287,10 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
 __all__ = [
     "DataParallel",
     "FullyShardedDataParallel",
+    "ModuleOptions",
     "NaiveDataParallel",
     "Parallelized",
+    "WrapPolicy",
     "ZeroDataParallel",
     "apply_tp",
     "parallelize",

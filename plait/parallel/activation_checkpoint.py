@@ -24,7 +24,8 @@ import contextlib
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from plait.model.plan import matching, plan_of
+from plait.model.plan import has_plan, matching, needs_plan
+from plait.parallel.wrap import WrapPolicy, wrapped_modules
 
 MODES = ("none", "full", "selective")
 
@@ -64,13 +65,25 @@ def checkpointed_modules(block: nn.Module, mode: str, recompute=()) -> list[nn.M
     return []
 
 
-def apply_activation_checkpointing(chunk: nn.Module, mode: str) -> int:
-    """Checkpoint every block of a model or pipeline chunk in place; returns how many modules."""
+def apply_activation_checkpointing(chunk: nn.Module, mode: str,
+                                   modules: WrapPolicy | None = None) -> int:
+    """Checkpoint every block of a model or pipeline chunk in place; returns how many modules. A
+    model with no plan names what "full" checkpoints with a policy (`modules`: classes, or a
+    size); "selective" needs a plan."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing is one of {', '.join(MODES)}, got {mode!r}")
     if mode == "none":
         return 0
-    plan, count = plan_of(chunk), 0
+    if not has_plan(chunk) and mode == "full":
+        chosen = wrapped_modules(chunk, modules or WrapPolicy())
+        if not chosen:
+            raise ValueError(f"activation checkpointing = 'full' on {type(chunk).__name__}, "
+                             "which has no plan: name the modules to recompute (checkpoint="
+                             "plait.WrapPolicy(classes=(Block,)))")
+        for module in chosen:
+            checkpoint(module, context_fn=_contexts)
+        return len(chosen)
+    plan, count = needs_plan(chunk, f"activation checkpointing = {mode!r}"), 0
     for block in chunk.get_submodule(plan.blocks).values():
         for module in checkpointed_modules(block, mode, plan.recompute):
             checkpoint(module, context_fn=_contexts)

@@ -37,7 +37,7 @@ from plait.comm import shift
 from plait.comm.autograd import heads_to_seq, seq_to_heads
 from plait.mesh import Axis
 from plait.model.llama import apply_rope, causal_attention
-from plait.model.plan import plan_of
+from plait.model.plan import needs_plan
 
 METHODS = ("ring", "ulysses")
 
@@ -282,7 +282,7 @@ def apply_cp(chunk: nn.Module, cp: Axis, method: str) -> ContextLayout:
     layout = ContextLayout(method, cp.rank, cp.size)
     if cp.size == 1:
         return layout
-    plan = plan_of(chunk)
+    plan = needs_plan(chunk, f"parallel.cp={cp.size}")
     if plan.attention_core is None or plan.positions is None:
         raise ValueError(f"context parallelism needs the {plan.family} plan's attention_core "
                          "and positions")

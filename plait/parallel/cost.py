@@ -44,6 +44,7 @@ from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Segment, build_compression, layout, members_numel
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
+from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import expert_overrides, moe_layers
 from plait.parallel.fsdp import unit_prefixes
 from plait.parallel.pipeline import stage_schedule
@@ -62,8 +63,14 @@ class ChunkLayout:
 
 def chunk_layouts(chunks) -> list[ChunkLayout]:
     """This stage's chunks (a StageModules) as the formulas need them."""
-    return [ChunkLayout(int(c), len(m.layers), m.first, m.last, len(moe_layers(m)))
-            for c, m in chunks.items()]
+    out = []
+    for c, m in chunks.items():
+        if has_plan(m):
+            blocks = len(m.get_submodule(plan_of(m).blocks))
+            out.append(ChunkLayout(int(c), blocks, m.first, m.last, len(moe_layers(m))))
+        else:  # a module with no plan: one chunk, nothing of it a formula knows but its params
+            out.append(ChunkLayout(int(c), 0, True, True))
+    return out
 
 
 @dataclass
@@ -124,8 +131,11 @@ def _flat_layouts(record: PlacementRecord, zero: int,
     experts = expert_overrides(record)
     groups = []
     if zero == 3:
-        for prefixes in unit_prefixes(record.params):
-            members = [(n, p) for n, p in named if n.startswith(prefixes)]
+        units = [set(u) for u in record.units] if record.units is not None else \
+            unit_prefixes(record.params)
+        for unit in units:
+            members = [(n, p) for n, p in named
+                       if (n in unit if isinstance(unit, set) else n.startswith(unit))]
             for cls in (False, True):
                 for decay in (True, False):
                     groups.append((cls, [(n, p) for n, p in members if (n in experts) == cls
@@ -183,14 +193,18 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
             t.add("tp", Op.REDUCE_SCATTER, T, A * mm_b, M * blocks * (2 + recompute))
             t.add("tp", Op.REDUCE_SCATTER, T, A * act_b,
                   M * (2 * (blocks + twice) + first + last + head_twice))
-            norms = 2 * blocks + last
-            t.add("tp", Op.ALL_REDUCE, T, dim * act_b, M * norms)
         else:
             t.add("tp", Op.ALL_REDUCE, T, A * mm_b, M * blocks * (2 + recompute))
             t.add("tp", Op.ALL_REDUCE, T, A * act_b,
                   M * (2 * (blocks + twice) + first + last + head_twice))
         if last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
             t.add("tp", Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
+        # Each replicated parameter whose gradient is a partial sum over tp (under sequence
+        # parallelism every one: norm gains, a router; else the plan's tp_partial_grads) is
+        # all-reduced in each micro-batch's backward.
+        for place in record.params.values():
+            if "tp" in place.partial_grad:
+                t.add("tp", Op.ALL_REDUCE, T, place.local_numel * act_b, M)
 
     # Context parallelism, per block and micro-batch.
     if dims.cp > 1:
@@ -207,13 +221,12 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     # Mixture of experts, per MoE layer and micro-batch forward (again when recomputed): the
     # routing statistics summed over the batch's ranks; under ep the all-to-all of the counts per
     # expert (the token rows' all-to-alls depend on the routing: `all_to_all_bytes`); under tp
-    # the router's partial gradient, summed in backward.
+    # the router's partial gradient, summed in backward (with the other partial gradients above).
     moe = sum(c.moe for c in chunks)
     if moe:
         E = cfg.model.args().moe_experts
         t.add("batch", Op.ALL_REDUCE, dims.batch, 8 * (3 * E + 3), M * moe * (1 + recompute))
         t.add("ep", Op.ALL_TO_ALL, dims.ep, 8 * E, M * moe * (1 + recompute))
-        t.add("tp", Op.ALL_REDUCE, T, E * dim * act_b, M * moe)
 
     # Data parallelism (compressed: once compression has started).
     method = _compression(cfg) if dims.shard > 1 else None

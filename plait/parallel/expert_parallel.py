@@ -39,7 +39,7 @@ from plait.comm import all_reduced, all_to_all
 from plait.comm.autograd import all_to_all_rows
 from plait.mesh import Axis
 from plait.model.moe import MoEFeedForward, Routing, run_experts
-from plait.model.plan import plan_of
+from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.placement import PlacementRecord
 
@@ -47,10 +47,9 @@ from plait.parallel.placement import PlacementRecord
 def moe_layers(chunk: nn.Module) -> dict[str, MoEFeedForward]:
     """The chunk's mixtures of experts (its plan's `moe` module, where a block has one) by block
     index."""
-    plan = plan_of(chunk)
-    if plan.moe is None:
+    if not has_plan(chunk) or plan_of(chunk).moe is None:
         return {}
-    out = {}
+    plan, out = plan_of(chunk), {}
     for i, block in chunk.get_submodule(plan.blocks).items():
         layer = block.get_submodule(plan.moe)
         if isinstance(layer, MoEFeedForward):
@@ -97,8 +96,12 @@ def apply_ep(chunk: nn.Module, ep: Axis, batch: Axis, record: PlacementRecord | 
     `grad_scale` (a micro-batch's share of the loss, and 1 / tp: every tp rank attaches them)."""
     names = [n for n, _ in chunk.named_parameters()]
     experts = set()
-    plan = plan_of(chunk)
-    for i, layer in moe_layers(chunk).items():
+    layers = moe_layers(chunk)
+    if ep.size > 1 and not layers:
+        raise ValueError(f"parallel.ep={ep.size}: {type(chunk).__name__} has no mixture-of-experts"
+                         " layer its plan names (plan.moe); use ep = 1")
+    for i, layer in layers.items():
+        plan = plan_of(chunk)
         if layer.n_experts % ep.size:
             raise ValueError(f"ep={ep.size} must divide moe_experts={layer.n_experts}")
         held = expert_range(layer.n_experts, ep)

@@ -40,18 +40,26 @@ from torch import nn
 from plait.comm import Pending, all_gather
 from plait.comm.compression import Compression
 from plait.mesh import Axis
-from plait.model.plan import plan_of
+from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.data_parallel import sync_classes
 from plait.parallel.flat import FlatParam
 from plait.parallel.state import nbytes, optimizer_state_bytes
+from plait.parallel.wrap import WrapPolicy, wrapped_modules
 from plait.parallel.zero import ShardedEngine
 
 
-def unit_modules(chunk: nn.Module) -> list[list[nn.Module]]:
-    """A model's (or pipeline chunk's) units in execution order: the modules with parameters
-    before its blocks (the embedding), each block, the modules with parameters after them (the
-    final norm and the head), each where the chunk has them. The blocks are the plan's."""
+def unit_modules(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[list[nn.Module]]:
+    """A model's (or pipeline chunk's) units in execution order. With a plan: the modules with
+    parameters before its blocks (the embedding), each block, the modules with parameters after
+    them (the final norm and the head), each where the chunk has them. Without one: `[chunk]`
+    first, the unit of whatever `wrap` leaves over (gathered for the whole forward), then each
+    module the policy chooses (`wrap.py`)."""
+    if not has_plan(chunk):
+        chosen = wrapped_modules(chunk, wrap or WrapPolicy())
+        held = {id(p) for m in chosen for p in m.parameters()}
+        rest = any(id(p) not in held for p in chunk.parameters())
+        return ([[chunk]] if rest else []) + [[m] for m in chosen]
     blocks = chunk.get_submodule(plan_of(chunk).blocks)
     before, after, seen = [], [], False
     for child in chunk.children():
@@ -61,6 +69,28 @@ def unit_modules(chunk: nn.Module) -> list[list[nn.Module]]:
             (after if seen else before).append(child)
     return ([before] if before else []) + [[b] for b in blocks.values()] + \
         ([after] if after else [])
+
+
+def unit_params(units: list[list[nn.Module]]) -> list[list[nn.Parameter]]:
+    """Each unit's parameters: its modules', less those of a later unit (the leftover unit
+    `[chunk]` contains the chosen modules), each parameter once."""
+    out, taken = [], set()
+    for modules in reversed(units):
+        mine = []
+        for m in modules:
+            for p in m.parameters():
+                if id(p) not in taken:
+                    taken.add(id(p))
+                    mine.append(p)
+        out.append(mine)
+    return out[::-1]
+
+
+def unit_names(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[tuple[str, ...]]:
+    """The parameter names of each unit of `unit_modules(chunk, wrap)`, in its order."""
+    names = {id(p): n for n, p in chunk.named_parameters()}
+    modules = unit_modules(chunk, wrap)
+    return [tuple(names[id(p)] for p in params) for params in unit_params(modules)]
 
 
 def unit_prefixes(names) -> list[tuple[str, ...]]:
@@ -93,10 +123,11 @@ class Unit:
     """Modules that run one after another and are gathered and freed together: one flat
     parameter per sync class (`sync_classes`) and decay group."""
 
-    def __init__(self, modules: list[nn.Module], names: dict[nn.Parameter, str], chunk: int,
-                 shard: Axis, overrides: dict[str, Axis], flat_args: tuple):
+    def __init__(self, modules: list[nn.Module], params: list[nn.Parameter],
+                 names: dict[nn.Parameter, str], chunk: int, shard: Axis,
+                 overrides: dict[str, Axis], flat_args: tuple):
         self.modules, self.chunk = modules, chunk
-        named = [(names[p], p) for m in modules for p in m.parameters()]
+        named = [(names[p], p) for p in params]
         self.flats = [FlatParam([(n, p) for n, p in cls if (p.dim() >= 2) == decay], decay,
                                 axis.size, axis.rank, *flat_args, group=axis.group)
                       for axis, cls in sync_classes(named, shard, overrides)
@@ -123,6 +154,7 @@ class FullyShardedDataParallel(ShardedEngine):
         reshard_after_forward: bool = True,
         compression: Compression | None = None,
         overrides: dict[str, Axis] | None = None,
+        wrap: WrapPolicy | None = None,
     ):
         super().__init__()
         dp_size = shard.size * (replicate.size if replicate else 1)
@@ -133,8 +165,11 @@ class FullyShardedDataParallel(ShardedEngine):
         cpu = torch.device("cpu")
         flat_args = (param_dtype, cpu if offload != "none" else None, True,
                      cpu if offload == "params" else None)
-        self.units = [Unit(modules, names, c, shard, self.overrides, flat_args)
-                      for c, chunk in enumerate(chunks.values()) for modules in unit_modules(chunk)]
+        self.units = []
+        for c, chunk in enumerate(chunks.values()):
+            modules = unit_modules(chunk, wrap)
+            self.units += [Unit(m, params, names, c, shard, self.overrides, flat_args)
+                           for m, params in zip(modules, unit_params(modules), strict=True)]
         # Every unit starts gathered (built from whole parameters) and is freed just below.
         self.gathered_bytes = sum(f.full_bytes for u in self.units for f in u.flats)
         self.peak_gathered_bytes = 0  # measured from the first step on
@@ -220,8 +255,10 @@ class FullyShardedDataParallel(ShardedEngine):
         def hook(grad):
             self._wait(unit)
             previous = self._neighbour(index, -1)
-            if previous is not None:
-                self._gather(previous)  # prefetch the previous unit
+            # Prefetch the previous unit, unless its backward is over (the leftover unit of a
+            # model with no plan runs first and last: its gradients may be reduced already).
+            if previous is not None and not previous.reduced:
+                self._gather(previous)
             return grad
 
         return hook
@@ -269,7 +306,12 @@ class FullyShardedDataParallel(ShardedEngine):
 
     def finish_step(self) -> None:
         """Nothing to gather (the next forward gathers each unit from its updated slice); under
-        mixed precision, round the masters into the bf16 slices."""
+        mixed precision, round the masters into the bf16 slices. A unit still gathered holds
+        the values before the step: it is freed."""
+        for unit in self.units:
+            if unit.pending:
+                self._wait(unit)
+            self._free(unit)
         for flat in self.flats:
             flat.slice.after_step()
 

@@ -24,6 +24,8 @@ and head it holds), and writes the `tp` axis of each parameter into the placemen
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -35,7 +37,7 @@ from plait.comm.autograd import (
     reduce_scatter_to_sp,
 )
 from plait.mesh import Axis
-from plait.model.plan import ModelPlan, matching, plan_of
+from plait.model.plan import ModelPlan, has_plan, matching, needs_plan, plan_of
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.vocab_parallel import VocabParallelEmbedding
 
@@ -59,32 +61,68 @@ def _vocab(chunk: nn.Module, plan: ModelPlan) -> list[str]:
 def split_dims(chunk: nn.Module) -> dict[str, int]:
     """Parameter name -> the dim `apply_tp` splits, for the parameters of `chunk` it splits."""
     plan = plan_of(chunk)
-    out = {f"{plan.blocks}.{i}.{path}.weight": dim for i, block in _blocks(chunk, plan).items()
-           for path, dim in block_splits(plan, block).items()}
+    out = {}
+    for i, block in _blocks(chunk, plan).items():
+        for path, dim in block_splits(plan, block).items():
+            out[f"{plan.blocks}.{i}.{path}.weight"] = dim
+            if dim == 0 and getattr(block.get_submodule(path), "bias", None) is not None:
+                out[f"{plan.blocks}.{i}.{path}.bias"] = 0
     return out | {f"{m}.weight": 0 for m in _vocab(chunk, plan)}
 
 
 def _split_linear(linear: nn.Linear, dim: int, rank: int, size: int) -> None:
-    """Keep this rank's 1/size of the weight along `dim`, in place."""
+    """Keep this rank's 1/size of the weight along `dim`, in place; a column-parallel linear
+    (dim 0) keeps the same rows of its bias. A row-parallel one's bias would be added by every
+    rank before the sum: refused."""
     chunk = linear.weight.detach().chunk(size, dim=dim)[rank].clone()
     linear.weight = nn.Parameter(chunk)
     linear.out_features, linear.in_features = chunk.shape
+    if linear.bias is not None:
+        if dim == 1:
+            raise ValueError("tensor parallelism: a row-parallel linear with a bias is not "
+                             "supported (every rank would add it); use tp = 1 for this model")
+        linear.bias = nn.Parameter(linear.bias.detach().chunk(size)[rank].clone())
+
+
+def _first_argument(module: nn.Module, args: tuple, kwargs: dict) -> str | int:
+    """Where a module's first argument came: position 0, or its name (transformers' layers call
+    their attention by keyword)."""
+    if args:
+        return 0
+    return next(iter(inspect.signature(module.forward).parameters))
 
 
 def _wrap_half(module: nn.Module, group: ProcessGroup, sequence_parallel: bool) -> None:
-    """One collective into the block half (its first argument) and one out of it."""
+    """One collective into the block half (its first argument) and one out of it (its output,
+    or the first element of a tuple it returns)."""
     enter = gather_from_sp if sequence_parallel else copy_to_tp
     leave = reduce_scatter_to_sp if sequence_parallel else reduce_from_tp
-    module.register_forward_pre_hook(lambda mod, args: (enter(args[0], group), *args[1:]))
-    module.register_forward_hook(lambda mod, args, out: leave(out, group))
+
+    def pre(mod, args, kwargs):
+        where = _first_argument(mod, args, kwargs)
+        if where == 0:
+            return (enter(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, where: enter(kwargs[where], group)}
+
+    def post(mod, args, out):
+        if isinstance(out, tuple):
+            return (leave(out[0], group), *out[1:])
+        return leave(out, group)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post)
 
 
 def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
              record: PlacementRecord | None = None) -> set[str]:
     """Split a model or pipeline chunk across the ranks of the `tp` axis in place, as its plan
     says; returns the names of the parameters it split (the others are replicated over tp)."""
-    plan = plan_of(chunk)
     size, rank, group = tp.size, tp.rank, tp.group
+    if size == 1 and not has_plan(chunk):  # nothing to split; every parameter replicated
+        if record is not None:
+            record.replicate_all("tp")
+        return set()
+    plan = needs_plan(chunk, f"parallel.tp={size}")
     for what in plan.tp_divides:
         count = getattr(chunk.args, what)
         if count % size:

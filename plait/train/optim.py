@@ -47,19 +47,3 @@ def build_optimizer(
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-@torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, norm_sq: torch.Tensor) -> float:
-    """Scale gradients so that their global norm is at most `max_norm`; returns the norm before.
-
-    The caller supplies the squared global norm, because only the parallel layout knows which
-    gradients are shards to sum over ranks and which are replicas to count once. The coefficient
-    is torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6), capped at 1."""
-    norm = norm_sq.sqrt().item()
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm

@@ -28,10 +28,20 @@ from plait.train.checkpointing import Checkpointer
 from plait.train.data import TokenData
 from plait.train.faults import maybe_fail
 from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
-from plait.train.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.outputs import Outputs
 from plait.train.progress import Progress
 from plait.train.tracing import STEP, finish_trace, traced_steps
+
+
+def build_configured_model(cfg: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model `cfg.model` names, whole, on `device`: plait's Llama of a preset, or the Hugging
+    Face folder `model.hf` (`plait/model/hf.py`), both initialised from `train.seed`."""
+    if cfg.model.hf:
+        from plait.model.hf import load_hf
+
+        return load_hf(cfg.model.hf, cfg.train.seed, device)
+    return build_model(cfg.model.args(), cfg.train.seed, device)
 
 
 class NonFiniteGradient(RuntimeError):
@@ -54,7 +64,7 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, mesh, device: torch.device):
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
-        model = build_model(args, cfg.train.seed, device)
+        model = build_configured_model(cfg, device)
         n_params = count_params(model)  # the whole model's, before any split
         self.microbatches = microbatches(cfg.parallel, dims)
         self.parallelized = parallelize(
@@ -108,39 +118,22 @@ class Trainer:
         inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.rows_rank,
                                           self.rows, self.microbatches)
         with self.activations:  # peak bytes saved for backward during the step
-            loss_sum = self.parallelized.pipeline.run(self._microbatches(inputs, targets))
-        with TRACER.span("finish gradients"):
-            self.parallelized.finish_gradients()
-        # The global norm, every step: for clipping, and because a NaN or infinite loss or
-        # gradient anywhere shows in it, the same on every rank (it is reduced over the axes
-        # whose ranks hold different gradients; replicas hold equal ones).
-        with TRACER.span("gradient norm"):
-            norm_sq = self.parallelized.grad_norm_sq()
+            loss_sum, norm = self.parallelized.step(self._microbatches(inputs, targets),
+                                                    self.optimizer, self.train_cfg.grad_clip)
         result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,
-                  "skipped": False}
-        if not math.isfinite(norm_sq.item()):
-            if self.train_cfg.nan_policy == "stop":
-                raise NonFiniteGradient(
-                    f"step {step}: the gradient norm is {norm_sq.sqrt().item()}, not finite; "
-                    f"likely causes: a learning rate too high for this model (train.lr = "
-                    f"{self.train_cfg.lr}, {lr:.3g} at this step), or bad data (data.source); "
-                    "train.nan_policy = 'skip' drops such steps' updates instead")
-            result["skipped"] = True  # no update: every rank decides alike
-            return result
-        if self.train_cfg.grad_clip > 0:
-            clip_grad_norm_(self._optimized(), self.train_cfg.grad_clip, norm_sq)
-        with TRACER.span("optimizer"):
-            self.optimizer.step()
-            self.parallelized.finish_step()
+                  "skipped": not math.isfinite(norm)}
+        if result["skipped"] and self.train_cfg.nan_policy == "stop":
+            raise NonFiniteGradient(
+                f"step {step}: the gradient norm is {norm}, not finite; "
+                f"likely causes: a learning rate too high for this model (train.lr = "
+                f"{self.train_cfg.lr}, {lr:.3g} at this step), or bad data (data.source); "
+                "train.nan_policy = 'skip' drops such steps' updates instead")
         return result
 
     def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
         inputs, targets = self.context.shard(inputs), self.context.shard(targets)
         rows = len(inputs) // self.microbatches
         return list(zip(inputs.split(rows), targets.split(rows), strict=True))
-
-    def _optimized(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     @torch.no_grad()
     def evaluate(self) -> float:

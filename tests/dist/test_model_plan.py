@@ -121,5 +121,9 @@ def test_a_plan_that_does_not_fit_its_model_is_refused():
 
 
 def test_a_module_without_a_plan_is_named():
-    with pytest.raises(TypeError, match="Sequential has no model plan"):
-        apply_tp(nn.Sequential(nn.Linear(2, 2)), Axis.dry("tp", 0, 1))
+    """At tp = 1 there is nothing to split and no plan is needed; beyond, the degree and the
+    module are named."""
+    assert apply_tp(nn.Sequential(nn.Linear(2, 2)), Axis.dry("tp", 0, 1)) == set()
+    with pytest.raises(ValueError, match="parallel.tp=2 needs a model plan, and Sequential has "
+                       "none"):
+        apply_tp(nn.Sequential(nn.Linear(2, 2)), Axis.dry("tp", 0, 2))

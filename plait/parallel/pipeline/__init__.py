@@ -12,6 +12,7 @@ from torch import nn
 
 from plait.config import ParallelConfig
 from plait.mesh import Axis
+from plait.model.plan import has_plan, needs_plan
 from plait.parallel.pipeline.executor import PipelineExecutor
 from plait.parallel.pipeline.schedules import Schedule, build_schedule, forward_only
 from plait.parallel.pipeline.simulator import check
@@ -49,7 +50,11 @@ def apply_pp(model: nn.Module, pp: Axis, cfg: ParallelConfig, microbatches: int,
     every parameter the stage holds (whole, on this pp coordinate) and loses the others."""
     schedule = stage_schedule(cfg, pp.size, microbatches)
     C = schedule.chunks
-    chunks = split_model(model, C, list(cfg.pp_split) or None if C > 1 else None)
+    if C == 1 and not has_plan(model):  # the module is its own only chunk
+        chunks = [model]
+    else:
+        needs_plan(model, f"parallel.pp={pp.size}")
+        chunks = split_model(model, C, list(cfg.pp_split) or None if C > 1 else None)
     mine = StageModules({str(c): chunks[c] for c in range(C) if c % pp.size == pp.rank})
     if record is not None:
         kept = {n for n, _ in mine.named_parameters()}

@@ -84,7 +84,6 @@ class PipelineExecutor:
         loss_sum = 0.0
         stage = next(iter(self.chunks)) % s.stages
         for a in s.actions[stage]:
-            rows, seq = microbatches[a.microbatch][0].shape
             key = (a.chunk, a.microbatch)
             if a.kind is Kind.F:
                 if a.chunk == 0:
@@ -92,6 +91,7 @@ class PipelineExecutor:
                     start = time.perf_counter()
                 else:
                     act = self.activation
+                    rows, seq = microbatches[a.microbatch][0].shape  # tokens (a plan's model)
                     x = torch.empty(rows, seq // act.seq_shards, act.dim, dtype=act.dtype,
                                     device=self.device)
                     recv(x, s.stage_of(a.chunk - 1), self.group,

@@ -1,0 +1,215 @@
+"""plait from Python: any `nn.Module`, the user's batches and loss, plait's parallelisms.
+
+    import plait
+    device = plait.init()                            # the world torchrun / `plait run` made
+    job = plait.prepare(model, loss_fn, plait.ParallelConfig(zero=3),
+                        wrap=plait.WrapPolicy(classes=(Block,)))
+    optimizer = torch.optim.AdamW(job.parameters(), lr=1e-3)
+    for inputs, targets in batches:                  # the global batch, the same on every rank
+        loss = job.step(*job.local(inputs, targets), optimizer, grad_clip=1.0)
+    job.save("ckpt", optimizer, step)                # sharded (DCP); any layout loads it
+
+`prepare` runs the same straight line as `plait train` (`plait.parallel.parallelize`) and
+`job.step` is the trainer's step (`Parallelized.step`). A model with no plan gets the
+data-parallel engines: DDP, ZeRO-1/2, ZeRO-3 (units by `wrap`), HSDP, activation checkpointing of
+the modules `checkpoint` names, accumulation over micro-batches, bf16, clipping. With a plan (one
+of plait's, or one the user writes: `plait.ModelPlan`) tp, pp, cp and ep work too. A degree that
+needs a plan the model lacks raises `ValueError` naming both, before any communication.
+
+Persistent buffers (BatchNorm's running statistics) follow torch DDP's rule: each step they are
+broadcast from the first rank of the data-parallel group before the forward. A parameter that
+gets no gradient in a step is named in the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from plait import checkpoint as ckpt
+from plait.checks import validate_parallel
+from plait.comm import LEDGER, all_reduce, broadcast
+from plait.config import ParallelConfig
+from plait.mesh import build_mesh, rows_share
+from plait.parallel import ModuleOptions, Parallelized, parallelize
+from plait.parallel.wrap import WrapPolicy
+
+
+def init(device: str = "auto", threads: int = 1, timeout_s: float = 300.0) -> torch.device:
+    """Join the world the environment describes (torchrun's or `plait run`'s RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT; without them a world of one): gloo on CPU, NCCL on GPUs, `threads`
+    intra-op threads per process (oversubscribed cores are ruinous). Returns this rank's device."""
+    from plait.train.run import worker_device
+
+    torch.set_num_threads(threads)
+    where = worker_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if where.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+    return where
+
+
+def print0(*args, **kwargs) -> None:
+    """`print` on rank 0 alone (flushed)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def finish() -> None:
+    """Leave the world (the end of a script)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Prepared:
+    """A model with plait's parallelisms applied: `parameters()` for the optimizer, `local()`
+    for this rank's rows of a global batch, `step()` for one optimizer step, `model` to
+    evaluate (one pipeline stage), `save()` / `load()` for sharded checkpoints."""
+
+    def __init__(self, parallelized: Parallelized, microbatches: int, config: ParallelConfig):
+        self.parallelized, self.microbatches, self.config = parallelized, microbatches, config
+        self.rows_rank, self.rows = rows_share(parallelized.axes)
+        self._steps = 0
+
+    @property
+    def model(self) -> nn.Module:
+        """This rank's module (the user's, in place; with a plan and pp > 1, a chunk of it)."""
+        chunks = list(self.parallelized.module.values())
+        return chunks[0] if len(chunks) == 1 else self.parallelized.module
+
+    def parameters(self) -> list[torch.Tensor]:
+        """What the optimizer steps on this rank: whole parameters (DDP), or this rank's slices
+        of flattened parameters (ZeRO), fp32 masters under bf16."""
+        decay, no_decay = self.parallelized.optimizer_groups()
+        return decay + no_decay
+
+    def local(self, *batch: torch.Tensor) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """This rank's rows of each global-batch tensor (dim 0, split over the data-parallel
+        ranks); under context parallelism also its part of each sequence."""
+        out = []
+        for t in batch:
+            if len(t) % self.rows:
+                raise ValueError(f"a global batch of {len(t)} rows does not split over "
+                                 f"{self.rows} data-parallel ranks; use a multiple")
+            out.append(self.parallelized.context.shard(t.chunk(self.rows)[self.rows_rank]))
+        return tuple(out) if len(out) > 1 else out[0]
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor,
+             optimizer: torch.optim.Optimizer, grad_clip: float = 0.0) -> float:
+        """One optimizer step on this rank's rows (`local`): forward and backward over the
+        micro-batches, gradients averaged (or reduce-scattered), clipped to `grad_clip` (0:
+        not), the optimizer's step. Returns the loss, averaged over all ranks. A non-finite
+        gradient norm raises (nothing is updated). The module's mode is the caller's, as in
+        PyTorch (`job.model.train()` / `.eval()`)."""
+        self.parallelized.module.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
+        M = self.microbatches
+        if len(inputs) % M:
+            raise ValueError(f"{len(inputs)} rows per rank do not split into {M} micro-batches")
+        rows = len(inputs) // M
+        loss_sum, norm = self.parallelized.step(
+            list(zip(inputs.split(rows), targets.split(rows), strict=True)), optimizer,
+            grad_clip)
+        if norm != norm or norm in (float("inf"), float("-inf")):
+            raise FloatingPointError(f"step {self._steps}: the gradient norm is {norm}; "
+                                     "nothing was updated (lower the learning rate?)")
+        self._steps += 1
+        return self.global_mean(loss_sum)
+
+    def global_mean(self, value: float) -> float:
+        """Mean over the ranks that split the batch of a per-rank mean (summed over pp first:
+        the loss exists on the last stage)."""
+        device = next(self.parallelized.module.parameters()).device
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        all_reduce(t, self.parallelized.axes["pp"].group)
+        all_reduce(t, self.parallelized.axes["batch"].group)
+        return t.item() / self.parallelized.axes["batch"].size
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter this rank's stage holds, whole, by the model's own names."""
+        engine = self.parallelized.engine
+        if hasattr(engine, "full_state_dict"):
+            return engine.full_state_dict()
+        return {n: p.detach().clone() for n, p in self.parallelized.module.named_parameters()}
+
+    def comm(self) -> dict:
+        """What this rank's collectives moved since the last call (plait's ledger: bus bytes,
+        by operation, calls, seconds waited); resets it."""
+        out = LEDGER.snapshot()
+        LEDGER.reset()
+        return out
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Model-state bytes this rank holds: params, grads, optimizer (and compression)."""
+        return self.parallelized.state_bytes(optimizer)
+
+    def save(self, root: str | Path, optimizer: torch.optim.Optimizer, step: int) -> Path:
+        """A sharded checkpoint `root/step-NNNNNNNN` of the model and AdamW's state, each rank
+        writing what it holds; complete once `COMPLETE` is there."""
+        path = ckpt.step_path(root, step)
+        if dist.get_rank() == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        state = ckpt.training_state(self.parallelized, optimizer, step)
+        dcp.save(state, checkpoint_id=str(path))
+        if dist.get_rank() == 0:
+            info = {"step": step, "world_size": dist.get_world_size(),
+                    "contents": ["model", "optim", "train"],
+                    "config": {"parallel": dataclasses.asdict(self.config)}}
+            ckpt.finish(path, info)
+        dist.barrier()
+        return path
+
+    def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> int:
+        """Read a checkpoint made on any layout; returns its step."""
+        return ckpt.load(path, self.parallelized, optimizer)
+
+
+def prepare(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    parallel: ParallelConfig | None = None,
+    *,
+    wrap: WrapPolicy | None = None,
+    checkpoint: WrapPolicy | None = None,
+    precision: str = "fp32",
+    device: torch.device | str | None = None,
+) -> Prepared:
+    """Apply `parallel` (default: DDP over every rank) to `model` on the world `init` joined.
+    `loss_fn(outputs, targets)` is the mean loss of a micro-batch (None: cross-entropy over
+    (b, s, V) logits); `wrap` chooses ZeRO-3's units and `checkpoint` the modules recomputed in
+    the backward (classes, or a parameter count); `precision` "fp32" or "bf16". The model's own
+    weights are used (every rank starts from rank 0's); move it to `device` first or pass it."""
+    if not dist.is_initialized():
+        raise RuntimeError("call plait.init() first: it joins the world of processes")
+    parallel = parallel or ParallelConfig()
+    dims = validate_parallel(parallel, dist.get_world_size())
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision: 'fp32' or 'bf16', got {precision!r}")
+    where = torch.device(device) if device is not None else next(model.parameters()).device
+    model.to(where)
+    with torch.no_grad():  # every rank starts from rank 0's weights and buffers
+        for t in [*model.parameters(), *model.buffers()]:
+            broadcast(t.data, src=0, group=dist.group.WORLD)
+    M = parallel.microbatches or dims.pp
+    mode = "full" if checkpoint else "none"
+    options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
+    parallelized = parallelize(model, build_mesh(dims, where.type), parallel, microbatches=M,
+                               precision=precision, activation_checkpointing=mode,
+                               options=options)
+    return Prepared(parallelized, M, parallel)

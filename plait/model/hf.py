@@ -1,0 +1,177 @@
+"""Hugging Face causal language models, the transformers modules themselves, under plait.
+
+`model.hf = "DIR"` names a local folder as `save_pretrained` writes it: config.json, and weights
+in safetensors (or none: a fresh init from `train.seed`). transformers builds the model; plait
+keeps its modules and runs them (`HFCausalLM`):
+
+    embed_tokens      the model's input embedding                (HF: model.embed_tokens)
+    layers.{i}        its decoder layers, keyed by index         (HF: model.layers.{i})
+    norm, lm_head     its final norm and output head             (HF: model.norm, lm_head)
+    rotary_emb        its rotary embedding (no parameters)       (HF: model.rotary_emb)
+
+and its forward in the three pieces a pipeline chunk needs, doing what the family's own
+`*Model.forward` does for a batch of whole sequences without padding or cache: embed, positions
+0..s-1 and their rotary (cos, sin) from the model's own `rotary_emb`, each decoder layer as the
+model calls it (no mask: transformers' SDPA attention is then causal), the norm, the head.
+Parameter names are transformers' without the leading `model.`; `hf_name` adds it back.
+
+The family's plan (`HF_PLANS`, by the config's architecture) says how the parallelisms cut it.
+A family with no plan (GPT-2, ...) trains as a plain module: DDP and ZeRO-1/2/3.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from plait.model.llama import ModelArgs
+from plait.model.plan import ModelPlan
+
+# transformers' decoder layer, dense (Llama, Mistral, Qwen2, Qwen3): attention q/k/v split by
+# heads (rows; with their biases, Qwen2) -> o by heads (columns); the SwiGLU MLP's gate/up by
+# hidden units (rows) -> down (columns). Qwen3's q_norm / k_norm act per head: replicated.
+_LLAMA_LIKE = dict(
+    blocks="layers",
+    first=("embed_tokens",),
+    last=("norm", "lm_head"),
+    shared=("rotary_emb",),
+    hidden_size="hidden_size",
+    vocab_size="vocab_size",
+    tp_splits={
+        "self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
+        "self_attn.o_proj": 1, "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1,
+    },
+    tp_halves=("self_attn", "mlp"),
+    tp_divides=("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "vocab_size"),
+    vocab_embedding="embed_tokens",
+    vocab_head="lm_head",
+    recompute=("input_layernorm", "post_attention_layernorm", "mlp.act_fn"),
+)
+
+HF_PLANS = {
+    arch: ModelPlan(family=family, **_LLAMA_LIKE)
+    for arch, family in (("LlamaForCausalLM", "hf-llama"), ("MistralForCausalLM", "hf-mistral"),
+                         ("Qwen2ForCausalLM", "hf-qwen2"), ("Qwen3ForCausalLM", "hf-qwen3"))
+}
+
+
+def read_config(folder: str | Path) -> dict:
+    """config.json of a Hugging Face model folder, as JSON (nothing is imported or run)."""
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text())
+
+
+def architecture(config: dict) -> str:
+    names = config.get("architectures") or []
+    return names[0] if names else ""
+
+
+def hf_args(config: dict) -> ModelArgs:
+    """The shape of a transformers model as plait's `ModelArgs`, what the checks and formulas
+    (FLOPs per token, activation and state bytes) read: width, layers, heads, vocabulary,
+    positions, MLP hidden units. Raises KeyError naming a missing config field."""
+
+    def field(*names, default=None):
+        for name in names:
+            if config.get(name) is not None:
+                return config[name]
+        if default is None:
+            raise KeyError(f"config.json has none of {', '.join(names)}")
+        return default
+
+    dim = field("hidden_size", "n_embd", "d_model")
+    heads = field("num_attention_heads", "n_head")
+    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    return ModelArgs(
+        dim=dim, n_layers=field("num_hidden_layers", "n_layer"), n_heads=heads,
+        n_kv_heads=field("num_key_value_heads", default=heads),
+        vocab_size=field("vocab_size"),
+        max_seq_len=field("max_position_embeddings", "n_positions"),
+        intermediate_size=field("intermediate_size", "n_inner", default=4 * dim),
+        norm_eps=float(field("rms_norm_eps", "layer_norm_epsilon", default=1e-5)),
+        rope_theta=float(rope or 10000.0),
+        moe_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),
+    )
+
+
+def has_weights(folder: str | Path) -> bool:
+    folder = Path(folder)
+    return (folder / "model.safetensors").is_file() or \
+        (folder / "model.safetensors.index.json").is_file()
+
+
+class HFCausalLM(nn.Module):
+    """A transformers `*ForCausalLM` of a planned family, its modules under plait's plan. forward:
+    (b, s) token ids -> (b, s, vocab) logits."""
+
+    def __init__(self, hf: nn.Module, plan: ModelPlan):
+        super().__init__()
+        inner = hf.model
+        self.plan, self.args = plan, hf.config
+        self.embed_tokens = inner.embed_tokens
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(inner.layers)})
+        self.norm = inner.norm
+        self.lm_head = hf.lm_head
+        self.rotary_emb = inner.rotary_emb
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def block_args(self, h: torch.Tensor, seq_len: int) -> tuple:
+        """What each decoder layer takes besides the hidden states: no mask (causal SDPA),
+        positions 0..s-1 and their rotary embeddings (cos, sin), as the model computes them."""
+        positions = torch.arange(seq_len, device=h.device).unsqueeze(0)
+        return (None, positions, None, False, self.rotary_emb(h, positions))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        extra = self.block_args(h, tokens.shape[1])
+        for layer in self.layers.values():
+            h = layer(h, *extra)
+        return self.head(h)
+
+
+class PlainCausalLM(nn.Module):
+    """A transformers causal LM of a family with no plan: the module whole, (b, s) token ids ->
+    (b, s, vocab) logits. Parameter names are transformers' own, under `hf.`."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf, self.args = hf, hf.config
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
+def hf_name(name: str, planned: bool) -> str:
+    """transformers' state-dict name of a parameter of `HFCausalLM` / `PlainCausalLM`."""
+    if not planned:
+        return name.removeprefix("hf.")
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
+    """The model in `folder` as transformers builds it (float32, SDPA attention), weights from
+    its safetensors or, with none, initialised by transformers from `seed`; wrapped for plait:
+    `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # one bar per worker per load is noise
+    config = AutoConfig.from_pretrained(folder)
+    kwargs = dict(dtype=torch.float32, attn_implementation="sdpa")
+    if has_weights(folder):
+        hf = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    else:
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_config(config, **kwargs)
+    hf.to(device).train()
+    plan = HF_PLANS.get(architecture(config.to_dict()))
+    return HFCausalLM(hf, plan) if plan is not None else PlainCausalLM(hf)

@@ -1,0 +1,72 @@
+"""Hugging Face models (the transformers modules themselves, `model.hf = DIR`) in the
+composition matrix: each row trains 4 steps through plait's trainer and equals the same
+transformers model trained in one process on the same global batches (`hf_models.py`): the
+losses, and every parameter after the steps (tensor-parallel shards against the same slice of the
+reference). The rows that run plait's formulas also check this rank's collectives of the last
+step against `plait.parallel.cost`, exactly.
+
+Tolerance, as the composition matrix's: float32, the reductions sum in another order than one
+process's backward. Losses relative 1e-5; parameters by `assert_params_close` (the reasons are
+in the helper).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_world
+from hf_models import hf_config, train_reference, write_model
+from training import assert_params_close, run_steps
+
+from plait.model.hf import hf_name
+
+STEPS = 4
+
+# (id, family, ranks, overrides)
+ROWS = [
+    ("llama-dp2-tp2-zero1", "llama", 4, ["parallel.tp=2", "parallel.zero=1"]),
+    ("llama-pp2-tp2-sp-interleaved", "llama", 4,
+     ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+      "parallel.pp_schedule=interleaved", "parallel.microbatches=4"]),
+    ("llama-hsdp-zero3-dp4-shard2", "llama", 4, ["parallel.zero=3", "parallel.dp_shard=2"]),
+    ("llama-dp2-ac-selective", "llama", 2, ["train.activation_checkpointing=selective"]),
+    ("qwen2-tp2", "qwen2", 2, ["parallel.tp=2"]),
+    ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {f: write_model(root / f, f) for f in {row[1] for row in ROWS}}
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    """One single-process transformers run per family, shared by its rows."""
+    return {f: train_reference(folder, hf_config(folder), STEPS) for f, folder in folders.items()}
+
+
+@pytest.mark.parametrize("family,ranks,overrides", [r[1:] for r in ROWS],
+                         ids=[r[0] for r in ROWS])
+def test_hf_model_equals_transformers_in_one_process(folders, references, family, ranks,
+                                                     overrides):
+    cfg = hf_config(folders[family], *overrides)
+    results = run_world(run_steps, ranks, cfg, STEPS, timeout=240)
+    ref = references[family]
+    planned = family != "gpt2"
+    seen = set()
+    for r in results:
+        assert r["ledger"] == r["traffic"], f"rank {r['rank']}: collectives vs cost formulas"
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=1e-5, atol=0)
+        for name, p in r["params"].items():
+            want = ref["params"][hf_name(name, planned)]
+            shard = r["placements"][name][1].get("tp")
+            if shard is not None:
+                want = want.chunk(shard.count, dim=shard.dim)[shard.index]
+            assert_params_close(p, want, name, steps=STEPS)
+            seen.add(hf_name(name, planned))
+    # Every parameter of the transformers model was trained somewhere (a tied head counts once).
+    assert seen == set(ref["params"])

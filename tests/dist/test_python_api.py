@@ -1,0 +1,147 @@
+"""The Python API on a module that is not a transformer: the example's convolutional classifier
+with BatchNorm (`examples/digits_zero3.py`), 2 ranks, global batch 16, 4 AdamW steps.
+
+- Under DDP (`zero=0`) it equals torch's own `DistributedDataParallel` on the same run, BatchNorm
+  in training mode: each rank normalises by its own rows' statistics in both, and both broadcast
+  the running statistics from rank 0 before each forward.
+- Under ZeRO-1/2/3 (ZeRO-3 with each ConvBlock a unit, and again with units chosen by parameter
+  count) it equals one process training on the global batch, BatchNorm in eval mode: in training
+  mode the statistics of 8 rows per rank are not those of 16 by design.
+- A degree that needs a model plan is refused, naming the module.
+
+Tolerance: losses relative 1e-5; parameters by `assert_params_close` (float32, AdamW: the
+reductions sum in another order than one process's backward; the reasons are in the helper).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import run_world
+from torch.nn.parallel import DistributedDataParallel
+from training import assert_params_close
+
+import plait
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS, BATCH, LR = 4, 16, 3e-3
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("digits_zero3", EXAMPLES / "digits_zero3.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+digits = _example()
+
+
+def _batches():
+    x, y, _, _ = digits.digits()
+    order = torch.Generator().manual_seed(1)
+    return [(x[r], y[r]) for r in (torch.randint(len(x), (BATCH,), generator=order)
+                                   for _ in range(STEPS))]
+
+
+def _model(train_mode: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = digits.DigitsNet(width=8)
+    return model.train(train_mode)
+
+
+def _plait_run(parallel: plait.ParallelConfig, wrap, train_mode: bool):
+    plait.init()
+    job = plait.prepare(_model(train_mode), F.cross_entropy, parallel, wrap=wrap)
+    optimizer = torch.optim.AdamW(job.parameters(), lr=LR)
+    losses = [job.step(*job.local(x, y), optimizer, grad_clip=1.0) for x, y in _batches()]
+    buffers = {n: b.clone() for n, b in job.model.named_buffers()}
+    return losses, job.full_state_dict(), buffers
+
+
+def _torch_ddp_run():
+    model = DistributedDataParallel(_model(True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    rank, losses = torch.distributed.get_rank(), []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x.chunk(2)[rank]), y.chunk(2)[rank])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / 2)
+    state = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return losses, state, {n: b.clone() for n, b in model.module.named_buffers()}
+
+
+def _both_ddp():
+    return _plait_run(plait.ParallelConfig(), None, True), _torch_ddp_run()
+
+
+def _one_process():
+    model = _model(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(got, want, what: str):
+    got_losses, got_params = got[:2]
+    want_losses, want_params = want[:2]
+    assert got_losses == pytest.approx(want_losses, rel=1e-5), what
+    assert got_params.keys() == want_params.keys(), what
+    for name, p in want_params.items():
+        assert_params_close(got_params[name], p, f"{what}: {name}", lr=LR, steps=STEPS)
+
+
+def test_ddp_equals_torch_ddp_with_batchnorm_in_training_mode():
+    for (ours, theirs) in run_world(_both_ddp, 2):
+        _assert_same(ours, theirs, "plait DDP vs torch DDP")
+        for name, b in theirs[2].items():  # running statistics: rank 0's, on every rank
+            torch.testing.assert_close(ours[2][name], b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+ZERO = {
+    "zero1": (plait.ParallelConfig(zero=1), None),
+    "zero2": (plait.ParallelConfig(zero=2), None),
+    "zero3 units by class": (plait.ParallelConfig(zero=3),
+                             plait.WrapPolicy(classes=(digits.ConvBlock,))),
+    "zero3 units by size": (plait.ParallelConfig(zero=3), plait.WrapPolicy(min_params=500)),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return _one_process()
+
+
+@pytest.mark.parametrize("name", list(ZERO))
+def test_zero_equals_one_process(name, one_process):
+    parallel, wrap = ZERO[name]
+    for got in run_world(_plait_run, 2, parallel, wrap, False):
+        _assert_same(got, one_process, name)
+
+
+def _refused(parallel):
+    plait.init()
+    with pytest.raises(ValueError) as caught:
+        plait.prepare(_model(True), F.cross_entropy, parallel)
+    return str(caught.value)
+
+
+def test_a_degree_that_needs_a_plan_is_refused_naming_the_module():
+    for message in run_world(_refused, 2, plait.ParallelConfig(tp=2)):
+        assert message.startswith("parallel.tp=2 needs a model plan, and DigitsNet has none")

@@ -1,0 +1,77 @@
+"""Tiny random Hugging Face models written as `save_pretrained` writes them, and the
+single-process reference for them: the transformers module itself trained on the same batches
+as plait's trainer would feed it, with plait's optimizer settings, and nothing of plait's
+parallel code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from plait.config import load_config
+from plait.train.data import TokenData
+from plait.train.optim import build_optimizer, lr_at, set_lr
+
+SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             tie_word_embeddings=False)
+
+
+def families():
+    """name -> (config class, model class, config keys): one per family the tests train."""
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, SHAPE),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, SHAPE),  # q/k/v biases
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {**SHAPE, "head_dim": 8}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {**SHAPE, "sliding_window": None}),
+        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
+                 dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # no random dropout
+    }
+
+
+def write_model(folder: Path, family: str, seed: int = 0, **changes) -> Path:
+    """A tiny random model of `family` saved in `folder` (config.json + model.safetensors)."""
+    config_cls, model_cls, keys = families()[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**keys, **changes}))
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_config(folder: Path, *overrides: str, steps: int = 4):
+    return load_config(None, [
+        f"model.hf='{folder}'", f"train.steps={steps}", "train.warmup_steps=2",
+        "train.global_batch=8", "train.peak_tflops=1.0", "train.eval_batches=1",
+        "data.seq_len=32", "data.max_bytes=200000", *overrides,
+    ])
+
+
+def train_reference(folder: Path, cfg, steps: int = 4) -> dict:
+    """The transformers model of `folder` trained `steps` steps in this process on the global
+    batches plait's trainer draws: losses, and parameters by transformers' names."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation="sdpa").train()
+    params = list(model.parameters())
+    optimizer = build_optimizer([p for p in params if p.dim() >= 2],
+                                [p for p in params if p.dim() < 2], cfg.train)
+    data = TokenData(cfg.data, cfg.train.seed)
+    losses = []
+    for step in range(steps):
+        set_lr(optimizer, lr_at(step, cfg.train))
+        optimizer.zero_grad(set_to_none=True)
+        inputs, targets = data.batch(step, cfg.train.global_batch)
+        logits = model(input_ids=inputs, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone()
+                                         for n, p in model.named_parameters()}}
