@@ -1,8 +1,8 @@
 """plait: a distributed training engine for PyTorch.
 
 The Python API (`plait/api.py`; README "Use plait from Python"): `init`, `prepare`, `print0`,
-`finish`, with `ParallelConfig`, `WrapPolicy` and `ModelPlan`. They are imported when first used,
-so that `import plait.cli` stays light.
+`finish`, with `ParallelConfig`, `WrapPolicy`, `ModelPlan` and `load_hf` (a Hugging Face folder).
+They are imported when first used, so that `import plait.cli` stays light.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _EXPORTS = {
     "ParallelConfig": "plait.config",
     "WrapPolicy": "plait.parallel.wrap",
     "ModelPlan": "plait.model.plan",
+    "load_hf": "plait.model.hf",
 }
 
 __all__ = list(_EXPORTS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -230,8 +231,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     from plait.train.run import TRAINING_STACK, run_training
 
     try:
+        # A Hugging Face model's workers import transformers: once, in the forkserver.
+        hf = ("plait.model.hf", "transformers.modeling_utils") if cfg.model.hf else ()
         launch(nproc, run_training, cfg, outputs(args), threads=cfg.train.threads,
-               max_restarts=args.max_restarts, preload=(TRAINING_STACK,))
+               max_restarts=args.max_restarts, preload=(TRAINING_STACK, *hf))
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)
@@ -338,7 +341,10 @@ def cmd_convert(args: argparse.Namespace) -> None:
         from plait.config import model_section
 
         saved = dict(read_meta(source)["config"]["model"])
-        if model_section(saved).args().moe_experts:
+        if "hf" in saved and not (Path(saved["hf"]) / "config.json").is_file():
+            raise ConfigError("CKPT", f"{source} was trained from the Hugging Face folder "
+                              f"{saved['hf']}, whose config.json is gone; restore the folder")
+        if "hf" not in saved and model_section(saved).args().moe_experts:
             raise ConfigError("CKPT", f"{source} is a mixture of experts, which a Hugging Face "
                               "Llama folder cannot hold; export a dense model")
         print(export_hf(source, out))
@@ -348,6 +354,12 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
+    from plait.checkpoint.hf import unrepresentable
+
+    why = unrepresentable(json.loads((hf / "config.json").read_text()))
+    if why is not None:
+        raise ConfigError("HF_DIR", f"{hf}/config.json: {why}; train the folder as itself "
+                          f"instead: plait train model.hf={hf}")
     path, overrides = import_hf(hf, out)
     settings = " ".join(f"model.{k}={v}" for k, v in overrides.items())
     print(f"{path}\ncontinue training it with: plait train checkpoint.resume={path} {settings}")

@@ -193,6 +193,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for name, value in raw.items():
         if name not in SECTIONS or not isinstance(value, dict):
             raise ConfigError(name, f"unknown section; sections are {', '.join(SECTIONS)}")
+    if any(parse_override(text)[0] == "model.hf" for text in overrides):
+        raw.pop("model", None)  # the folder replaces the file's model (a recipe's preset)
     for text in overrides:
         key, value = parse_override(text)
         section, _, name = key.partition(".")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from plait.checkpoint import finish, load_full, meta, one_process, read_meta
 from plait.config import Config, ModelConfig, model_section
+from plait.model.hf import HF_PLANS, architecture, hf_name, read_config
 from plait.model.llama import ModelArgs
 
 # plait name -> Hugging Face name; {i} is a layer index.
@@ -83,8 +85,33 @@ def hf_config(args: ModelArgs) -> dict:
     }
 
 
+def unrepresentable(hf: dict) -> str | None:
+    """Why plait's Llama cannot compute what the Hugging Face model in config `hf` computes, or
+    None: another architecture, rotary scaling (`rope_scaling` / `rope_parameters` with a
+    `rope_type` other than "default", as Llama 3.1 and later have), biases, an activation other
+    than SiLU, a sliding window."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch != "LlamaForCausalLM" and not (arch is None and hf.get("model_type") == "llama"):
+        return f"architectures is {arch or hf.get('model_type')}, not LlamaForCausalLM"
+    for key in ("rope_scaling", "rope_parameters"):
+        kind = (hf.get(key) or {}).get("rope_type") or (hf.get(key) or {}).get("type")
+        if kind not in (None, "default"):
+            return f"{key} has rope_type {kind!r}, which plait's rotary embedding does not scale"
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            return f"{key} is true; plait's Llama has no biases"
+    if hf.get("hidden_act", "silu") != "silu":
+        return f"hidden_act is {hf['hidden_act']!r}; plait's Llama uses SiLU"
+    return None
+
+
 def model_overrides(hf: dict) -> dict:
-    """The `model.*` settings of a Hugging Face Llama config."""
+    """The `model.*` settings of a Hugging Face Llama config (ValueError if plait's Llama cannot
+    represent it)."""
+    why = unrepresentable(hf)
+    if why is not None:
+        raise ValueError(f"{why}; train the folder as itself instead: plait train "
+                         "model.hf=DIR")
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", dim // heads) != dim // heads:
         raise ValueError(f"head_dim {hf['head_dim']} != hidden_size / heads: plait derives it")
@@ -96,9 +123,28 @@ def model_overrides(hf: dict) -> dict:
             "rope_theta": float(theta)}
 
 
+def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write `checkpoint` (any layout) of a `model.hf` run as a Hugging Face folder: its
+    tensors under transformers' names, the source folder's config.json (and
+    generation_config.json)."""
+    source = Path(read_meta(checkpoint)["config"]["model"]["hf"])
+    planned = architecture(read_config(source)) in HF_PLANS
+    tensors = {hf_name(n, planned): t.contiguous() for n, t in load_full(checkpoint).items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return out
+
+
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write `checkpoint` (any layout) as a Hugging Face Llama folder."""
+    """Write `checkpoint` (any layout) as a Hugging Face Llama folder (a `model.hf` run's: as
+    the folder it came from)."""
     saved = read_meta(checkpoint)["config"]["model"]
+    if "hf" in saved:
+        return export_transformers(checkpoint, out)
     args = model_section(saved).args()
     tensors = {}
     for name, t in load_full(checkpoint).items():

@@ -59,3 +59,12 @@ def test_a_missing_script_is_one_line_and_status_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"plait: error: script: {tmp_path / 'nowhere.py'} is not a " \
                                   "file; give the path of a .py file"
+
+
+def test_hf_causal_lm_trains_at_dp2_tp2_pp2():
+    """8 ranks, each a new interpreter importing torch and transformers (most of the time)."""
+    proc = plait("run", "--nproc", "8", EXAMPLES / "hf_causal_lm.py", "--steps", "3",
+                 timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    losses = _losses(proc.stdout)
+    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout  # 5.55 -> 4.95

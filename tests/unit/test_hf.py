@@ -79,3 +79,81 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("plait: error: CKPT:") and "experts" in err
     assert not (tmp_path / "hf").exists()
+
+
+# -- model.hf: the transformers modules themselves ------------------------------------------------
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    from hf_models import write_model
+
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_model(root / f, f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, family):
+    """`HFCausalLM` runs the model's own modules in the pieces a pipeline chunk needs (embed,
+    block arguments, layers, head): its logits equal the transformers model's exactly (the same
+    operations in the same order). A family with no plan is the module whole."""
+    from plait.model.hf import HFCausalLM, PlainCausalLM, load_hf
+
+    model = load_hf(hf_folders[family]).eval()
+    assert isinstance(model, PlainCausalLM if family == "gpt2" else HFCausalLM)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_folders[family], dtype=torch.float32, attn_implementation="sdpa").eval()
+    tokens = _tokens(256)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(input_ids=tokens).logits,
+                                   rtol=0, atol=0)
+
+
+def _refusal(*overrides, nproc=4):
+    from plait.checks import validate
+    from plait.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, list(overrides)), nproc)
+    return str(e.value)
+
+
+def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folders, tmp_path):
+    gpt2, llama = hf_folders["gpt2"], hf_folders["llama"]
+    assert _refusal(f"model.hf='{gpt2}'", "parallel.tp=2").startswith(
+        "parallel.tp: GPT2LMHeadModel has no plait plan (planned: LlamaForCausalLM, ")
+    assert _refusal(f"model.hf='{gpt2}'", "parallel.zero=1", "parallel.dp=2",
+                    "train.activation_checkpointing=full", nproc=2).startswith(
+        "train.activation_checkpointing: GPT2LMHeadModel has no plait plan naming its blocks")
+    assert _refusal(f"model.hf='{tmp_path}'") == \
+        f"model.hf: {tmp_path} has no config.json; give a folder that transformers' " \
+        "save_pretrained wrote"
+    assert _refusal(f"model.hf='{llama}'", "model.dim=64") == \
+        "model.dim: the folder's config.json decides the model with model.hf; drop this key"
+    from hf_models import write_model
+
+    tied = write_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    assert _refusal(f"model.hf='{tied}'", "parallel.tp=2").startswith(
+        "parallel: the model ties its input embedding and output head (tie_word_embeddings)")
+    window = write_model(tmp_path / "window", "mistral", sliding_window=16)
+    assert _refusal(f"model.hf='{window}'", "data.seq_len=32").startswith(
+        "data.seq_len: 32 exceeds the model's sliding window (16)")
+
+
+def test_import_refuses_what_plaits_llama_cannot_compute(tmp_path, capsys):
+    """Rotary scaling (Llama 3.1's "llama3" rope type), biases, another activation or another
+    architecture would compute something else: refused in one line naming the field."""
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "ck")])
+    assert e.value.code == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("plait: error: HF_DIR: ") and "rope_type 'llama3'" in said, said
+    assert "\n" not in said

@@ -1,0 +1,57 @@
+"""`plait train model.hf=DIR`: a folder written by transformers' `save_pretrained` trains under
+tensor parallelism on 4 workers, saves a sharded checkpoint, resumes it on another layout, and
+`plait convert --to hf` writes a folder that transformers loads with no missing key and the
+checkpoint's weights, computing the same logits as plait's pieces of the model."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from hf_models import write_model
+from test_cli import plait_here, read_metrics
+
+from plait.checkpoint import complete_checkpoints, load_full
+
+COMMON = ["data.seq_len=32", "train.global_batch=8", "train.steps=4", "train.warmup_steps=1",
+          "train.eval_batches=1"]
+
+
+def test_train_a_hf_folder_under_tp_save_resume_elsewhere_and_convert(tmp_path):
+    transformers = __import__("transformers")
+    folder = write_model(tmp_path / "llama", "llama")
+    ck, first, second = tmp_path / "ck", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    proc = plait_here("train", f"model.hf={folder}", "--nproc", "4", "parallel.tp=2",
+                      "train.stop_after=2", f"checkpoint.dir={ck}", "--metrics", first, *COMMON)
+    assert proc.returncode == 0, proc.stderr
+    assert [m["step"] for m in read_metrics(first)] == [0, 1]
+    saved = complete_checkpoints(ck)
+    assert [p.name for p in saved] == ["step-00000002"]
+    assert json.loads((saved[0] / "plait.json").read_text())["config"]["model"] == \
+        {"hf": str(folder)}
+
+    proc = plait_here("train", f"model.hf={folder}", "--nproc", "2", f"checkpoint.dir={ck}",
+                      "--metrics", second, *COMMON)  # dp2: another layout
+    assert proc.returncode == 0, proc.stderr
+    resumed = read_metrics(second)
+    assert [m["step"] for m in resumed] == [2, 3]
+    assert resumed[-1]["loss"] < read_metrics(first)[0]["loss"]
+
+    out = tmp_path / "exported"
+    proc = plait_here("convert", "--to", "hf", out, ck)
+    assert proc.returncode == 0, proc.stderr
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True, dtype=torch.float32, attn_implementation="sdpa")
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    weights = load_full(complete_checkpoints(ck)[-1])
+    assert len(weights) == len(dict(hf.named_parameters()))
+    for name, p in hf.named_parameters():
+        plait_name = name.removeprefix("model.")
+        torch.testing.assert_close(p, weights[plait_name], rtol=0, atol=0, msg=name)
+    from plait.model.hf import load_hf
+
+    ours = load_hf(out).eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf.eval()(input_ids=tokens).logits,
+                                   rtol=0, atol=0)
