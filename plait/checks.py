@@ -270,9 +270,6 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
                               f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
                               f"{axis} = 1")
-    if plan is not None and dims.cp > 1 and plan.attention_core is None:
-        raise ConfigError("parallel.cp", f"the {plan.family} plan has no attention core to "
-                          "swap (context parallelism); set cp = 1")
     if plan is not None and dims.ep > 1 and plan.moe is None:
         raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
     if plan is None and cfg.train.activation_checkpointing != "none":

@@ -37,7 +37,7 @@ _LLAMA_LIKE = dict(
     blocks="layers",
     first=("embed_tokens",),
     last=("norm", "lm_head"),
-    shared=("rotary_emb",),
+    shared=("rotary_emb", "positions"),
     hidden_size="hidden_size",
     vocab_size="vocab_size",
     tp_splits={
@@ -49,6 +49,8 @@ _LLAMA_LIKE = dict(
                 "vocab_size"),
     vocab_embedding="embed_tokens",
     vocab_head="lm_head",
+    attention_core="self_attn.core",
+    positions="positions",
     recompute=("input_layernorm", "post_attention_layernorm", "mlp.act_fn"),
 )
 
@@ -104,6 +106,34 @@ def has_weights(folder: str | Path) -> bool:
         (folder / "model.safetensors.index.json").is_file()
 
 
+ATTENTION = "plait"  # the name of plait's entry in transformers' AttentionInterface
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None = None,
+              dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for plait's models: the attention module's `core`
+    kernel where one was put (context parallelism's: (b, s, heads, d) in and out), else
+    transformers' own SDPA function. q (b, heads, s, d), k and v (b, kv_heads, s, d), rotated;
+    returns (b, s, heads, d)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    core = getattr(module, "core", None)
+    if core is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    if attention_mask is not None or dropout or scaling != query.shape[-1] ** -0.5:
+        raise ValueError("plait's attention kernels compute unmasked causal attention scaled by "
+                         "1/sqrt(head_dim), without dropout")
+    out = core(*(t.transpose(1, 2) for t in (query, key, value)))
+    return out, None
+
+
+def arange_positions(seq_len: int, device) -> torch.Tensor:
+    """The positions of a whole sequence's tokens (context parallelism replaces this)."""
+    return torch.arange(seq_len, device=device)
+
+
 class HFCausalLM(nn.Module):
     """A transformers `*ForCausalLM` of a planned family, its modules under plait's plan. forward:
     (b, s) token ids -> (b, s, vocab) logits."""
@@ -117,6 +147,12 @@ class HFCausalLM(nn.Module):
         self.norm = inner.norm
         self.lm_head = hf.lm_head
         self.rotary_emb = inner.rotary_emb
+        self.positions = arange_positions
+        # Attention through plait's entry (transformers' own SDPA until a kernel is put in).
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION, attention)
+        hf.config._attn_implementation = ATTENTION
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
@@ -124,7 +160,7 @@ class HFCausalLM(nn.Module):
     def block_args(self, h: torch.Tensor, seq_len: int) -> tuple:
         """What each decoder layer takes besides the hidden states: no mask (causal SDPA),
         positions 0..s-1 and their rotary embeddings (cos, sin), as the model computes them."""
-        positions = torch.arange(seq_len, device=h.device).unsqueeze(0)
+        positions = self.positions(seq_len, h.device).unsqueeze(0)
         return (None, positions, None, False, self.rotary_emb(h, positions))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

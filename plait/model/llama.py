@@ -143,16 +143,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).type_as(x)
 
 
+class CausalAttention(nn.Module):
+    """The attention kernel: `causal_attention` as a module (no weights), the swap point of
+    context parallelism (`attention.core.kernel`), which replaces it by a kernel that attends
+    across the sequence shards of the cp ranks."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v)
+
+
 class AttentionCore(nn.Module):
     """Rotary embedding and causal attention: q (b, s, heads, head_dim), k and v
     (b, s, kv_heads, head_dim) -> (b, s, heads * head_dim). No weights; a module of its own so that
-    selective activation checkpointing can recompute it (cheap, but its saved tensors are large),
-    and the swap point of context parallelism (`attention.core`), which replaces it by one that
-    attends across the sequence shards of the cp ranks."""
+    selective activation checkpointing can recompute it (cheap, but its saved tensors are
+    large)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = CausalAttention()
 
     def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return causal_attention(q, k, v).flatten(-2)
+        return self.kernel(q, k, v).flatten(-2)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ LLAMA = ModelPlan(
     tp_partial_grads=("feed_forward.router.weight",),
     vocab_embedding="tok_embeddings",
     vocab_head="output",
-    attention_core="attention.core",
+    attention_core="attention.core.kernel",
     positions="positions",
     recompute=("attention_norm", "attention.core", "ffn_norm", "feed_forward.gate",
                "feed_forward.experts.*.gate"),

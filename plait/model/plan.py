@@ -52,9 +52,11 @@ class ModelPlan:
     # Top-level modules split by vocabulary: the input embedding, the output head.
     vocab_embedding: str | None = None
     vocab_head: str | None = None
-    # Context parallelism: the block-relative module that mixes tokens, (q, k, v, cos, sin) ->
-    # attention output, which cp replaces by one attending across the sequence shards; and the
-    # model's attribute holding (seq_len, device) -> the positions of the tokens it sees.
+    # Context parallelism: the block-relative attention kernel, the one module that mixes
+    # tokens: (q, k, v) after the rotary embedding, (b, s, heads or kv_heads, head_dim) -> causal
+    # attention (b, s, heads, head_dim); cp replaces it by one attending across the sequence
+    # shards. And the model's attribute holding (seq_len, device) -> the positions of the tokens
+    # it sees.
     attention_core: str | None = None
     positions: str | None = None
     # Selective activation checkpointing: the block-relative modules whose forward is cheap and

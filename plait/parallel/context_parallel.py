@@ -1,6 +1,7 @@
 """Context parallelism over the `cp` axis: every sequence is split over the C ranks of the axis,
 so the activations of a long sequence are held 1/C per rank. Only attention mixes tokens; its core
-(`attention.core`, the model's swap point) is replaced by one that attends across the shards.
+(the model plan's `attention_core`, its attention kernel) is replaced by one that attends across
+the shards.
 
 - `ring` (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): each rank keeps its
   queries and passes its key/value block around the ring; after C - 1 shifts every query block has
@@ -30,13 +31,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from plait.comm import shift
 from plait.comm.autograd import heads_to_seq, seq_to_heads
 from plait.mesh import Axis
-from plait.model.llama import apply_rope, causal_attention
 from plait.model.plan import needs_plan
 
 METHODS = ("ring", "ulysses")
@@ -246,32 +247,41 @@ def _ring(layout: ContextLayout, q: torch.Tensor) -> tuple[int, int, int]:
     return layout.rank, layout.size, q.shape[1]
 
 
-class RingAttentionCore(nn.Module):
-    """`attention.core` under ring context parallelism."""
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of whole sequences on one rank: q (b, s, heads, d), k and v
+    (b, s, kv_heads, d) -> (b, s, heads, d)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                         v.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2)
+
+
+class RingAttentionKernel(nn.Module):
+    """The attention kernel under ring context parallelism: (q, k, v) of this rank's tokens ->
+    their attention over the whole sequence."""
 
     def __init__(self, cp: Axis, layout: ContextLayout):
         super().__init__()
         self.group, self.layout = cp.group, layout
 
-    def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return RingAttention.apply(q, k, v, self.group, self.layout).flatten(-2)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return RingAttention.apply(q, k, v, self.group, self.layout)
 
 
-class UlyssesAttentionCore(nn.Module):
-    """`attention.core` under Ulysses context parallelism."""
+class UlyssesAttentionKernel(nn.Module):
+    """The attention kernel under Ulysses context parallelism."""
 
     def __init__(self, cp: Axis):
         super().__init__()
         self.group, self.size = cp.group, cp.size
 
-    def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if k.shape[2] % self.size:  # too few key/value heads to split: one per query head
             group = q.shape[2] // k.shape[2]
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
-        return heads_to_seq(causal_attention(q, k, v), self.group).flatten(-2)
+        return heads_to_seq(causal_sdpa(q, k, v), self.group)
 
 
 def apply_cp(chunk: nn.Module, cp: Axis, method: str) -> ContextLayout:
@@ -287,7 +297,9 @@ def apply_cp(chunk: nn.Module, cp: Axis, method: str) -> ContextLayout:
         raise ValueError(f"context parallelism needs the {plan.family} plan's attention_core "
                          "and positions")
     setattr(chunk, plan.positions, layout.positions)
+    parent, _, leaf = plan.attention_core.rpartition(".")
     for block in chunk.get_submodule(plan.blocks).values():
-        block.set_submodule(plan.attention_core, RingAttentionCore(cp, layout)
-                            if method == "ring" else UlyssesAttentionCore(cp))
+        kernel = RingAttentionKernel(cp, layout) if method == "ring" else \
+            UlyssesAttentionKernel(cp)
+        setattr(block.get_submodule(parent) if parent else block, leaf, kernel)
     return layout

@@ -97,13 +97,16 @@ def _stages(args: ModelArgs, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayo
 
 
 @functools.lru_cache(maxsize=1024)
-def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int):
-    """One stage's placement record (what the formulas need), the chunks cut as `sizes` says."""
+def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int,
+            sp: bool = False):
+    """One stage's placement record (what the formulas need), the chunks cut as `sizes` says;
+    `sp`: sequence parallelism (which parameters' gradients are partial over tp)."""
     from plait.config import ParallelConfig
 
     virtual = len(sizes) // pp
     par = ParallelConfig(pp=pp, tp=tp, ep=ep, pp_schedule="interleaved" if virtual > 1 else "1f1b",
-                         pp_virtual=virtual, pp_split=list(sizes) if len(sizes) > 1 else [])
+                         pp_virtual=virtual, pp_split=list(sizes) if len(sizes) > 1 else [],
+                         sequence_parallel=sp and tp > 1)
     degrees = {"pp": pp, "tp": tp, "ep": ep}
     axes = {a: Axis.dry(a, stage if a == "pp" else 0, degrees.get(a, 1)) for a in AXES}
     axes["batch"] = batch_axis(axes)
@@ -160,7 +163,8 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     priced, per_stage, step = {}, [], 0.0
     for stage, (chunks, kind) in enumerate(_stages(args, dims.pp, sizes)):
         if kind not in priced:
-            record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage)
+            record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage,
+                             par.sequence_parallel)
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
             model_flops, flops = _flops(cfg, dims, record, chunks)

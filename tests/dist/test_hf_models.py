@@ -30,6 +30,8 @@ ROWS = [
       "parallel.pp_schedule=interleaved", "parallel.microbatches=4"]),
     ("llama-hsdp-zero3-dp4-shard2", "llama", 4, ["parallel.zero=3", "parallel.dp_shard=2"]),
     ("llama-dp2-ac-selective", "llama", 2, ["train.activation_checkpointing=selective"]),
+    ("llama-cp2-ring", "llama", 2, ["parallel.cp=2"]),
+    ("llama-dp2-cp2-ulysses", "llama", 4, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
     ("qwen2-tp2", "qwen2", 2, ["parallel.tp=2"]),
     ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
