@@ -23,6 +23,7 @@ gets no gradient in a step is named in the error.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -40,8 +41,9 @@ from plait.checks import validate_parallel
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import ParallelConfig
 from plait.mesh import build_mesh, rows_share
-from plait.parallel import ModuleOptions, Parallelized, parallelize
+from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
 from plait.parallel.wrap import WrapPolicy
+from plait.train.verify import Verdict, verify_step
 
 
 def init(device: str = "auto", threads: int = 1, timeout_s: float = 300.0) -> torch.device:
@@ -80,9 +82,11 @@ class Prepared:
     for this rank's rows of a global batch, `step()` for one optimizer step, `model` to
     evaluate (one pipeline stage), `save()` / `load()` for sharded checkpoints."""
 
-    def __init__(self, parallelized: Parallelized, microbatches: int, config: ParallelConfig):
+    def __init__(self, parallelized: Parallelized, microbatches: int, config: ParallelConfig,
+                 loss_fn: Callable, reference: nn.Module | None = None):
         self.parallelized, self.microbatches, self.config = parallelized, microbatches, config
         self.rows_rank, self.rows = rows_share(parallelized.axes)
+        self.loss_fn, self.reference = loss_fn, reference
         self._steps = 0
 
     @property
@@ -117,18 +121,34 @@ class Prepared:
         PyTorch (`job.model.train()` / `.eval()`)."""
         self.parallelized.module.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
-        M = self.microbatches
-        if len(inputs) % M:
-            raise ValueError(f"{len(inputs)} rows per rank do not split into {M} micro-batches")
-        rows = len(inputs) // M
-        loss_sum, norm = self.parallelized.step(
-            list(zip(inputs.split(rows), targets.split(rows), strict=True)), optimizer,
-            grad_clip)
+        loss_sum, norm = self.parallelized.step(self._split(inputs, targets), optimizer,
+                                                grad_clip)
         if norm != norm or norm in (float("inf"), float("-inf")):
             raise FloatingPointError(f"step {self._steps}: the gradient norm is {norm}; "
                                      "nothing was updated (lower the learning rate?)")
         self._steps += 1
         return self.global_mean(loss_sum)
+
+    def _split(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple]:
+        M = self.microbatches
+        if len(inputs) % M:
+            raise ValueError(f"{len(inputs)} rows per rank do not split into {M} micro-batches")
+        rows = len(inputs) // M
+        return list(zip(inputs.split(rows), targets.split(rows), strict=True))
+
+    def verify(self, inputs: torch.Tensor, targets: torch.Tensor,
+               tolerance: float = 1e-4) -> Verdict:
+        """One step of this layout on the global batch (`inputs`, `targets`, the same on every
+        rank) against one of the model as it was handed to `prepare` (`verify=True` kept a
+        copy), from the same weights: the loss and each parameter group's largest gradient
+        difference (`plait/train/verify.py`); `Verdict.failures()` names what is beyond
+        `tolerance`. Nothing is updated."""
+        if self.reference is None:
+            raise RuntimeError("verify needs plait.prepare(..., verify=True), which keeps a copy "
+                               "of the model to compare with")
+        local = self._split(*self.local(inputs, targets))
+        return verify_step(self.parallelized, self.reference, local, inputs, targets,
+                           self.loss_fn, self.global_mean, tolerance)
 
     def global_mean(self, value: float) -> float:
         """Mean over the ranks that split the batch of a per-rank mean (summed over pp first:
@@ -189,12 +209,14 @@ def prepare(
     checkpoint: WrapPolicy | None = None,
     precision: str = "fp32",
     device: torch.device | str | None = None,
+    verify: bool = False,
 ) -> Prepared:
     """Apply `parallel` (default: DDP over every rank) to `model` on the world `init` joined.
     `loss_fn(outputs, targets)` is the mean loss of a micro-batch (None: cross-entropy over
     (b, s, V) logits); `wrap` chooses ZeRO-3's units and `checkpoint` the modules recomputed in
     the backward (classes, or a parameter count); `precision` "fp32" or "bf16". The model's own
-    weights are used (every rank starts from rank 0's); move it to `device` first or pass it."""
+    weights are used (every rank starts from rank 0's); move it to `device` first or pass it.
+    `verify`: keep a copy of the model for `Prepared.verify`."""
     if not dist.is_initialized():
         raise RuntimeError("call plait.init() first: it joins the world of processes")
     parallel = parallel or ParallelConfig()
@@ -206,10 +228,13 @@ def prepare(
     with torch.no_grad():  # every rank starts from rank 0's weights and buffers
         for t in [*model.parameters(), *model.buffers()]:
             broadcast(t.data, src=0, group=dist.group.WORLD)
+    reference = copy.deepcopy(model) if verify else None
     M = parallel.microbatches or dims.pp
     mode = "full" if checkpoint else "none"
     options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
     parallelized = parallelize(model, build_mesh(dims, where.type), parallel, microbatches=M,
                                precision=precision, activation_checkpointing=mode,
                                options=options)
-    return Prepared(parallelized, M, parallel)
+    # The reference's loss: the user's, or cross-entropy over whole logits (the layout's may be
+    # the vocabulary-parallel one).
+    return Prepared(parallelized, M, parallel, loss_fn or cross_entropy, reference)

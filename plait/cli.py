@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="restart the workers up to N times when one fails, resuming from "
                        "the newest checkpoint in checkpoint.dir (torchrun: its own flag)")
+    train.add_argument("--verify", action="store_true",
+                       help="one step of this layout against one process from the same weights "
+                       "and batch: the largest gradient differences per parameter group; exit 1 "
+                       "beyond tolerance")
     train.add_argument("--dry-run", action="store_true",
                        help="print what each rank would hold and communicate; start nothing")
     train.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -211,7 +215,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         check_inputs(cfg, out)
         from plait.train.run import run_training
 
-        run_training(cfg, out)  # the trainer writes metrics on rank 0 alone anyway
+        verdict = run_training(cfg, out, args.verify)  # metrics: rank 0 alone writes them
+        if args.verify:
+            _verdict(verdict, speaks())
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
     if args.max_restarts and not cfg.checkpoint.dir:
@@ -233,10 +239,21 @@ def cmd_train(args: argparse.Namespace) -> None:
     try:
         # A Hugging Face model's workers import transformers: once, in the forkserver.
         hf = ("plait.model.hf", "transformers.modeling_utils") if cfg.model.hf else ()
-        launch(nproc, run_training, cfg, outputs(args), threads=cfg.train.threads,
-               max_restarts=args.max_restarts, preload=(TRAINING_STACK, *hf))
+        results = launch(nproc, run_training, cfg, outputs(args), args.verify,
+                         threads=cfg.train.threads, max_restarts=args.max_restarts,
+                         preload=(TRAINING_STACK, *hf))
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
+        sys.exit(1)
+    if args.verify:
+        _verdict(results[0], True)
+
+
+def _verdict(verdict, say: bool) -> None:
+    """Print `plait train --verify`'s table; exit 1 when a difference is beyond tolerance."""
+    if say:
+        print(verdict.table())
+    if verdict.failures():
         sys.exit(1)
 
 

@@ -209,7 +209,8 @@ def parallelize(
         loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp.group,
                                     vocab_size=getattr(model.args, plan.vocab_size))
     bf16_params = precision == "bf16" and cfg.zero > 0
-    width = getattr(model.args, plan.hidden_size) if plan else 0  # only pp > 1 (a plan) sends
+    # What passes between stages (only pp > 1, which needs a plan, sends anything).
+    width = getattr(model.args, plan.hidden_size) if plan and axes["pp"].size > 1 else 0
     activation = Activation(width, tp.size if cfg.sequence_parallel else 1,
                             torch.bfloat16 if bf16_params else torch.float32)
     device = _device(chunks)

@@ -8,7 +8,6 @@ import dataclasses
 import importlib
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,9 +19,6 @@ from plait.config import Config
 from plait.mesh import build_mesh
 from plait.train.outputs import Outputs
 from plait.train.progress import print_summary
-
-if TYPE_CHECKING:
-    from plait.train.trainer import Summary
 
 # What a worker imports after starting; the launcher's forkserver imports it before forking the
 # workers (`launch(preload=...)`), and the launcher process itself never needs it.
@@ -54,10 +50,11 @@ def _heartbeat(timeout_s: float) -> tuple[object, Heartbeat, float] | None:
 
 
 @record
-def run_training(cfg: Config, outputs: Outputs | None = None) -> Summary:
+def run_training(cfg: Config, outputs: Outputs | None = None, verify: bool = False):
     """Train on the world the environment describes; rank 0 shows progress and the summary. A
     collective that does not complete within parallel.timeout_s ends the job with a message
-    naming the ranks that did not arrive."""
+    naming the ranks that did not arrive. `verify`: instead, one step against one process
+    (`train/verify.py`); returns the verdict, the same on every rank."""
     trainer_class = importlib.import_module(TRAINING_STACK).Trainer
     torch.set_num_threads(cfg.train.threads)
     device = worker_device(cfg.train.device)
@@ -67,7 +64,11 @@ def run_training(cfg: Config, outputs: Outputs | None = None) -> Summary:
     watch = _heartbeat(timeout_s)
     try:
         dims = validate(cfg, dist.get_world_size())
-        trainer = trainer_class(cfg, dims, build_mesh(dims, device.type), device)
+        trainer = trainer_class(cfg, dims, build_mesh(dims, device.type), device, verify)
+        if verify:
+            verdict = trainer.verify()
+            dist.destroy_process_group()
+            return verdict
         if trainer.resumed_from is not None and dist.get_rank() == 0:
             print(f"plait: resumed from {trainer.resumed_from} at step {trainer.start_step}",
                   flush=True)

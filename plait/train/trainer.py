@@ -8,6 +8,8 @@ The trainer owns no process group: it is handed the mesh, so tests can drive it 
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import statistics
 import time
@@ -22,7 +24,7 @@ from plait.comm.trace import TRACER
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims, rows_share
 from plait.model import build_model, count_params
-from plait.parallel import parallelize
+from plait.parallel import cross_entropy, parallelize
 from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
 from plait.train.data import TokenData
@@ -32,6 +34,7 @@ from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.outputs import Outputs
 from plait.train.progress import Progress
 from plait.train.tracing import STEP, finish_trace, traced_steps
+from plait.train.verify import Verdict, verify_step
 
 
 def build_configured_model(cfg: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -61,10 +64,13 @@ class Summary:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims: ParallelDims, mesh, device: torch.device):
+    def __init__(self, cfg: Config, dims: ParallelDims, mesh, device: torch.device,
+                 verify: bool = False):
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
         model = build_configured_model(cfg, device)
+        # --verify: the whole model as built, for one step of a single process to compare with.
+        self.reference = copy.deepcopy(model) if verify else None
         n_params = count_params(model)  # the whole model's, before any split
         self.microbatches = microbatches(cfg.parallel, dims)
         self.parallelized = parallelize(
@@ -154,6 +160,22 @@ class Trainer:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         broadcast(t, src=0, group=world)
         return t.item()
+
+    def verify(self) -> Verdict:
+        """One step of this layout against one of the whole model in this process, from the same
+        weights and global batch (`train/verify.py`); nothing is updated."""
+        cfg = self.train_cfg
+        inputs, targets = self.data.batch(0, cfg.global_batch)
+        local = self.data.batch(0, cfg.global_batch, self.rows_rank, self.rows, self.microbatches)
+        self.model.train()
+        compute = contextlib.nullcontext()
+        if cfg.precision == "bf16":
+            compute = torch.autocast(self.device.type, dtype=torch.bfloat16)
+        with compute:  # the reference's forward as the layout computes its own
+            return verify_step(self.parallelized, self.reference.train(),
+                               self._microbatches(*local), inputs.to(self.device),
+                               targets.to(self.device), cross_entropy, self._global_mean,
+                               2e-2 if cfg.precision == "bf16" else 1e-4)
 
     def fit(self, outputs: Outputs | None = None) -> Summary:
         """Train from `start_step` until `train.steps` or `train.stop_after` steps are done,

@@ -127,3 +127,37 @@ def test_a_module_without_a_plan_is_named():
     with pytest.raises(ValueError, match="parallel.tp=2 needs a model plan, and Sequential has "
                        "none"):
         apply_tp(nn.Sequential(nn.Linear(2, 2)), Axis.dry("tp", 0, 2))
+
+
+class NormedMLP(MLP):
+    """A half that normalises its hidden units between the two linears: splitting them across
+    tp ranks normalises each rank's half alone, which no shape check notices."""
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        return self.down(F.layer_norm(h, h.shape[-1:]))
+
+
+def _verified(normed: bool):
+    import plait
+
+    plait.init()
+    model = _built()
+    if normed:
+        for block in model.blocks.values():
+            block.mlp = NormedMLP()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+    job = plait.prepare(model, F.mse_loss, plait.ParallelConfig(tp=2), verify=True)
+    verdict = job.verify(x, y)
+    return verdict.failures(), verdict.table()
+
+
+def test_verify_passes_a_right_plan_and_names_what_a_wrong_one_breaks():
+    """`Prepared.verify` (what `plait train --verify` runs): the residual MLP's plan at tp2 is
+    within tolerance; the same plan on blocks that normalise inside the split half fails, naming
+    the parameter groups whose gradients differ."""
+    for failures, table in run_world(_verified, 2, False):
+        assert failures == [], table
+    for failures, table in run_world(_verified, 2, True):
+        assert "blocks.*.mlp.up.weight" in failures and "loss" in failures, table

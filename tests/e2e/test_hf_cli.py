@@ -55,3 +55,17 @@ def test_train_a_hf_folder_under_tp_save_resume_elsewhere_and_convert(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf.eval()(input_ids=tokens).logits,
                                    rtol=0, atol=0)
+
+
+def test_verify_compares_one_step_of_the_layout_with_one_process(tmp_path):
+    """`plait train --verify` on a Hugging Face Llama at tp2 x pp2: every parameter group of the
+    transformers model within tolerance, status 0, nothing trained or written."""
+    folder = write_model(tmp_path / "llama", "llama")
+    proc = plait_here("train", "--verify", f"model.hf={folder}", "--nproc", "4", "parallel.tp=2",
+                      "parallel.pp=2", *COMMON)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1].startswith("verify: ok"), proc.stdout
+    groups = {line.split()[0] for line in lines[2:-1]}
+    assert {"embed_tokens.weight", "layers.*.self_attn.q_proj.weight", "lm_head.weight",
+            "layers.*.mlp.down_proj.weight", "norm.weight"} <= groups

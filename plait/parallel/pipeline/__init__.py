@@ -50,7 +50,8 @@ def apply_pp(model: nn.Module, pp: Axis, cfg: ParallelConfig, microbatches: int,
     every parameter the stage holds (whole, on this pp coordinate) and loses the others."""
     schedule = stage_schedule(cfg, pp.size, microbatches)
     C = schedule.chunks
-    if C == 1 and not has_plan(model):  # the module is its own only chunk
+    pieces = all(hasattr(type(model), f) for f in ("embed", "block_args", "head"))
+    if C == 1 and not (has_plan(model) and pieces):  # the module is its own only chunk
         chunks = [model]
     else:
         needs_plan(model, f"parallel.pp={pp.size}")
