@@ -21,7 +21,7 @@ from plait.config import (
     model_section,
 )
 from plait.mesh import AXES, ParallelDims
-from plait.model.llama import ModelArgs
+from plait.model.args import ModelArgs
 from plait.model.moe import ROUTERS
 from plait.parallel.context_parallel import METHODS as CP_METHODS
 
@@ -270,7 +270,7 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
                               f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
                               f"{axis} = 1")
-    if plan is not None and dims.ep > 1 and plan.moe is None:
+    if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
         raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
     if plan is None and cfg.train.activation_checkpointing != "none":
         raise ConfigError("train.activation_checkpointing", f"{arch} has no plait plan naming "

@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 from plait.checks import validate
-from plait.config import AXES, Config, ConfigError, clip_warmup, load_config
-
-RECIPES = Path(__file__).resolve().parent.parent / "configs"
+from plait.cli_common import check_output_path, load
+from plait.config import AXES, Config, ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,37 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def recipe_path(name: str | None) -> Path | None:
-    """A path as given, or a recipe name from configs/; none given means the default recipe."""
-    if name is None:
-        default = RECIPES / "default.toml"
-        return default if default.is_file() else None
-    path = Path(name)
-    if not path.exists() and (RECIPES / f"{name}.toml").is_file():
-        return RECIPES / f"{name}.toml"
-    return path
-
-
 def default_world(cfg: Config) -> int:
     """World size implied by the degrees: their product, with an unset dp counting as 1."""
     return math.prod(getattr(cfg.parallel, a) or 1 for a in AXES)
-
-
-def check_output_path(path: str, option: str = "--metrics", folder: bool = False) -> None:
-    """A file (or, `folder`, a directory) that can be created (or overwritten) and written."""
-    target = Path(path)
-    if target.is_dir() != folder and target.exists():
-        raise ConfigError(option, f"{target} is a {'file' if folder else 'directory'}; name a "
-                          f"{'folder' if folder else 'file in it'}")
-    ancestor = target.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ConfigError(option, f"{ancestor} is a file, so {target} cannot be created; "
-                          "choose another path")
-    writable = os.access(target, os.W_OK) if target.exists() else os.access(ancestor, os.W_OK)
-    if not writable:
-        raise ConfigError(option, f"{target} is not writable here; choose another path")
 
 
 def outputs(args: argparse.Namespace):
@@ -169,15 +140,6 @@ def speaks() -> bool:
     from plait.launch import in_torchrun
 
     return not in_torchrun() or os.environ.get("RANK", "0") == "0"
-
-
-def load(args: argparse.Namespace, say: bool = True) -> Config:
-    """The configuration of a command: recipe, overrides, warm-up clipped to a short run (said
-    once, on stderr)."""
-    cfg, note = clip_warmup(load_config(recipe_path(args.config), args.overrides))
-    if note and say:
-        print(f"plait: note: {note}", file=sys.stderr)
-    return cfg
 
 
 def fit_to_world(cfg: Config, world: int, say: bool = True) -> Config:
@@ -298,7 +260,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from plait.plan.show import as_json, choose, pinned, print_plans, write_recipe
 
     if args.calibrate:
-        from plait.plan.show import calibrate_and_print
+        from plait.bench.calibrate import calibrate_and_print
 
         calibrate_and_print()
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plait.cli import check_output_path, load, recipe_path
+from plait.cli_common import check_output_path, load, recipe_path
 from plait.comm.compression import METHODS
 from plait.config import ConfigError, load_config
 

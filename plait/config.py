@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
 from plait.mesh import AXES, ParallelDims  # noqa: F401 - AXES is re-exported
-from plait.model.llama import PRESETS, ModelArgs
+from plait.model.args import PRESETS, ModelArgs
 
 if sys.version_info >= (3, 11):
     import tomllib

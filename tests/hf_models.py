@@ -28,6 +28,10 @@ def families():
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, SHAPE),  # q/k/v biases
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {**SHAPE, "head_dim": 8}),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {**SHAPE, "sliding_window": None}),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
+                    {**SHAPE, "num_hidden_layers": 2, "num_local_experts": 4,
+                     "num_experts_per_tok": 2, "sliding_window": None,
+                     "router_jitter_noise": 0.0}),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
                  dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # no random dropout

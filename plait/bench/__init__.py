@@ -33,6 +33,9 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
 
 
 def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+    if cfg.model.hf and (cfg.parallel.pp > 1 or cfg.parallel.tp > 1):
+        raise ConfigError("parallel", "bench step compares a Hugging Face model's DDP and ZeRO "
+                          "steps with torch's; set tp = pp = 1")
     if cfg.parallel.pp > 1:
         return run_3d_step(nproc, cfg, steps)
     if cfg.parallel.tp > 1:
@@ -42,20 +45,24 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         validate(cfg, n)  # every world size is checked before any worker starts
     rows = []
     for n in each(world_sizes(nproc), "bench step: ranks"):
-        t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads)[0]
+        hf = ("plait.model.hf", "transformers.modeling_utils") if cfg.model.hf else ()
+        t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads, preload=hf)[0]
         rows.append({"ranks": n, **t})
     t1 = {k: rows[0][k] for k in ("plait", "torch")}
     args = cfg.model.args()
     zero = cfg.parallel.zero
     engine = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[zero]
     peer = {0: "torch DDP", 3: "torch fully_shard"}.get(zero, "torch ZeroRedundancyOptimizer")
+    hf = bool(cfg.model.hf)
+    model = f"Hugging Face {cfg.model.hf} (transformers' modules), " if hf else "model "
     table = Table(title=(
-        f"plait bench step: plait {engine} vs {peer}; model dim {args.dim} x {args.n_layers} "
+        f"plait bench step: plait {engine} vs {peer}; {model}dim {args.dim} x {args.n_layers} "
         f"layers, global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens, bucket "
         f"{cfg.parallel.bucket_mb} MB, all-reduce {cfg.parallel.allreduce}; median of {steps} "
-        "steps"))
-    for col in ("ranks", "plait (ms)", "torch (ms)", "plait / torch", "exposed comm",
-                "scaling plait", "scaling torch"):
+        "steps" + ("; and plait's own Llama of the same shape, same layout" if hf else "")))
+    columns = ["ranks", "plait (ms)", "torch (ms)", "plait / torch", "exposed comm",
+               "scaling plait", "scaling torch"]
+    for col in columns + (["plait's Llama (ms)", "HF / plait's Llama"] if hf else []):
         table.add_column(col, justify="right")
     for r in rows:
         n = r["ranks"]
@@ -63,10 +70,14 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         r["exposed"] = max(0.0, r["plait"] - r["no_comm"]) / r["plait"] if "no_comm" in r else None
         r["scaling_plait"] = t1["plait"] / (n * r["plait"])
         r["scaling_torch"] = t1["torch"] / (n * r["torch"])
-        table.add_row(str(n), f"{r['plait'] * 1e3:,.1f}", f"{r['torch'] * 1e3:,.1f}",
-                      f"{r['ratio']:.3f}",
-                      f"{r['exposed']:.1%}" if n > 1 and r["exposed"] is not None else "-",
-                      f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}")
+        cells = [str(n), f"{r['plait'] * 1e3:,.1f}", f"{r['torch'] * 1e3:,.1f}",
+                 f"{r['ratio']:.3f}",
+                 f"{r['exposed']:.1%}" if n > 1 and r["exposed"] is not None else "-",
+                 f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}"]
+        if hf:
+            r["hf_vs_llama"] = r["plait"] / r["llama"]
+            cells += [f"{r['llama'] * 1e3:,.1f}", f"{r['hf_vs_llama']:.3f}"]
+        table.add_row(*cells)
     Console(width=120).print(table)
     return rows
 

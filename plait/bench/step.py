@@ -35,10 +35,10 @@ from plait import comm
 from plait.checks import validate
 from plait.config import Config, microbatches
 from plait.mesh import build_mesh
-from plait.model import build_model
+from plait.model.plan import has_plan, plan_of
 from plait.parallel import DataParallel
 from plait.train.data import TokenData
-from plait.train.trainer import Trainer
+from plait.train.trainer import Trainer, build_configured_model
 
 
 def world_sizes(nproc: int) -> list[int]:
@@ -75,6 +75,15 @@ class _Runner:
         self.opt.step()
 
 
+def as_plaits_llama(cfg: Config) -> Config:
+    """`cfg` with its Hugging Face model (`model.hf`) replaced by plait's own Llama of the same
+    shape (`hf_args`: width, layers, heads, MLP, vocabulary)."""
+    from plait.config import ModelConfig
+
+    shape = {k: v for k, v in dataclasses.asdict(cfg.model.args()).items()}
+    return dataclasses.replace(cfg, model=ModelConfig(preset="tiny", overrides=shape))
+
+
 def plait_step(cfg: Config, dims, mesh):
     """plait's side of every bench: the trainer's own step (one path for every configuration),
     on the same global batch each time, unclipped as the peers are."""
@@ -86,7 +95,8 @@ def plait_step(cfg: Config, dims, mesh):
 def torch_runner(model, mesh, cfg: Config, batches) -> _Runner:
     group, par = mesh["dp"].get_group(), cfg.parallel
     if par.zero == 3:
-        for block in model.layers.values():
+        blocks = model.get_submodule(plan_of(model).blocks).values() if has_plan(model) else ()
+        for block in blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -153,18 +163,20 @@ def start_worker(cfg: Config):
 def bench_step(cfg: Config, steps: int) -> dict | None:
     dims, mesh = start_worker(cfg)
     group = mesh["dp"].get_group()
-    rank, n, args = dist.get_rank(), dims.dp, cfg.model.args()
+    rank, n = dist.get_rank(), dims.dp
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch, rank, n)
     micro = len(x) // microbatches(cfg.parallel, dims)
     batches = list(zip(x.split(micro), y.split(micro), strict=True))
 
     def model():
-        return build_model(args, cfg.train.seed)
+        return build_configured_model(cfg)
 
     runners = {
         "plait": plait_step(cfg, dims, mesh),
         "torch": torch_runner(model(), mesh, cfg, batches).step,
     }
+    if cfg.model.hf:  # the cost of running someone else's module: plait's Llama of its shape
+        runners["llama"] = plait_step(as_plaits_llama(cfg), dims, mesh)
     if not cfg.parallel.zero:
         local = model()
         runners["no_comm"] = _Runner(DataParallel(local, group),

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from plait.checkpoint import finish, load_full, meta, one_process, read_meta
 from plait.config import Config, ModelConfig, model_section
+from plait.model.args import ModelArgs
 from plait.model.hf import HF_PLANS, architecture, hf_name, read_config
-from plait.model.llama import ModelArgs
 
 # plait name -> Hugging Face name; {i} is a layer index.
 NAMES = {

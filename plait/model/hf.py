@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from plait.model.llama import ModelArgs
+from plait.model.args import ModelArgs
 from plait.model.plan import ModelPlan
 
 # transformers' decoder layer, dense (Llama, Mistral, Qwen2, Qwen3): attention q/k/v split by
@@ -59,6 +59,20 @@ HF_PLANS = {
     for arch, family in (("LlamaForCausalLM", "hf-llama"), ("MistralForCausalLM", "hf-mistral"),
                          ("Qwen2ForCausalLM", "hf-qwen2"), ("Qwen3ForCausalLM", "hf-qwen3"))
 }
+# Mixtral: the same attention; the feed-forward a mixture of experts (`mlp`: a top-k router
+# `mlp.gate` and the experts `mlp.experts`, their weights stacked by expert), which expert
+# parallelism splits by expert. tp splits the attention alone: the mixture runs whole on each
+# tp rank (its gradients are then whole there too; under sp each rank's token shard's part).
+HF_PLANS["MixtralForCausalLM"] = ModelPlan(
+    family="hf-mixtral",
+    **{**_LLAMA_LIKE,
+       "tp_splits": {k: v for k, v in _LLAMA_LIKE["tp_splits"].items()
+                     if k.startswith("self_attn.")},
+       "tp_halves": ("self_attn",),
+       "tp_divides": ("num_attention_heads", "num_key_value_heads", "vocab_size"),
+       "recompute": ("input_layernorm", "post_attention_layernorm")},
+    moe_experts="mlp.experts",
+)
 
 
 def read_config(folder: str | Path) -> dict:
@@ -97,6 +111,7 @@ def hf_args(config: dict) -> ModelArgs:
         norm_eps=float(field("rms_norm_eps", "layer_norm_epsilon", default=1e-5)),
         rope_theta=float(rope or 10000.0),
         moe_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),
+        moe_top_k=int(config.get("num_experts_per_tok") or 2),
     )
 
 
@@ -157,11 +172,14 @@ class HFCausalLM(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
 
-    def block_args(self, h: torch.Tensor, seq_len: int) -> tuple:
-        """What each decoder layer takes besides the hidden states: no mask (causal SDPA),
-        positions 0..s-1 and their rotary embeddings (cos, sin), as the model computes them."""
+    def block_args(self, h: torch.Tensor, seq_len: int) -> dict:
+        """What each decoder layer takes besides the hidden states, by keyword (the families
+        order them differently): no mask (causal SDPA), the positions of the tokens (0..s-1;
+        the shard's under context parallelism) and their rotary embeddings (cos, sin), as the
+        model computes them."""
         positions = self.positions(seq_len, h.device).unsqueeze(0)
-        return (None, positions, None, False, self.rotary_emb(h, positions))
+        return {"attention_mask": None, "position_ids": positions,
+                "position_embeddings": self.rotary_emb(h, positions)}
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
@@ -170,7 +188,7 @@ class HFCausalLM(nn.Module):
         h = self.embed(tokens)
         extra = self.block_args(h, tokens.shape[1])
         for layer in self.layers.values():
-            h = layer(h, *extra)
+            h = layer(h, **extra)
         return self.head(h)
 
 

@@ -49,7 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.model.llama import FeedForward, ModelArgs
+from plait.model.args import ModelArgs
+from plait.model.feed_forward import FeedForward
 
 ROUTERS = ("token_choice", "expert_choice")
 RANK_STEP = 2.0**-16  # the precision at which routing compares probabilities

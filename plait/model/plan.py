@@ -23,7 +23,7 @@ class ModelPlan:
     """A model family's plan. The model class also provides its forward in three pieces, which a
     pipeline chunk runs on the modules it holds: `embed(inputs) -> h`, `block_args(h, seq_len)
     -> the blocks' other arguments`, `head(h) -> outputs`; each block is called as
-    `block(h, *block_args)`."""
+    `block(h, *block_args)`, or `block(h, **block_args)` when they are a dict."""
 
     family: str
     # The container of the repeated blocks (an nn.ModuleDict keyed by the global block index).
@@ -62,8 +62,13 @@ class ModelPlan:
     # Selective activation checkpointing: the block-relative modules whose forward is cheap and
     # whose saved tensors are large (norms, the attention core, activation functions).
     recompute: tuple[str, ...] = ()
-    # The block-relative module that is a mixture of experts in the blocks that have one.
+    # The block-relative module that is a mixture of experts in the blocks that have one
+    # (plait's `MoEFeedForward`).
     moe: str | None = None
+    # Or (transformers' mixtures of experts): the block-relative module holding every expert's
+    # weights stacked along dim 0, with attribute `num_experts`, called as experts(x (T, dim),
+    # top_k_index (T, k), top_k_weights (T, k)) -> (T, dim).
+    moe_experts: str | None = None
 
 
 def has_plan(module: nn.Module) -> bool:

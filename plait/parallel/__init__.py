@@ -40,7 +40,6 @@ from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.expert_parallel import apply_ep, expert_overrides
-from plait.parallel.fsdp import FullyShardedDataParallel, unit_names
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
 from plait.parallel.placement import PlacementRecord
@@ -48,6 +47,7 @@ from plait.parallel.tensor_parallel import apply_tp
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.parallel.wrap import WrapPolicy
 from plait.parallel.zero import ZeroDataParallel
+from plait.parallel.zero3 import Zero3DataParallel, unit_names
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -275,7 +275,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
         "reduce_dtype": torch.bfloat16 if bf16 and cfg.reduce_dtype == "bf16" else torch.float32,
     }
     if cfg.zero == 3:
-        return FullyShardedDataParallel(chunks, shard, **precision, offload=cfg.offload,
+        return Zero3DataParallel(chunks, shard, **precision, offload=cfg.offload,
                                         replicate=replicate,
                                         reshard_after_forward=cfg.reshard_after_forward,
                                         compression=compression, overrides=overrides,
@@ -287,7 +287,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
 
 __all__ = [
     "DataParallel",
-    "FullyShardedDataParallel",
+    "Zero3DataParallel",
     "ModuleOptions",
     "NaiveDataParallel",
     "Parallelized",

@@ -46,10 +46,10 @@ from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import expert_overrides, moe_layers
-from plait.parallel.fsdp import unit_prefixes
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.zero import flat_groups
+from plait.parallel.zero3 import unit_prefixes
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Data parallelism: replicas of the model on the ranks of the `dp` axis, gradients averaged.
 
-Every data-parallel engine (these two, ZeRO-1/2 in `zero.py`, ZeRO-3 in `fsdp.py`) offers one
+Every data-parallel engine (these two, ZeRO-1/2 in `zero.py`, ZeRO-3 in `zero3.py`) offers one
 interface, `SyncedReplicas`, so the trainer never asks which one it drives: `no_sync()`,
 `finish_gradients()` after the step's last backward, `optimizer_groups()` (what the optimizer
 owns), `finish_step()` after the optimizer step, `grad_pieces()` (this rank's averaged gradient,

@@ -89,6 +89,66 @@ class AllToAllDispatch:
         return all_to_all_rows(out[back], recv, send, group)
 
 
+class StackedExperts(nn.Module):
+    """Expert parallelism for an experts module whose weights are stacked along dim 0, one row
+    per expert, and whose forward is transformers' contract: (x (T, dim), top_k_index (T, k),
+    top_k_weights (T, k)) -> (T, dim), the weighted sum of each token's experts. This rank keeps
+    its E / G rows of every weight, under the same names (the module's own parameters, sliced,
+    registered here), and the module itself computes them:
+
+        the assignments, sorted by expert, go to the experts' ranks (counts, then rows: the
+        all-to-alls of `AllToAllDispatch`); each arriving row runs through its local expert (the
+        module, as if each row had one expert of weight 1); the outputs come back, are weighted
+        by their gates and summed per token."""
+
+    def __init__(self, experts: nn.Module, ep: Axis):
+        super().__init__()
+        n = experts.num_experts
+        self.ep, self.held = ep, expert_range(n, ep)
+        for name, p in list(experts.named_parameters(recurse=False)):
+            kept = nn.Parameter(p.detach()[self.held.start : self.held.stop].clone())
+            setattr(experts, name, kept)
+            self.register_parameter(name, kept)
+        experts.num_experts = len(self.held)
+        self.__dict__["local"] = experts  # the computation, not a submodule: names unchanged
+        self.n_experts = n
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        group, G, per = self.ep.group, self.ep.size, len(self.held)
+        k = top_k_index.shape[1]
+        order = torch.sort(top_k_index.reshape(-1), stable=True).indices
+        token = order // k  # each assignment's token, in expert order
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.n_experts).view(G, per)
+        arriving = torch.empty_like(counts)  # row s: from rank s, for each of this rank's experts
+        all_to_all(arriving, counts, group)
+        send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
+        rows = all_to_all_rows(x[token], send, recv, group)
+        local = torch.arange(per, device=x.device).repeat(G).repeat_interleave(arriving.flatten())
+        out = self.local(rows, local[:, None], torch.ones_like(local, dtype=x.dtype)[:, None])
+        back = all_to_all_rows(out, recv, send, group)
+        gates = top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        return torch.zeros_like(x).index_add(0, token, back * gates)
+
+
+def _apply_stacked(chunk: nn.Module, ep: Axis, record: PlacementRecord | None) -> None:
+    """Expert parallelism on the plan's `moe_experts` modules (stacked weights)."""
+    plan = plan_of(chunk)
+    parent, _, leaf = plan.moe_experts.rpartition(".")
+    for i, block in chunk.get_submodule(plan.blocks).items():
+        owner = block.get_submodule(parent) if parent else block
+        experts = getattr(owner, leaf, None)
+        if experts is None:
+            continue
+        if experts.num_experts % ep.size:
+            raise ValueError(f"ep={ep.size} must divide the {experts.num_experts} experts")
+        names = [f"{plan.blocks}.{i}.{plan.moe_experts}.{n}"
+                 for n, _ in experts.named_parameters(recurse=False)]
+        setattr(owner, leaf, StackedExperts(experts, ep))
+        for name in names if record is not None else ():
+            record.shard(name, "ep", 0)
+
+
 def apply_ep(chunk: nn.Module, ep: Axis, batch: Axis, record: PlacementRecord | None = None,
              grad_scale: float = 1.0) -> None:
     """Keep this rank's experts of every MoE layer and route through the all-to-all; sum routing
@@ -97,7 +157,11 @@ def apply_ep(chunk: nn.Module, ep: Axis, batch: Axis, record: PlacementRecord | 
     names = [n for n, _ in chunk.named_parameters()]
     experts = set()
     layers = moe_layers(chunk)
-    if ep.size > 1 and not layers:
+    if ep.size > 1 and has_plan(chunk) and plan_of(chunk).moe_experts:
+        _apply_stacked(chunk, ep, record)
+        layers = {}
+        experts = {n for n, p in record.params.items() if "ep" in p.shards} if record else set()
+    elif ep.size > 1 and not layers:
         raise ValueError(f"parallel.ep={ep.size}: {type(chunk).__name__} has no mixture-of-experts"
                          " layer its plan names (plan.moe); use ep = 1")
     for i, layer in layers.items():
@@ -122,7 +186,8 @@ def apply_ep(chunk: nn.Module, ep: Axis, batch: Axis, record: PlacementRecord | 
             if name not in held:
                 record.drop(name)  # another ep rank's expert
             elif name in experts:
-                record.shard(name, "ep", None)
+                if "ep" not in record.params[name].shards:  # stacked experts: sharded on dim 0
+                    record.shard(name, "ep", None)
             else:
                 record.replicate(name, "ep", partial_grad=True)
 

@@ -79,7 +79,7 @@ class PlacementRecord:
         self.coords, self.sizes = coords, sizes
         self.params: dict[str, Placement] = {}
         # ZeRO-3's units by parameter name, for a model whose plan does not say them (a wrap
-        # policy chose them); None: the plan's blocks (`fsdp.unit_prefixes`).
+        # policy chose them); None: the plan's blocks (`zero3.unit_prefixes`).
         self.units: list[tuple[str, ...]] | None = None
 
     def add(self, name: str, shape: tuple[int, ...]) -> None:

@@ -34,9 +34,9 @@ from plait.model import ModelArgs, build_model
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
 from plait.parallel.cost import ChunkLayout, routed_traffic
-from plait.parallel.fsdp import unit_prefixes
 from plait.parallel.pipeline.simulator import bubble_formula
 from plait.parallel.pipeline.stage import chunk_sizes
+from plait.parallel.zero3 import unit_prefixes
 from plait.plan.hardware import Cluster
 
 HEADROOM = 0.9  # of device memory a plan may use

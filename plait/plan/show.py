@@ -110,26 +110,3 @@ def write_recipe(path: str, cfg: Config, plan: Plan, cluster: Cluster) -> None:
     for name, values in sections.items():
         lines += ["", f"[{name}]", *(f"{k} = {json.dumps(v)}" for k, v in values.items())]
     Path(path).write_text("\n".join(lines) + "\n")
-
-
-def calibrate_and_print() -> dict:
-    """`plait plan --calibrate`: measure, store, and show what was measured."""
-    from plait.plan.calibrate import calibrate, path
-
-    found = calibrate()
-    console = Console(width=120)
-    table = Table(title=f"plait plan --calibrate: this machine ({found['cores']} cores), stored "
-                        f"in {path()}")
-    for col in ("measure", "value"):
-        table.add_column(col, justify="left" if col == "measure" else "right")
-    table.add_row("fp32 matmul, one thread", f"{found['matmul_flops'] / 1e9:.1f} GFLOP/s")
-    table.add_row("matmul efficiency in a step (1 rank, 'small' preset)",
-                  f"{found['efficiency']:.1%} of it ({found['step_s'] * 1e3:.0f} ms a step)")
-    table.add_row("overheads beside the matmuls", f"{found['step_overhead_s'] * 1e3:.1f} ms a "
-                  f"step, {found['microbatch_overhead_s'] * 1e3:.1f} ms a micro-batch")
-    for n, link in found["links"].items():
-        table.add_row(f"gloo all-reduce, {n} ranks",
-                      f"alpha {link['alpha_s'] * 1e6:,.0f} us/step, "
-                      f"beta {link['beta_Bps'] / 1e9:.2f} GB/s")
-    console.print(table)
-    return found

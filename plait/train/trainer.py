@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import statistics
 import time
@@ -94,7 +95,10 @@ class Trainer:
             args, n_params, cfg.data.seq_len
         )
         self.activations = SavedActivations(self.model)
-        self.moe = RouterMetrics(args, self.model, self.pp_group, device)
+        # Routing metrics come from plait's own mixture of experts; transformers' routers are not
+        # instrumented (a `model.hf` mixture logs no `moe` entry).
+        routed = dataclasses.replace(args, moe_experts=0) if cfg.model.hf else args
+        self.moe = RouterMetrics(routed, self.model, self.pp_group, device)
         self.is_logger = dist.get_rank() == 0
         self.checkpoints = Checkpointer(cfg)
         self.start_step = 0  # optimizer steps already done (a resumed run's checkpoint's)

@@ -34,8 +34,12 @@ ROWS = [
     ("llama-dp2-cp2-ulysses", "llama", 4, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
     ("qwen2-tp2", "qwen2", 2, ["parallel.tp=2"]),
     ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),
     ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
 ]
+# The cost formulas price plait's own mixture of experts; transformers' experts' all-to-alls
+# depend on its routing and are not in them.
+NO_FORMULA = {"mixtral"}
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +64,16 @@ def test_hf_model_equals_transformers_in_one_process(folders, references, family
     planned = family != "gpt2"
     seen = set()
     for r in results:
-        assert r["ledger"] == r["traffic"], f"rank {r['rank']}: collectives vs cost formulas"
+        if family not in NO_FORMULA:
+            assert r["ledger"] == r["traffic"], f"rank {r['rank']}: collectives vs formulas"
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-5, atol=0)
         for name, p in r["params"].items():
             want = ref["params"][hf_name(name, planned)]
-            shard = r["placements"][name][1].get("tp")
-            if shard is not None:
-                want = want.chunk(shard.count, dim=shard.dim)[shard.index]
+            for axis in ("tp", "ep"):  # tp shards; stacked experts split by expert over ep
+                shard = r["placements"][name][1].get(axis)
+                if shard is not None and shard.dim is not None:
+                    want = want.chunk(shard.count, dim=shard.dim)[shard.index]
             assert_params_close(p, want, name, steps=STEPS)
             seen.add(hf_name(name, planned))
     # Every parameter of the transformers model was trained somewhere (a tied head counts once).

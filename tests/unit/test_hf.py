@@ -83,7 +83,7 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
 
 # -- model.hf: the transformers modules themselves ------------------------------------------------
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gpt2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"]
 
 
 @pytest.fixture(scope="module")

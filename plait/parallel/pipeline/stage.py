@@ -70,9 +70,10 @@ class PipelineChunk(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
         h = self.code.embed(self, x) if self.first else x
-        extra = self.code.block_args(self, h, seq)
+        extra = self.code.block_args(self, h, seq)  # positional (a tuple) or by keyword
+        args, kwargs = (extra, {}) if isinstance(extra, tuple) else ((), extra)
         for block in self.get_submodule(self.plan.blocks).values():
-            h = block(h, *extra)
+            h = block(h, *args, **kwargs)
         return self.code.head(self, h) if self.last else h
 
 

@@ -139,7 +139,7 @@ class Unit:
         self.reduced = False  # this step's gradients are on their way to the slices
 
 
-class FullyShardedDataParallel(ShardedEngine):
+class Zero3DataParallel(ShardedEngine):
     """ZeRO-3 over `shard` (the dp axis, or its sharding groups under HSDP), for a model or a
     pipeline stage's chunks (`chunks`: a ModuleDict keyed by chunk index, in execution order)."""
 
