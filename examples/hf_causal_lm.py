@@ -1,6 +1,8 @@
 """A Hugging Face causal LM from a local folder, trained at dp x tp x pp through the Python API.
 
-    plait run --nproc 8 examples/hf_causal_lm.py [--model DIR] [--steps 6] [--tp 2] [--pp 2]
+    plait run --nproc 8 --preload transformers examples/hf_causal_lm.py [--model DIR] [--steps 6]
+
+(`--preload transformers`: imported once before the 8 workers are forked, not by each.)
 
 The folder is what transformers' `save_pretrained` writes; without --model a tiny random Llama is
 written to a temporary folder first (nothing is downloaded). plait runs the transformers modules

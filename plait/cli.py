@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
                          "would (it calls plait.init(); README: Use plait from Python)")
     run.add_argument("--nproc", type=int, default=1, help="local workers (default 1)")
     run.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
+    run.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                     help="a module the script imports (transformers, ...), imported once "
+                     "before the workers are forked instead of by each (repeatable)")
     run.add_argument("script", help="a Python file")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.set_defaults(func=cmd_run)
@@ -228,8 +231,13 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise ConfigError("--threads", f"at least 1, got {args.threads}")
     if not Path(args.script).is_file():
         raise ConfigError("script", f"{args.script} is not a file; give the path of a .py file")
+    import importlib.util
+
+    for module in args.preload:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise ConfigError("--preload", f"no module {module} here; install it or drop it")
     try:
-        launch_script(args.nproc, args.script, args.args, args.threads)
+        launch_script(args.nproc, args.script, args.args, args.threads, args.preload)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import runpy
 import socket
 import sys
 import tempfile
@@ -31,7 +32,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+    record,
+)
 from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     rendezvous_handler_registry,
@@ -94,16 +99,28 @@ def _quiet_loopback(threads: int) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def launch_script(nproc: int, script: str, args: Sequence[str] = (), threads: int = 1) -> None:
+@record
+def _run_script(script: str, args: list[str]) -> None:
+    """A worker of `launch_script`: the script as `python script args...` would run it."""
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:  # sys.exit(0) (argparse's --help, say) is a normal end
+        if e.code not in (None, 0):
+            raise
+
+
+def launch_script(nproc: int, script: str, args: Sequence[str] = (), threads: int = 1,
+                  preload: Sequence[str] = ()) -> None:
     """`python script args...` on `nproc` local workers, as torchrun would start it (RANK,
-    WORLD_SIZE, MASTER_ADDR, ... set; `plait.init()` reads them), over loopback. Their output
-    goes to this terminal; a worker that fails brings the others down (`ChildFailedError`)."""
-    _quiet_loopback(threads)
-    with tempfile.TemporaryDirectory(prefix="plait-launch-") as logs:
-        try:
-            elastic_launch(_config(nproc, logs), sys.executable)("-u", script, *args)
-        except ChildFailedError as e:
-            raise _with_root_cause(e, Path(logs)) from None
+    WORLD_SIZE, MASTER_ADDR, ... set; `plait.init()` reads them), over loopback. Each worker is
+    forked from the launcher's forkserver, which imported torch and plait's API once, and runs
+    the script as its `__main__` (`preload`: more modules it imports once for all of them).
+    Their output goes to this terminal; a worker that fails brings the others down
+    (`ChildFailedError`, with its traceback)."""
+    launch(nproc, _run_script, script, list(args), threads=threads,
+           preload=("plait.api", *preload))
 
 
 def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
