@@ -194,8 +194,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         from plait.train.dry_run import print_dry_run
 
-        if cfg.model.hf:
-            raise ConfigError("--dry-run", "not yet for model.hf; drop --dry-run")
 
         print_dry_run(cfg, dims)
         return

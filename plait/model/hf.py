@@ -213,7 +213,8 @@ def hf_name(name: str, planned: bool) -> str:
 
 def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
     """The model in `folder` as transformers builds it (float32, SDPA attention), weights from
-    its safetensors or, with none, initialised by transformers from `seed`; wrapped for plait:
+    its safetensors or, with none, initialised by transformers from `seed` (on `meta`: shapes
+    alone); wrapped for plait:
     `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
@@ -221,7 +222,10 @@ def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu
     logging.disable_progress_bar()  # one bar per worker per load is noise
     config = AutoConfig.from_pretrained(folder)
     kwargs = dict(dtype=torch.float32, attn_implementation="sdpa")
-    if has_weights(folder):
+    if torch.device(device).type == "meta":  # shapes alone (--dry-run): nothing read or drawn
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config, **kwargs)
+    elif has_weights(folder):
         hf = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     else:
         torch.manual_seed(seed)

@@ -3,7 +3,8 @@ composition matrix: each row trains 4 steps through plait's trainer and equals t
 transformers model trained in one process on the same global batches (`hf_models.py`): the
 losses, and every parameter after the steps (tensor-parallel shards against the same slice of the
 reference). The rows that run plait's formulas also check this rank's collectives of the last
-step against `plait.parallel.cost`, exactly.
+step against `plait.parallel.cost`, exactly, and against what `plait train --dry-run` predicts
+for the rank from one process (with its model state).
 
 Tolerance, as the composition matrix's: float32, the reductions sum in another order than one
 process's backward. Losses relative 1e-5; parameters by `assert_params_close` (the reasons are
@@ -18,7 +19,9 @@ from harness import run_world
 from hf_models import hf_config, train_reference, write_model
 from training import assert_params_close, run_steps
 
+from plait.checks import validate
 from plait.model.hf import hf_name
+from plait.train.dry_run import describe_rank
 
 STEPS = 4
 
@@ -61,11 +64,16 @@ def test_hf_model_equals_transformers_in_one_process(folders, references, family
     cfg = hf_config(folders[family], *overrides)
     results = run_world(run_steps, ranks, cfg, STEPS, timeout=240)
     ref = references[family]
+    dims = validate(cfg, ranks)
     planned = family != "gpt2"
     seen = set()
     for r in results:
         if family not in NO_FORMULA:
             assert r["ledger"] == r["traffic"], f"rank {r['rank']}: collectives vs formulas"
+            # And what `plait train --dry-run` says of this rank from one process, on `meta`.
+            dry = describe_rank(cfg, dims, r["rank"])
+            assert (dict(dry["traffic"].calls), dry["traffic"].bytes) == r["ledger"]
+            assert dry["state"] == r["state"], f"rank {r['rank']}: model state"
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-5, atol=0)
         for name, p in r["params"].items():
