@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from plait import checkpoint as ckpt
+from plait.checkpoint.layout import SavePlanner
 from plait.checks import validate_parallel
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import ParallelConfig
@@ -186,7 +187,7 @@ class Prepared:
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
         state = ckpt.training_state(self.parallelized, optimizer, step)
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path), planner=SavePlanner())
         if dist.get_rank() == 0:
             info = {"step": step, "world_size": dist.get_world_size(),
                     "contents": ["model", "optim", "train"],

@@ -145,3 +145,47 @@ def _refused(parallel):
 def test_a_degree_that_needs_a_plan_is_refused_naming_the_module():
     for message in run_world(_refused, 2, plait.ParallelConfig(tp=2)):
         assert message.startswith("parallel.tp=2 needs a model plan, and DigitsNet has none")
+
+
+def _accumulated_checkpointed_resumed(tmp):
+    """ZeRO-3 with 2 micro-batches and every ConvBlock recomputed in the backward: 2 steps,
+    a sharded checkpoint, then a new job on another layout (ZeRO-1) loads it and trains 2 more."""
+    plait.init()
+    first = plait.prepare(_model(False), F.cross_entropy,
+                          plait.ParallelConfig(zero=3, microbatches=2),
+                          wrap=plait.WrapPolicy(classes=(digits.ConvBlock,)),
+                          checkpoint=plait.WrapPolicy(classes=(digits.ConvBlock,)))
+    optimizer = torch.optim.AdamW(first.parameters(), lr=LR)
+    batches = _batches()
+    losses = [first.step(*first.local(x, y), optimizer, grad_clip=1.0) for x, y in batches[:2]]
+    first.save(tmp, optimizer, step=2)
+    torch.manual_seed(5)  # other weights: the checkpoint must replace them all
+    second = plait.prepare(digits.DigitsNet(width=8).eval(), F.cross_entropy,
+                           plait.ParallelConfig(zero=1))
+    optimizer = torch.optim.AdamW(second.parameters(), lr=LR)
+    assert second.load(f"{tmp}/step-00000002", optimizer) == 2
+    losses += [second.step(*second.local(x, y), optimizer, grad_clip=1.0) for x, y in batches[2:]]
+    return losses, second.full_state_dict()
+
+
+def test_accumulation_recomputation_and_a_resharded_checkpoint_equal_one_process(one_process,
+                                                                                  tmp_path):
+    for got in run_world(_accumulated_checkpointed_resumed, 2, str(tmp_path)):
+        _assert_same(got, one_process, "zero3 accum2 checkpointed -> save -> zero1 load")
+
+
+def _unused():
+    plait.init()
+    model = _model(False)
+    model.spare = torch.nn.Linear(2, 2)  # in no forward
+    job = plait.prepare(model, F.cross_entropy)
+    optimizer = torch.optim.AdamW(job.parameters(), lr=LR)
+    x, y = _batches()[0]
+    with pytest.raises(RuntimeError) as e:
+        job.step(*job.local(x, y), optimizer)
+    return str(e.value)
+
+
+def test_a_parameter_without_a_gradient_is_named():
+    for said in run_world(_unused, 2):
+        assert said.startswith("parameters got no gradient this step: spare.weight, spare.bias")
