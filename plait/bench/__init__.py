@@ -33,9 +33,9 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
 
 
 def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
-    if cfg.model.hf and (cfg.parallel.pp > 1 or cfg.parallel.tp > 1):
-        raise ConfigError("parallel", "bench step compares a Hugging Face model's DDP and ZeRO "
-                          "steps with torch's; set tp = pp = 1")
+    if cfg.model.hf and cfg.parallel.pp > 1:
+        raise ConfigError("parallel.pp", "bench step compares a Hugging Face model's DDP, ZeRO "
+                          "and TP steps with torch's; set pp = 1")
     if cfg.parallel.pp > 1:
         return run_3d_step(nproc, cfg, steps)
     if cfg.parallel.tp > 1:
@@ -90,10 +90,12 @@ def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         raise ConfigError("data.seq_len", f"tp={tp} must divide it (the bench also runs SP)")
     cfg = with_free_dp(cfg)
     validate(cfg, nproc)
-    t = launch(nproc, bench_tp, cfg, steps, threads=cfg.train.threads)[0]
+    hf = ("plait.model.hf", "transformers.modeling_utils") if cfg.model.hf else ()
+    t = launch(nproc, bench_tp, cfg, steps, threads=cfg.train.threads, preload=hf)[0]
     args = cfg.model.args()
+    model = f"Hugging Face {cfg.model.hf}, " if cfg.model.hf else "model "
     table = Table(title=(
-        f"plait bench step, tensor parallel: tp {tp}, model dim {args.dim} x {args.n_layers} "
+        f"plait bench step, tensor parallel: tp {tp}, {model}dim {args.dim} x {args.n_layers} "
         f"layers, batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; median of {steps} "
         "steps"))
     for col in ("variant", "step (ms)", "plait / torch"):

@@ -4,10 +4,14 @@ against the same step under PyTorch's own DTensor tensor parallelism
 the embedding rowwise, the head colwise into `loss_parallel`), on the same model, batch and seed.
 
 Steps take turns in rotating order: plait TP, plait TP + sequence parallelism, torch TP. The
-ratio compares plait TP with torch TP (both without sequence parallelism).
+ratio compares plait TP with torch TP (both without sequence parallelism). With `model.hf`, plait
+splits the transformers model by its plait plan, and torch by the model's own
+(`base_model_tp_plan`, translated to `parallelize_module` styles).
 """
 
 from __future__ import annotations
+
+from fnmatch import fnmatchcase
 
 import torch
 import torch.distributed as dist
@@ -25,10 +29,12 @@ from plait.bench.step import start_worker, time_in_turns
 from plait.config import Config
 from plait.mesh import Axis
 from plait.model import build_model
+from plait.model.hf import hf_name
 from plait.parallel import apply_tp
 from plait.parallel.tensor_parallel import block_splits
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.train.data import TokenData
+from plait.train.trainer import build_configured_model
 
 
 def torch_tp_plan(model) -> dict:
@@ -43,6 +49,36 @@ def torch_tp_plan(model) -> dict:
     return plan
 
 
+def hf_tp_plan(hf) -> dict:
+    """torch's `parallelize_module` plan from a transformers model's own tensor-parallel plan
+    (its config's `base_model_tp_plan`: "colwise" / "rowwise" by module pattern), the head
+    column-parallel into `loss_parallel`."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {}
+    for pattern, style in (hf.config.base_model_tp_plan or {}).items():
+        if style not in styles:
+            raise ValueError(f"{type(hf).__name__}'s tp plan has style {style!r}, which this "
+                             "bench does not translate")
+        for name, _ in hf.model.named_modules():
+            if fnmatchcase(name, pattern):
+                plan[f"model.{name}"] = styles[style]()
+    plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _transformers_model(cfg: Config):
+    from transformers import AutoModelForCausalLM
+
+    from plait.model.hf import load_hf
+
+    torch.manual_seed(cfg.train.seed)
+    hf = load_hf(cfg.model.hf, cfg.train.seed)  # plait's own pieces, for the seed's weights
+    raw = AutoModelForCausalLM.from_pretrained(cfg.model.hf, dtype=torch.float32,
+                                               attn_implementation="sdpa")
+    raw.load_state_dict({hf_name(n, True): p for n, p in hf.named_parameters()})
+    return raw
+
+
 @record
 def bench_tp(cfg: Config, steps: int) -> dict | None:
     _, mesh = start_worker(cfg)
@@ -50,7 +86,7 @@ def bench_tp(cfg: Config, steps: int) -> dict | None:
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch)
 
     def plait_step(sequence_parallel):
-        model = build_model(args, cfg.train.seed)
+        model = build_configured_model(cfg)
         apply_tp(model, Axis.of(mesh, "tp"), sequence_parallel)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -62,14 +98,21 @@ def bench_tp(cfg: Config, steps: int) -> dict | None:
         return step
 
     def torch_step():
-        model = build_model(args, cfg.train.seed)
-        parallelize_module(model, mesh["tp"], torch_tp_plan(model))
+        if cfg.model.hf:  # transformers' model with its own tp plan
+            model = _transformers_model(cfg)
+            parallelize_module(model, mesh["tp"], hf_tp_plan(model))
+
+            def forward(tokens):
+                return model(input_ids=tokens, use_cache=False).logits
+        else:
+            model = forward = build_model(args, cfg.train.seed)
+            parallelize_module(model, mesh["tp"], torch_tp_plan(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step():
             opt.zero_grad(set_to_none=True)
             with loss_parallel():
-                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+                F.cross_entropy(forward(x).flatten(0, 1), y.flatten()).backward()
             opt.step()
 
         return step

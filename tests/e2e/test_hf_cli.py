@@ -71,8 +71,9 @@ def test_verify_compares_one_step_of_the_layout_with_one_process(tmp_path):
             "layers.*.mlp.down_proj.weight", "norm.weight"} <= groups
 
 
-def test_bench_step_runs_a_hf_model_against_fully_shard_and_plaits_llama(tmp_path):
-    """Runs, and has every column; no timing is asserted (timings live in the bench)."""
+def test_bench_step_runs_a_hf_model_against_torchs_peers_and_plaits_llama(tmp_path):
+    """ZeRO-3 against fully_shard and plait's Llama, and tp against DTensor with the model's own
+    tp plan: runs, and has every column; no timing is asserted (timings live in the bench)."""
     folder = write_model(tmp_path / "llama", "llama")
     proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.zero=3",
                       f"model.hf={folder}", "data.seq_len=32", "train.global_batch=8")
@@ -81,3 +82,8 @@ def test_bench_step_runs_a_hf_model_against_fully_shard_and_plaits_llama(tmp_pat
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
     assert [row.split("│")[1].strip() for row in rows] == ["1", "2"]
     assert all(len(row.split("│")) == 11 for row in rows)  # 9 columns
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2",
+                      f"model.hf={folder}", "data.seq_len=32", "train.global_batch=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for variant in ("plait TP", "plait TP + sequence parallel", "torch DTensor TP"):
+        assert variant in proc.stdout, variant
