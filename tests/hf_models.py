@@ -26,6 +26,8 @@ def families():
     return {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, SHAPE),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, SHAPE),  # q/k/v biases
+        "llama-tied": (tf.LlamaConfig, tf.LlamaForCausalLM,  # one matrix: embedding and head
+                       {**SHAPE, "tie_word_embeddings": True}),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {**SHAPE, "head_dim": 8}),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {**SHAPE, "sliding_window": None}),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
