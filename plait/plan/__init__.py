@@ -65,17 +65,28 @@ class Plan:
                                    if k != "degrees"}}
 
 
-@functools.lru_cache(maxsize=16)
-def _meta_model(args: ModelArgs):
+def _fresh_meta_model(args: ModelArgs, hf: str = ""):
+    """The model on `meta`: plait's Llama of `args`, or the Hugging Face folder `hf` (its own
+    modules: exact parameter shapes and placement)."""
+    if hf:
+        from plait.model.hf import load_hf
+
+        return load_hf(hf, device="meta")
     return build_model(args, 0, device="meta")
 
 
+@functools.lru_cache(maxsize=16)
+def _meta_model(args: ModelArgs, hf: str = ""):
+    """`_fresh_meta_model`, built once (for what only reads it)."""
+    return _fresh_meta_model(args, hf)
+
+
 @functools.lru_cache(maxsize=1024)
-def _sizes(args: ModelArgs, chunks: int, split: tuple) -> tuple[int, ...]:
+def _sizes(args: ModelArgs, chunks: int, split: tuple, hf: str = "") -> tuple[int, ...]:
     """Layers per pipeline chunk, as `apply_pp` cuts them."""
     if chunks == 1:
         return (args.n_layers,)
-    return split or tuple(chunk_sizes(_meta_model(args), chunks))
+    return split or tuple(chunk_sizes(_meta_model(args, hf), chunks))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -98,7 +109,7 @@ def _stages(args: ModelArgs, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayo
 
 @functools.lru_cache(maxsize=1024)
 def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int,
-            sp: bool = False):
+            sp: bool = False, hf: str = ""):
     """One stage's placement record (what the formulas need), the chunks cut as `sizes` says;
     `sp`: sequence parallelism (which parameters' gradients are partial over tp)."""
     from plait.config import ParallelConfig
@@ -110,7 +121,7 @@ def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int
     degrees = {"pp": pp, "tp": tp, "ep": ep}
     axes = {a: Axis.dry(a, stage if a == "pp" else 0, degrees.get(a, 1)) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    _, _, record = place(build_model(args, 0, device="meta"), axes, par, pp)
+    _, _, record = place(_fresh_meta_model(args, hf), axes, par, pp)  # `place` cuts it
     return record
 
 
@@ -159,12 +170,12 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     schedule = par.pp_schedule if dims.pp > 1 else "1f1b"
     virtual = par.pp_virtual if schedule == "interleaved" else 1
     bubble = bubble_formula(schedule, dims.pp, M, virtual) if dims.pp > 1 else 0.0
-    sizes = _sizes(args, dims.pp * virtual, tuple(par.pp_split))
+    sizes = _sizes(args, dims.pp * virtual, tuple(par.pp_split), cfg.model.hf)
     priced, per_stage, step = {}, [], 0.0
     for stage, (chunks, kind) in enumerate(_stages(args, dims.pp, sizes)):
         if kind not in priced:
             record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage,
-                             par.sequence_parallel)
+                             par.sequence_parallel, cfg.model.hf)
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
             model_flops, flops = _flops(cfg, dims, record, chunks)
@@ -189,7 +200,8 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     peak = max(sum(s.values()) + a + b for s, a, _, b, _ in per_stage)
     model_flops = sum(f for *_, f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    return Plan(degrees=_degrees(cfg, dims), params=_count(args), memory_bytes=memory,
+    return Plan(degrees=_degrees(cfg, dims), params=_count(args, cfg.model.hf),
+                memory_bytes=memory,
                 peak_memory_bytes=peak, step_time_s=step, tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
                 comm_bytes=float(traffic.total),
@@ -209,8 +221,8 @@ def _two_largest_units(record) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _count(args: ModelArgs) -> int:
-    return sum(p.numel() for p in _meta_model(args).parameters())
+def _count(args: ModelArgs, hf: str = "") -> int:
+    return sum(p.numel() for p in _meta_model(args, hf).parameters())
 
 
 def _degrees(cfg: Config, dims: ParallelDims) -> dict:
@@ -314,6 +326,10 @@ def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
 def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
     """The anti-patterns of the field, as they apply to plan p (of cfg on dims)."""
     d, out, dev = p.degrees, [], cluster.device
+    if cfg.model.hf:
+        out.append(f"{cfg.model.hf}: model state and collectives are the transformers model's; "
+                   "its activations and FLOPs are priced as plait's Llama block of the same "
+                   "shape (no formula for another module's)")
     if not cluster.within_node(1, d["tp"]):
         out.append(f"tensor parallelism across nodes: tp={d['tp']} > {cluster.gpus_per_node} GPUs "
                    "per node, so its all-reduces in every layer cross the inter-node links; keep "

@@ -209,7 +209,7 @@ def test_a_non_finite_gradient_stops_the_run_at_that_step(tmp_path):
     skipped = [_strict(line)["skipped_steps"] for line in skip_metrics.read_text().splitlines()]
     first = skipped.index(1)  # the first step whose update was dropped
     assert skipped[-1] >= 1 and "steps skipped" in skip.stderr
-    stop = plait("train", "--metrics", str(stop_metrics), *args)
+    stop = plait_here("train", "--metrics", str(stop_metrics), *args)  # the launcher's report
     assert stop.returncode == 1 and "Traceback" in stop.stderr  # the job ends, with its cause
     assert f"step {first}: the gradient norm is nan" in stop.stderr
     assert "learning rate" in stop.stderr

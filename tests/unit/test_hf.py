@@ -157,3 +157,18 @@ def test_import_refuses_what_plaits_llama_cannot_compute(tmp_path, capsys):
     said = capsys.readouterr().err.strip()
     assert said.startswith("plait: error: HF_DIR: ") and "rope_type 'llama3'" in said, said
     assert "\n" not in said
+
+
+def test_the_planner_places_the_transformers_model_itself(hf_folders, capsys):
+    """`plait plan model.hf=DIR`: the parameter count is the transformers model's, a family with
+    no plan is offered data parallelism and ZeRO alone, and every plan says what is priced as
+    plait's Llama (activations, FLOPs)."""
+    gpt2 = hf_folders["gpt2"]
+    cli.main(["plan", f"model.hf={gpt2}", "--gpus", "4", "--json", "data.seq_len=32",
+              "train.global_batch=8"])
+    plans = json.loads(capsys.readouterr().out)
+    want = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(
+        gpt2).parameters())
+    assert plans and all(p["params"] == want for p in plans)
+    assert all(p["tp"] == p["pp"] == p["cp"] == p["ep"] == 1 for p in plans)
+    assert all(any("no formula" in w for w in p["warnings"]) for p in plans)
