@@ -5,6 +5,7 @@ parallel code."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -73,7 +74,9 @@ def train_reference(folder: Path, cfg, steps: int = 4) -> dict:
         set_lr(optimizer, lr_at(step, cfg.train))
         optimizer.zero_grad(set_to_none=True)
         inputs, targets = data.batch(step, cfg.train.global_batch)
-        logits = model(input_ids=inputs, use_cache=False).logits
+        with contextlib.nullcontext() if cfg.train.precision == "fp32" else \
+                torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 as plait's DDP runs it
+            logits = model(input_ids=inputs, use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
