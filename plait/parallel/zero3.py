@@ -2,7 +2,9 @@
 parallelism: parameters, gradients and optimizer state all held 1/N per rank of the `dp` axis.
 
 The model (or this pipeline stage's chunks of it) is cut into units, executed in order: the
-embedding, each transformer block, the head (final norm + output). At rest a unit is only this
+embedding, each transformer block, the head (final norm + output), as its plan names them; a
+model with no plan, by a wrap policy (`wrap.py`): what the policy leaves over first (gathered for
+the whole forward), then each module it chooses. At rest a unit is only this
 rank's fp32 slice of its flattened parameters (`flat.FlatParam`, padded to a multiple of N); the
 optimizer steps that slice.
 
