@@ -58,8 +58,15 @@ def _vocab(chunk: nn.Module, plan: ModelPlan) -> list[str]:
     return [m for m in (plan.vocab_embedding, plan.vocab_head) if m and hasattr(chunk, m)]
 
 
+def _tied(chunk: nn.Module, plan: ModelPlan) -> bool:
+    """Whether the chunk's input embedding and output head are one matrix (tied embeddings)."""
+    vocab = _vocab(chunk, plan)
+    return len(vocab) == 2 and getattr(chunk, vocab[0]).weight is getattr(chunk, vocab[1]).weight
+
+
 def split_dims(chunk: nn.Module) -> dict[str, int]:
-    """Parameter name -> the dim `apply_tp` splits, for the parameters of `chunk` it splits."""
+    """Parameter name -> the dim `apply_tp` splits, for the parameters of `chunk` it splits (a
+    tied head's matrix is the embedding's, named once)."""
     plan = plan_of(chunk)
     out = {}
     for i, block in _blocks(chunk, plan).items():
@@ -67,7 +74,8 @@ def split_dims(chunk: nn.Module) -> dict[str, int]:
             out[f"{plan.blocks}.{i}.{path}.weight"] = dim
             if dim == 0 and getattr(block.get_submodule(path), "bias", None) is not None:
                 out[f"{plan.blocks}.{i}.{path}.bias"] = 0
-    return out | {f"{m}.weight": 0 for m in _vocab(chunk, plan)}
+    vocab = _vocab(chunk, plan)[:1] if _tied(chunk, plan) else _vocab(chunk, plan)
+    return out | {f"{m}.weight": 0 for m in vocab}
 
 
 def _split_linear(linear: nn.Linear, dim: int, rank: int, size: int) -> None:
@@ -141,6 +149,7 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
             for half in plan.tp_halves:
                 _wrap_half(block.get_submodule(half), group, sequence_parallel)
         enter = gather_from_sp if sequence_parallel else copy_to_tp
+        tied = _tied(chunk, plan)
         for name in _vocab(chunk, plan):
             if name == plan.vocab_embedding:
                 setattr(chunk, name, VocabParallelEmbedding(getattr(chunk, name), tp,
@@ -149,6 +158,8 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
                 head = getattr(chunk, name)
                 _split_linear(head, 0, rank, size)
                 head.register_forward_pre_hook(lambda mod, a: (enter(a[0], group),))
+        if tied:  # both split by vocabulary rows alike: they share this rank's rows again
+            getattr(chunk, plan.vocab_head).weight = getattr(chunk, plan.vocab_embedding).weight
         if sequence_parallel:
             chunk.seq_shards = size  # hidden states between chunks: (b, s / T, h)
         params = dict(chunk.named_parameters())
