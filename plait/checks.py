@@ -275,14 +275,13 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
     if plan is None and cfg.train.activation_checkpointing != "none":
         raise ConfigError("train.activation_checkpointing", f"{arch} has no plait plan naming "
                           "its blocks; set it to 'none'")
-    # Pipeline stages and a planned family's ZeRO-3 units put the embedding and the head apart
-    # (tp splits both by vocabulary rows alike and keeps them one; with no plan the module is
-    # one ZeRO-3 unit).
+    # Pipeline stages put the embedding and the head apart (tp splits both by vocabulary rows
+    # alike and keeps them one; ZeRO-3 makes them one unit).
     tied = getattr(config, "tie_word_embeddings", False)
-    if tied and (dims.pp > 1 or (cfg.parallel.zero == 3 and plan is not None)):
-        raise ConfigError("parallel", "the model ties its input embedding and output head "
-                          "(tie_word_embeddings), which pp and ZeRO-3 would hold apart; use "
-                          "dp, tp and ZeRO-0/1/2, or a model with tie_word_embeddings = false")
+    if tied and dims.pp > 1:
+        raise ConfigError("parallel.pp", "the model ties its input embedding and output head "
+                          "(tie_word_embeddings), which pipeline stages would hold apart; set "
+                          "pp = 1, or use a model with tie_word_embeddings = false")
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and window < cfg.data.seq_len:
         raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding "

@@ -245,8 +245,9 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
         # Every tp rank attaches the auxiliary losses; the micro-batch's share of the loss is 1/M.
         apply_ep(chunk, axes["ep"], axes["batch"], record, 1 / (microbatches * axes["tp"].size))
         apply_activation_checkpointing(chunk, activation_checkpointing, checkpoint)
-    if not has_plan(model):  # ZeRO-3's units, as the wrap policy chooses them
-        record.units = [u for chunk in chunks.values() for u in unit_names(chunk, wrap)]
+    # ZeRO-3's units by parameter name, as the engine will cut them (the plan's blocks, or the
+    # wrap policy's modules), for the formulas.
+    record.units = [u for chunk in chunks.values() for u in unit_names(chunk, wrap)]
     record.replicate_all("cp", partial_grad=True)  # other tokens of the same rows
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record

@@ -69,6 +69,11 @@ def unit_modules(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[list[
             seen = True
         elif any(True for _ in child.parameters()):
             (after if seen else before).append(child)
+    first = {id(p) for m in before for p in m.parameters()}
+    if any(id(p) in first for m in after for p in m.parameters()):
+        # Tied embeddings: the embedding and the head are one matrix, so one unit, gathered
+        # from the embedding's forward to the head's (as the leftover unit of a wrap policy).
+        return [before + after] + [[b] for b in blocks.values()]
     return ([before] if before else []) + [[b] for b in blocks.values()] + \
         ([after] if after else [])
 

@@ -36,7 +36,7 @@ ROWS = [
     ("llama-cp2-ring", "llama", 2, ["parallel.cp=2"]),
     ("llama-dp2-cp2-ulysses", "llama", 4, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
     ("qwen2-tp2", "qwen2", 2, ["parallel.tp=2"]),
-    ("llama-tied-dp2-zero2", "llama-tied", 2, ["parallel.zero=2"]),
+    ("llama-tied-dp2-zero3", "llama-tied", 2, ["parallel.zero=3"]),
     ("llama-tied-tp2-sp", "llama-tied", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),

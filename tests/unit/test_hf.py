@@ -136,7 +136,7 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
 
     tied = write_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
     assert _refusal(f"model.hf='{tied}'", "parallel.pp=2").startswith(
-        "parallel: the model ties its input embedding and output head (tie_word_embeddings)")
+        "parallel.pp: the model ties its input embedding and output head (tie_word_embeddings)")
     window = write_model(tmp_path / "window", "mistral", sliding_window=16)
     assert _refusal(f"model.hf='{window}'", "data.seq_len=32").startswith(
         "data.seq_len: 32 exceeds the model's sliding window (16)")
