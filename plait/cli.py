@@ -1,5 +1,5 @@
 """`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR] ...`
-`plait run [--nproc N] script.py [args ...]` (a user's own script, which uses `plait.init()`)
+`plait run [--nproc N] [--preload MODULE] script.py [args ...]` (a user's script: `plait.init()`)
 `plait bench comm | step | pp | compression | scaling | checkpoint | moe ...` (`cli_bench.py`)
 `plait plan --gpus N [--gpu h100] [...]`, `plait compare A.jsonl B.jsonl [--rtol R]`,
 `plait report METRICS [--out DIR]`
