@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -124,7 +125,7 @@ class Prepared:
         optimizer.zero_grad(set_to_none=True)
         loss_sum, norm = self.parallelized.step(self._split(inputs, targets), optimizer,
                                                 grad_clip)
-        if norm != norm or norm in (float("inf"), float("-inf")):
+        if not math.isfinite(norm):
             raise FloatingPointError(f"step {self._steps}: the gradient norm is {norm}; "
                                      "nothing was updated (lower the learning rate?)")
         self._steps += 1

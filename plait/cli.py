@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -200,11 +199,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     from plait.train.run import TRAINING_STACK, run_training
 
     try:
-        # A Hugging Face model's workers import transformers: once, in the forkserver.
-        hf = ("plait.model.hf", "transformers.modeling_utils") if cfg.model.hf else ()
+        from plait.model.hf import PRELOAD
+
         results = launch(nproc, run_training, cfg, outputs(args), args.verify,
                          threads=cfg.train.threads, max_restarts=args.max_restarts,
-                         preload=(TRAINING_STACK, *hf))
+                         preload=(TRAINING_STACK, *(PRELOAD if cfg.model.hf else ())))
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)
@@ -340,8 +339,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
     from plait.checkpoint.hf import unrepresentable
+    from plait.model.hf import read_config
 
-    why = unrepresentable(json.loads((hf / "config.json").read_text()))
+    why = unrepresentable(read_config(hf))
     if why is not None:
         raise ConfigError("HF_DIR", f"{hf}/config.json: {why}; train the folder as itself "
                           f"instead: plait train model.hf={hf}")

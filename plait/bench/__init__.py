@@ -15,6 +15,7 @@ from plait.bench.tp import bench_tp
 from plait.checks import validate
 from plait.config import Config, ConfigError, microbatches
 from plait.launch import launch
+from plait.model.hf import PRELOAD
 from plait.train.progress import each
 from plait.train.report import draw_timelines
 
@@ -45,8 +46,8 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         validate(cfg, n)  # every world size is checked before any worker starts
     rows = []
     for n in each(world_sizes(nproc), "bench step: ranks"):
-        hf = ("plait.model.hf", "transformers.modeling_utils") if cfg.model.hf else ()
-        t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads, preload=hf)[0]
+        t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads,
+                   preload=PRELOAD if cfg.model.hf else ())[0]
         rows.append({"ranks": n, **t})
     t1 = {k: rows[0][k] for k in ("plait", "torch")}
     args = cfg.model.args()
@@ -90,8 +91,8 @@ def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         raise ConfigError("data.seq_len", f"tp={tp} must divide it (the bench also runs SP)")
     cfg = with_free_dp(cfg)
     validate(cfg, nproc)
-    hf = ("plait.model.hf", "transformers.modeling_utils") if cfg.model.hf else ()
-    t = launch(nproc, bench_tp, cfg, steps, threads=cfg.train.threads, preload=hf)[0]
+    t = launch(nproc, bench_tp, cfg, steps, threads=cfg.train.threads,
+               preload=PRELOAD if cfg.model.hf else ())[0]
     args = cfg.model.args()
     model = f"Hugging Face {cfg.model.hf}, " if cfg.model.hf else "model "
     table = Table(title=(

@@ -80,7 +80,7 @@ def as_plaits_llama(cfg: Config) -> Config:
     shape (`hf_args`: width, layers, heads, MLP, vocabulary)."""
     from plait.config import ModelConfig
 
-    shape = {k: v for k, v in dataclasses.asdict(cfg.model.args()).items()}
+    shape = dataclasses.asdict(cfg.model.args())
     return dataclasses.replace(cfg, model=ModelConfig(preset="tiny", overrides=shape))
 
 

@@ -29,7 +29,7 @@ from plait.bench.step import start_worker, time_in_turns
 from plait.config import Config
 from plait.mesh import Axis
 from plait.model import build_model
-from plait.model.hf import hf_name
+from plait.model.hf import transformers_model
 from plait.parallel import apply_tp
 from plait.parallel.tensor_parallel import block_splits
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -66,19 +66,6 @@ def hf_tp_plan(hf) -> dict:
     return plan
 
 
-def _transformers_model(cfg: Config):
-    from transformers import AutoModelForCausalLM
-
-    from plait.model.hf import load_hf
-
-    torch.manual_seed(cfg.train.seed)
-    hf = load_hf(cfg.model.hf, cfg.train.seed)  # plait's own pieces, for the seed's weights
-    raw = AutoModelForCausalLM.from_pretrained(cfg.model.hf, dtype=torch.float32,
-                                               attn_implementation="sdpa")
-    raw.load_state_dict({hf_name(n, True): p for n, p in hf.named_parameters()})
-    return raw
-
-
 @record
 def bench_tp(cfg: Config, steps: int) -> dict | None:
     _, mesh = start_worker(cfg)
@@ -99,7 +86,7 @@ def bench_tp(cfg: Config, steps: int) -> dict | None:
 
     def torch_step():
         if cfg.model.hf:  # transformers' model with its own tp plan
-            model = _transformers_model(cfg)
+            model = transformers_model(cfg.model.hf, cfg.train.seed)
             parallelize_module(model, mesh["tp"], hf_tp_plan(model))
 
             def forward(tokens):

@@ -75,6 +75,10 @@ HF_PLANS["MixtralForCausalLM"] = ModelPlan(
 )
 
 
+# What a worker of a `model.hf` run imports: once, in the launcher's forkserver.
+PRELOAD = ("plait.model.hf", "transformers.modeling_utils")
+
+
 def read_config(folder: str | Path) -> dict:
     """config.json of a Hugging Face model folder, as JSON (nothing is imported or run)."""
     path = Path(folder) / "config.json"
@@ -216,6 +220,14 @@ def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu
     its safetensors or, with none, initialised by transformers from `seed` (on `meta`: shapes
     alone); wrapped for plait:
     `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
+    hf = transformers_model(folder, seed, device)
+    plan = HF_PLANS.get(architecture(hf.config.to_dict()))
+    return HFCausalLM(hf, plan) if plan is not None else PlainCausalLM(hf)
+
+
+def transformers_model(folder: str | Path, seed: int = 0,
+                       device: torch.device | str = "cpu") -> nn.Module:
+    """The `*ForCausalLM` of `folder` as transformers builds it, unwrapped (`load_hf`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -230,6 +242,4 @@ def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu
     else:
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_config(config, **kwargs)
-    hf.to(device).train()
-    plan = HF_PLANS.get(architecture(config.to_dict()))
-    return HFCausalLM(hf, plan) if plan is not None else PlainCausalLM(hf)
+    return hf.to(device).train()

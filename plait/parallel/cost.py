@@ -49,7 +49,6 @@ from plait.parallel.expert_parallel import expert_overrides, moe_layers
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.zero import flat_groups
-from plait.parallel.zero3 import unit_prefixes
 
 
 @dataclass(frozen=True)
@@ -131,11 +130,8 @@ def _flat_layouts(record: PlacementRecord, zero: int,
     experts = expert_overrides(record)
     groups = []
     if zero == 3:
-        units = [set(u) for u in record.units] if record.units is not None else \
-            unit_prefixes(record.params)
-        for unit in units:
-            members = [(n, p) for n, p in named
-                       if (n in unit if isinstance(unit, set) else n.startswith(unit))]
+        for unit in map(set, record.units):
+            members = [(n, p) for n, p in named if n in unit]
             for cls in (False, True):
                 for decay in (True, False):
                     groups.append((cls, [(n, p) for n, p in members if (n in experts) == cls

@@ -78,9 +78,9 @@ class PlacementRecord:
     def __init__(self, coords: dict[str, int], sizes: dict[str, int]):
         self.coords, self.sizes = coords, sizes
         self.params: dict[str, Placement] = {}
-        # ZeRO-3's units by parameter name, for a model whose plan does not say them (a wrap
-        # policy chose them); None: the plan's blocks (`zero3.unit_prefixes`).
-        self.units: list[tuple[str, ...]] | None = None
+        # ZeRO-3's units by parameter name, as the engine cuts them (`zero3.unit_names`: the
+        # plan's blocks, or a wrap policy's modules); `place` sets them, the formulas read them.
+        self.units: list[tuple[str, ...]] = []
 
     def add(self, name: str, shape: tuple[int, ...]) -> None:
         self.params[name] = Placement(tuple(shape))

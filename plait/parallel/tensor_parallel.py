@@ -92,25 +92,18 @@ def _split_linear(linear: nn.Linear, dim: int, rank: int, size: int) -> None:
         linear.bias = nn.Parameter(linear.bias.detach().chunk(size)[rank].clone())
 
 
-def _first_argument(module: nn.Module, args: tuple, kwargs: dict) -> str | int:
-    """Where a module's first argument came: position 0, or its name (transformers' layers call
-    their attention by keyword)."""
-    if args:
-        return 0
-    return next(iter(inspect.signature(module.forward).parameters))
-
-
 def _wrap_half(module: nn.Module, group: ProcessGroup, sequence_parallel: bool) -> None:
     """One collective into the block half (its first argument) and one out of it (its output,
     or the first element of a tuple it returns)."""
     enter = gather_from_sp if sequence_parallel else copy_to_tp
     leave = reduce_scatter_to_sp if sequence_parallel else reduce_from_tp
+    # Its name, for callers that pass it by keyword (transformers' layers call their attention so).
+    first = next(iter(inspect.signature(module.forward).parameters))
 
     def pre(mod, args, kwargs):
-        where = _first_argument(mod, args, kwargs)
-        if where == 0:
+        if args:
             return (enter(args[0], group), *args[1:]), kwargs
-        return args, {**kwargs, where: enter(kwargs[where], group)}
+        return args, {**kwargs, first: enter(kwargs[first], group)}
 
     def post(mod, args, out):
         if isinstance(out, tuple):

@@ -30,13 +30,12 @@ from plait.checks import validate
 from plait.comm import Op
 from plait.config import Config, ConfigError, microbatches
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis
-from plait.model import ModelArgs, build_model
+from plait.model import ModelArgs, build_configured
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
 from plait.parallel.cost import ChunkLayout, routed_traffic
 from plait.parallel.pipeline.simulator import bubble_formula
 from plait.parallel.pipeline.stage import chunk_sizes
-from plait.parallel.zero3 import unit_prefixes
 from plait.plan.hardware import Cluster
 
 HEADROOM = 0.9  # of device memory a plan may use
@@ -65,20 +64,11 @@ class Plan:
                                    if k != "degrees"}}
 
 
-def _fresh_meta_model(args: ModelArgs, hf: str = ""):
-    """The model on `meta`: plait's Llama of `args`, or the Hugging Face folder `hf` (its own
-    modules: exact parameter shapes and placement)."""
-    if hf:
-        from plait.model.hf import load_hf
-
-        return load_hf(hf, device="meta")
-    return build_model(args, 0, device="meta")
-
-
 @functools.lru_cache(maxsize=16)
 def _meta_model(args: ModelArgs, hf: str = ""):
-    """`_fresh_meta_model`, built once (for what only reads it)."""
-    return _fresh_meta_model(args, hf)
+    """The model on `meta` (plait's Llama of `args`, or the Hugging Face folder `hf`: its own
+    modules), built once for what only reads it."""
+    return build_configured(args, 0, "meta", hf)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -121,7 +111,7 @@ def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int
     degrees = {"pp": pp, "tp": tp, "ep": ep}
     axes = {a: Axis.dry(a, stage if a == "pp" else 0, degrees.get(a, 1)) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    _, _, record = place(_fresh_meta_model(args, hf), axes, par, pp)  # `place` cuts it
+    _, _, record = place(build_configured(args, 0, "meta", hf), axes, par, pp)  # it cuts it
     return record
 
 
@@ -215,8 +205,7 @@ def _gathered_units(record, cfg: Config) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _two_largest_units(record) -> int:
-    units = [sum(p.local_numel for n, p in record.params.items() if n.startswith(prefixes))
-             for prefixes in unit_prefixes(record.params)]
+    units = [sum(record.params[n].local_numel for n in unit) for unit in record.units]
     return sum(sorted(units)[-2:])
 
 

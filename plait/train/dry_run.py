@@ -15,16 +15,16 @@ from rich.table import Table
 
 from plait.config import Config, microbatches
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis
+from plait.model import build_configured
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
-from plait.train.trainer import build_configured_model
 
 
 def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
     coords = dims.coords(rank)
     axes = {a: Axis.dry(a, coords[a], getattr(dims, a)) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    model = build_configured_model(cfg, device="meta")
+    model = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
     chunks, _, record = place(model, axes, cfg.parallel, microbatches(cfg.parallel, dims),
                               cfg.train.activation_checkpointing)
     # The activation formulas are plait's Llama's block, operation by operation; another

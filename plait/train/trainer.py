@@ -24,7 +24,7 @@ from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims, rows_share
-from plait.model import build_model, count_params
+from plait.model import build_configured, count_params
 from plait.parallel import cross_entropy, parallelize
 from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
@@ -41,11 +41,7 @@ from plait.train.verify import Verdict, verify_step
 def build_configured_model(cfg: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The model `cfg.model` names, whole, on `device`: plait's Llama of a preset, or the Hugging
     Face folder `model.hf` (`plait/model/hf.py`), both initialised from `train.seed`."""
-    if cfg.model.hf:
-        from plait.model.hf import load_hf
-
-        return load_hf(cfg.model.hf, cfg.train.seed, device)
-    return build_model(cfg.model.args(), cfg.train.seed, device)
+    return build_configured(cfg.model.args(), cfg.train.seed, device, cfg.model.hf)
 
 
 class NonFiniteGradient(RuntimeError):

@@ -47,6 +47,16 @@ ROWS = [
 NO_FORMULA = {"mixtral"}
 
 
+def _held(whole: torch.Tensor, placement) -> torch.Tensor:
+    """The part of a reference tensor a rank holds: its tp shard, and for stacked experts its
+    rows over ep."""
+    for axis in ("tp", "ep"):
+        shard = placement[1].get(axis)
+        if shard is not None and shard.dim is not None:
+            whole = whole.chunk(shard.count, dim=shard.dim)[shard.index]
+    return whole
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
@@ -70,10 +80,7 @@ def test_hf_model_in_bf16_tracks_transformers_in_one_process(folders):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-3, atol=0)
         for name, p in r["params"].items():
-            want = ref["params"][hf_name(name, True)]
-            shard = r["placements"][name][1].get("tp")
-            if shard is not None:
-                want = want.chunk(shard.count, dim=shard.dim)[shard.index]
+            want = _held(ref["params"][hf_name(name, True)], r["placements"][name])
             assert (p.float() - want.float()).abs().mean() <= 3e-4, name
 
 
@@ -97,11 +104,7 @@ def test_hf_model_equals_transformers_in_one_process(folders, references, family
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-5, atol=0)
         for name, p in r["params"].items():
-            want = ref["params"][hf_name(name, planned)]
-            for axis in ("tp", "ep"):  # tp shards; stacked experts split by expert over ep
-                shard = r["placements"][name][1].get(axis)
-                if shard is not None and shard.dim is not None:
-                    want = want.chunk(shard.count, dim=shard.dim)[shard.index]
+            want = _held(ref["params"][hf_name(name, planned)], r["placements"][name])
             assert_params_close(p, want, name, steps=STEPS)
             seen.add(hf_name(name, planned))
     # Every parameter of the transformers model was trained somewhere (a tied head counts once).
