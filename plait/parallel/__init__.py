@@ -47,7 +47,7 @@ from plait.parallel.tensor_parallel import apply_tp
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.parallel.wrap import WrapPolicy
 from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero3 import Zero3DataParallel, unit_names
+from plait.parallel.zero3 import Zero3DataParallel, first_unit_spans, unit_names
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -92,6 +92,7 @@ class Parallelized:
         finished, the global norm, clipping to `grad_clip` (0: none), the optimizer's step.
         Returns (the sum of this rank's scaled micro-batch losses, the global gradient norm);
         when the norm is not finite nothing is updated and the caller decides what that means."""
+        self.engine.begin_step()
         self.sync_buffers()
         loss_sum = self.pipeline.run(microbatches)
         with TRACER.span("finish gradients"):
@@ -247,7 +248,13 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
         apply_activation_checkpointing(chunk, activation_checkpointing, checkpoint)
     # ZeRO-3's units by parameter name, as the engine will cut them (the plan's blocks, or the
     # wrap policy's modules), for the formulas.
-    record.units = [u for chunk in chunks.values() for u in unit_names(chunk, wrap)]
+    for c, chunk in chunks.items():
+        c = int(c)
+        record.chunk_of.update({n: c for n, _ in chunk.named_parameters()})
+        names = unit_names(chunk, wrap)
+        record.units += names
+        record.unit_chunks += [c] * len(names)
+        record.spanning += [k == 0 and first_unit_spans(chunk, wrap) for k in range(len(names))]
     record.replicate_all("cp", partial_grad=True)  # other tokens of the same rows
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record

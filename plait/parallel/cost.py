@@ -47,6 +47,7 @@ from plait.mesh import ParallelDims
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import expert_overrides, moe_layers
 from plait.parallel.pipeline import stage_schedule
+from plait.parallel.pipeline.schedules import Kind
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.zero import flat_groups
 
@@ -116,37 +117,39 @@ def _flats(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     experts over dp."""
     dense = ("batch", dims.batch) if dims.batch > dims.dp else \
         ("dp_shard" if dims.shard < dims.dp else "dp", dims.shard if cfg.parallel.zero else dims.dp)
-    return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments in
+    return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments, _ in
             _flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb)]
 
 
 @functools.lru_cache(maxsize=512)
 def _flat_layouts(record: PlacementRecord, zero: int,
-                  bucket_mb: float) -> list[tuple[bool, list[Segment]]]:
-    """(experts?, layout) per flat buffer, in the engine's order (`sync_classes`: dense first).
+                  bucket_mb: float) -> list[tuple[bool, list[Segment], int]]:
+    """(experts?, layout, group) per flat buffer, in the engine's order (`sync_classes`: dense
+    first); the group is what is reduced at once: ZeRO-3's unit, else the buffer itself.
     Cached by the record's identity: a record is complete once `place` returns, and the planner
     prices many layouts on each."""
     named = _meta(record)
     experts = expert_overrides(record)
     groups = []
     if zero == 3:
-        for unit in map(set, record.units):
+        for u, unit in enumerate(map(set, record.units)):
             members = [(n, p) for n, p in named if n in unit]
             for cls in (False, True):
                 for decay in (True, False):
                     groups.append((cls, [(n, p) for n, p in members if (n in experts) == cls
-                                         and (p.dim() >= 2) == decay]))
+                                         and (p.dim() >= 2) == decay], u))
     else:
         for cls in (False, True):
             members = [(n, p) for n, p in named if (n in experts) == cls]
             if not members:
                 continue
             if zero == 0:
-                groups += [(cls, m) for m in assign_buckets(
+                groups += [(cls, m, None) for m in assign_buckets(
                     members, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))]
             else:
-                groups += [(cls, m) for m, _ in flat_groups(members, bucket_mb)]
-    return [(cls, layout(members)) for cls, members in groups if members]
+                groups += [(cls, m, None) for m, _ in flat_groups(members, bucket_mb)]
+    kept = [(cls, layout(members), u) for cls, members, u in groups if members]
+    return [(cls, segments, i if u is None else u) for i, (cls, segments, u) in enumerate(kept)]
 
 
 def _compression(cfg: Config):
@@ -331,19 +334,19 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     """Model-state bytes this rank holds after a step: parameters, gradients, optimizer state
     (AdamW: two fp32 moments; under bf16 ZeRO also the fp32 master: 2 + 2 + 12 per parameter),
     ZeRO's shards padded to a multiple of the sharding group; with gradient compression, its
-    state ("compression")."""
+    state ("compression"); and "peak", the most held during the step (`_peak`)."""
     par = cfg.parallel
     bf16 = cfg.train.precision == "bf16" and par.zero > 0
     held = record.held_numel()
     flats = [(s, K, _padded(members_numel(s), K if par.zero else 1))
              for _, K, s in _flats(cfg, dims, record)]
+    param_b = 2 if bf16 else 4
+    reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
     if par.zero == 0:
         state = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
     else:
         padded = sum(numel for _, _, numel in flats)
         sliced = sum(numel // K for _, K, numel in flats)
-        param_b = 2 if bf16 else 4
-        reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
         state = {"params": param_b * (sliced if par.zero == 3 else padded),
                  "grads": param_b * held if par.zero == 1 else reduce_b * sliced,
                  "optimizer": (12 if bf16 else 8) * sliced}
@@ -351,7 +354,100 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     if method is not None:  # error feedback, PowerSGD's Q: fp32, once compression has run
         state["compression"] = 4 * sum(method.state_numel(s, n) for s, _, n in flats) \
             if dims.dp > 1 else 0
+    rest = sum(v for k, v in state.items() if k not in ("params", "grads"))
+    if par.zero == 0:
+        state["peak"] = sum(state.values())  # replicas hold it all, all step long
+    else:
+        groups = [u for *_, u in _flat_layouts(record, par.zero, par.bucket_mb)]
+        schedule = stage_schedule(par, dims.pp, microbatches(par, dims), checked=False)
+        kind = Kind.W if schedule.split_backward else Kind.B
+        passes = [a.chunk for a in schedule.actions[record.coords["pp"]] if a.kind is kind]
+        state["peak"] = rest + _params_peak(record, flats, groups, par, state["params"], param_b) \
+            + _grads_peak(record, flats, groups, par.zero, passes, param_b, reduce_b)
     return state
+
+
+def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params: int,
+                 param_b: int) -> int:
+    """The most parameter bytes held during a step. ZeRO-1/2: the whole replica, always.
+    ZeRO-3: the slices plus the units gathered at once: a unit and the next one (prefetched, in
+    the forward; the previous one in the backward) in each chunk, plus the chunk's first unit
+    where it spans the chunk (tied embeddings, a wrap policy's leftover); every unit of the stage
+    when they are kept from forward to backward (`reshard_after_forward = false`)."""
+    if par.zero < 3:
+        return params
+    gathered = [0] * len(record.units)
+    for (_, _, padded), unit in zip(flats, groups, strict=True):
+        gathered[unit] += padded * param_b
+    if not par.reshard_after_forward:
+        return params + sum(gathered)
+    most = 0
+    for chunk in sorted(set(record.unit_chunks)):
+        mine = [u for u, c in enumerate(record.unit_chunks) if c == chunk]
+        span = gathered[mine[0]] if record.spanning[mine[0]] else 0
+        rest = [gathered[u] for u in mine if not (u == mine[0] and span)]
+        pairs = [a + b for a, b in zip(rest, rest[1:], strict=False)] or rest or [0]
+        most = max(most, span + max(pairs))
+    return params + most
+
+
+def _grads_peak(record: PlacementRecord, flats, groups: list[int], zero: int,
+                passes: list[int], param_b: int, reduce_b: int) -> int:
+    """The most gradient bytes the ZeRO engines hold during a step. `passes`: the chunk of each
+    pass of this stage's schedule that produces weight gradients (B, or W when the backward is
+    split), in order. A chunk's passes before its last accumulate into the parameters' own
+    `.grad`; its last pass delivers them to the engine in arrival order (the reverse of the
+    parameters' order): each `.grad` is copied into the full-size staging of its bucket (ZeRO-3:
+    of all its unit's flats) and, in stage 2 and 3, let go; a bucket (in order) or a unit, once
+    all its gradients arrived, is reduce-scattered into its averaged slice, after the group
+    launched before it is settled and its staging let go. Counted: the `.grad`s, the staging
+    alive, the slices."""
+    numel = {n: p.local_numel for n, p in record.params.items()}
+    flat_of = {seg.name: i for i, (segments, _, _) in enumerate(flats) for seg in segments}
+    members = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    left = [len(segments) for segments, _, _ in flats]
+    staged, inflight, slices, next_bucket, most = set(), [], 0, 0, 0
+    held, own = set(), 0
+
+    def alive() -> int:
+        return own + reduce_b * sum(flats[i][2] for i in staged) + slices
+
+    def launch(group: list[int]) -> None:
+        nonlocal inflight, slices, most
+        staged.difference_update(inflight)  # settled: the staging let go
+        inflight = group
+        slices += reduce_b * sum(flats[i][2] // flats[i][1] for i in group)
+        most = max(most, alive())
+
+    final = {c: k for k, c in enumerate(passes)}  # the last pass of each chunk
+    by_chunk = {}
+    for n in record.params:
+        by_chunk.setdefault(record.chunk_of[n], []).append(n)
+    for k, chunk in enumerate(passes):
+        names = by_chunk.get(chunk, [])
+        if k != final[chunk]:  # gradients accumulate in the parameters
+            own += param_b * sum(numel[n] for n in names if n not in held)
+            held.update(names)
+            continue
+        for name in reversed(names):
+            i = flat_of[name]
+            staged.update(members[groups[i]] if zero == 3 else [i])
+            if name not in held:
+                own += param_b * numel[name]
+                held.add(name)
+            most = max(most, alive())
+            if zero >= 2:
+                own -= param_b * numel[name]
+                held.discard(name)
+            left[i] -= 1
+            if zero == 3 and all(left[j] == 0 for j in members[groups[i]]):
+                launch(members[groups[i]])
+            while zero < 3 and next_bucket < len(flats) and left[next_bucket] == 0:
+                launch([next_bucket])
+                next_bucket += 1
+    return most
 
 
 __all__ = ["ChunkLayout", "Traffic", "chunk_layouts", "state_bytes", "step_traffic"]

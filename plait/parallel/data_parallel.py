@@ -125,11 +125,21 @@ class SyncedReplicas(nn.Module):
         """After the optimizer step; replicas updated themselves."""
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return self._with_compression(model_state_bytes(self.module, optimizer))
+        return self._with_peak(model_state_bytes(self.module, optimizer))
 
     def _with_compression(self, state: dict[str, int]) -> dict[str, int]:
         if self.compression is not None:
             state["compression"] = self.compression.state_bytes()
+        return state
+
+    def begin_step(self) -> None:
+        """Before a step's first forward (the sharded engines measure the step's peak)."""
+
+    def _with_peak(self, state: dict[str, int]) -> dict[str, int]:
+        """The end-of-step figures and "peak", the most held at once during the step: whole
+        replicas hold all of it all step long (DDP's gradient buckets persist)."""
+        state = self._with_compression(state)
+        state["peak"] = sum(state.values())
         return state
 
     def flat_buffers(self) -> list:

@@ -81,6 +81,11 @@ class PlacementRecord:
         # ZeRO-3's units by parameter name, as the engine cuts them (`zero3.unit_names`: the
         # plan's blocks, or a wrap policy's modules); `place` sets them, the formulas read them.
         self.units: list[tuple[str, ...]] = []
+        # Per unit: its pipeline chunk (counted from 0 on this stage), and whether it spans the
+        # chunk (`zero3.first_unit_spans`: gathered while the chunk's other units run).
+        self.unit_chunks: list[int] = []
+        self.chunk_of: dict[str, int] = {}  # parameter name -> its pipeline chunk (global index)
+        self.spanning: list[bool] = []
 
     def add(self, name: str, shape: tuple[int, ...]) -> None:
         self.params[name] = Placement(tuple(shape))

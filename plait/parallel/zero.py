@@ -71,6 +71,8 @@ class ShardedEngine(SyncedReplicas):
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.dp_size = dp_size  # gradients are pre-divided by all of dp (x ep)
         self.storage_axis = shard
+        self._inflight: list = []  # (flat, its reduce-scatter) of the group last launched
+        self.peak_params = self.peak_grads = 0  # this step's, measured from `begin_step`
         self.overrides = overrides or {}  # name -> the axis sharding it, if not `shard`
         _broadcast_replicas(module, shard.group,
                             {n: a.group for n, a in self.overrides.items()})
@@ -92,13 +94,63 @@ class ShardedEngine(SyncedReplicas):
                 flat.key, flat.grad, flat.grad_shard, flat.segments, flat.group)
         return reduce_scatter(flat.grad_shard, flat.grad, flat.group, async_op=True)
 
-    def _hand_over(self, flat: FlatParam) -> None:
-        """After the reduce-scatter: sum over the replicas (HSDP), then give the slice its
-        averaged gradient."""
-        if self.replicate is not None:
-            all_reduce(flat.grad_shard, self.replicate.group)
-        flat.slice.set_grad(flat.grad_shard)
-        flat.grad = None  # the staging buffer
+    def _launch_group(self, flats: list[FlatParam]) -> None:
+        """Start the reduce-scatters of a bucket (ZeRO-1/2) or a unit's flats (ZeRO-3), after
+        settling those still in flight: at most one group's staging buffers are reducing while
+        the next fills, so the gradient held during backward is the slices plus two groups'
+        staging, not the whole model's (`parallel.cost.state_bytes`: "peak")."""
+        self._settle()
+        self._inflight = [(f, self._reduce_grad(f)) for f in flats]
+        self._note_peak()
+
+    def _settle(self) -> None:
+        """Wait for the reduce-scatters in flight; sum their slices over the replicas (HSDP);
+        let go of their full-size staging buffers."""
+        for flat, pending in self._inflight:
+            pending.wait()
+            if self.replicate is not None:
+                all_reduce(flat.grad_shard, self.replicate.group)
+            flat.grad = None  # the staging buffer
+        self._inflight = []
+
+    def _hand_over(self) -> None:
+        """After the step's last reduce-scatter: each slice gets its averaged gradient."""
+        self._settle()
+        for flat in self.flats:
+            flat.slice.set_grad(flat.grad_shard)
+
+    # -- the step's peak model state (what is alive at once during backward) -------------------
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: last step's gradient slices are let go (the optimizer
+        has used them), and the peak is measured from here."""
+        for flat in self.flats:
+            flat.grad_shard = None
+        self.peak_params = self.peak_grads = 0
+        self._note_peak()
+
+    def _params_bytes(self) -> int:
+        return nbytes(f.full for f in self.flats)
+
+    def _note_peak(self) -> None:
+        """Record the parameter and gradient bytes alive now (called where either grows: a
+        gradient arrives, a group is launched, ZeRO-3 gathers a unit): the parameters' storage,
+        every gradient the engine holds (the parameters' own `.grad`, the staging buffers, the
+        averaged slices)."""
+        flats = self.flats
+        grads = nbytes(p.grad for f in flats for p in f.params) + nbytes(f.grad for f in flats) \
+            + nbytes(f.grad_shard for f in flats)
+        self.peak_grads = max(self.peak_grads, grads)
+        self.peak_params = max(self.peak_params, self._params_bytes())
+
+    def _with_peak(self, state: dict[str, int]) -> dict[str, int]:
+        """The end-of-step figures and "peak": the step's largest parameter bytes plus its
+        largest gradient bytes plus the rest (optimizer state, compression state), which stay
+        put during a step."""
+        state = self._with_compression(state)
+        rest = sum(v for k, v in state.items() if k not in ("params", "grads"))
+        state["peak"] = self.peak_params + self.peak_grads + rest
+        return state
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The owned slices (or their masters), (decay, no_decay): what the optimizer steps."""
@@ -148,7 +200,6 @@ class ZeroDataParallel(ShardedEngine):
             for members, decay in flat_groups(cls, bucket_mb)
         ]
         self._next = 0
-        self._pending: list = []
         for bucket in self.buckets:
             for position, p in enumerate(bucket.params):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, position))
@@ -163,6 +214,7 @@ class ZeroDataParallel(ShardedEngine):
                 return
             if bucket.grad is None:
                 bucket.grad = torch.zeros_like(bucket.full, dtype=self.reduce_dtype)
+            self._note_peak()
             torch.div(p.grad, self.dp_size, out=bucket.view(bucket.grad, position))  # average
             if self.stage == 2:
                 p.grad = None  # stage 1 keeps whole gradients, stage 2 only the slice
@@ -172,7 +224,7 @@ class ZeroDataParallel(ShardedEngine):
         return on_gradient
 
     def _launch(self, bucket: FlatParam) -> None:
-        self._pending.append(self._reduce_grad(bucket))
+        self._launch_group([bucket])
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
@@ -181,11 +233,9 @@ class ZeroDataParallel(ShardedEngine):
         if self._next != len(self.buckets):
             raise RuntimeError("gradients arrived outside the last backward; call "
                                "finish_gradients after a backward run outside no_sync()")
-        for bucket, pending in zip(self.buckets, self._pending, strict=True):
-            pending.wait()
-            self._hand_over(bucket)
+        self._hand_over()
+        for bucket in self.buckets:
             bucket.ready.clear()
-        self._pending.clear()
         self._next = 0
         self._step_done()
 
@@ -203,7 +253,7 @@ class ZeroDataParallel(ShardedEngine):
             grads = [p.grad for b in self.buckets for p in b.params]
         else:
             grads = [b.grad_shard for b in self.buckets]
-        return self._with_compression({
+        return self._with_peak({
             "params": nbytes(b.full for b in self.buckets),
             "grads": nbytes(grads),
             "optimizer": optimizer_state_bytes(optimizer)

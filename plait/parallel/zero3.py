@@ -57,11 +57,22 @@ def unit_modules(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[list[
     them (the final norm and the head), each where the chunk has them. Without one: `[chunk]`
     first, the unit of whatever `wrap` leaves over (gathered for the whole forward), then each
     module the policy chooses (`wrap.py`)."""
+    return _cut(chunk, wrap)[0]
+
+
+def first_unit_spans(chunk: nn.Module, wrap: WrapPolicy | None = None) -> bool:
+    """Whether the chunk's first unit stays gathered while the others run their forward: the
+    leftover unit of a wrap policy (`[chunk]`), or tied embeddings' one unit of the embedding and
+    the head."""
+    return _cut(chunk, wrap)[1]
+
+
+def _cut(chunk: nn.Module, wrap: WrapPolicy | None) -> tuple[list[list[nn.Module]], bool]:
     if not has_plan(chunk):
         chosen = wrapped_modules(chunk, wrap or WrapPolicy())
         held = {id(p) for m in chosen for p in m.parameters()}
         rest = any(id(p) not in held for p in chunk.parameters())
-        return ([[chunk]] if rest else []) + [[m] for m in chosen]
+        return ([[chunk]] if rest else []) + [[m] for m in chosen], rest and bool(chosen)
     blocks = chunk.get_submodule(plan_of(chunk).blocks)
     before, after, seen = [], [], False
     for child in chunk.children():
@@ -73,9 +84,9 @@ def unit_modules(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[list[
     if any(id(p) in first for m in after for p in m.parameters()):
         # Tied embeddings: the embedding and the head are one matrix, so one unit, gathered
         # from the embedding's forward to the head's (as the leftover unit of a wrap policy).
-        return [before + after] + [[b] for b in blocks.values()]
+        return [before + after] + [[b] for b in blocks.values()], len(blocks) > 0
     return ([before] if before else []) + [[b] for b in blocks.values()] + \
-        ([after] if after else [])
+        ([after] if after else []), False
 
 
 def unit_params(units: list[list[nn.Module]]) -> list[list[nn.Parameter]]:
@@ -142,7 +153,6 @@ class Unit:
                       if any((p.dim() >= 2) == decay for _, p in cls)]
         self.gathered = True  # built from whole parameters
         self.pending: list[Pending] = []  # all-gathers in flight
-        self.reducing: list[Pending] = []  # reduce-scatters in flight
         self.reduced = False  # this step's gradients are on their way to the slices
 
 
@@ -215,6 +225,7 @@ class Zero3DataParallel(ShardedEngine):
             unit.pending.append(all_gather(flat.full, shard, flat.group, async_op=True))
         self.gathered_bytes += sum(f.full_bytes for f in unit.flats)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        self._note_peak()
 
     def _wait(self, unit: Unit) -> None:
         self._gather(unit)
@@ -273,15 +284,17 @@ class Zero3DataParallel(ShardedEngine):
     def _on_grad(self, unit: Unit, flat: FlatParam, position: int):
         def on_gradient(p: nn.Parameter) -> None:
             if self._sync:
-                if flat.grad is None:
-                    flat.grad = torch.zeros(flat.full.numel(), dtype=self.reduce_dtype,
-                                            device=p.device)
+                if flat.grad is None:  # the unit's first gradient: stage all of its flats
+                    for f in unit.flats:
+                        f.grad = torch.zeros(f.full.numel(), dtype=self.reduce_dtype,
+                                             device=p.device)
+                self._note_peak()
                 torch.div(p.grad, self.dp_size, out=flat.view(flat.grad, position))
                 p.grad = None  # the flat gradient holds it now
             flat.ready.add(position)
             if all(len(f.ready) == len(f.params) for f in unit.flats):  # the unit is done
                 if self._sync:
-                    unit.reducing += [self._reduce_grad(f) for f in unit.flats]
+                    self._launch_group(unit.flats)
                     unit.reduced = True
                 for f in unit.flats:
                     f.ready.clear()
@@ -294,7 +307,7 @@ class Zero3DataParallel(ShardedEngine):
 
     @torch.no_grad()
     def finish_gradients(self) -> None:
-        """Wait for every unit's reduce-scatter; the slices get their averaged gradients."""
+        """Wait for the last reduce-scatter; the slices get their averaged gradients."""
         late = [n for u in self.units if not u.reduced for f in u.flats
                 for i, n in enumerate(f.names) if i not in f.ready]
         if late:
@@ -302,13 +315,9 @@ class Zero3DataParallel(ShardedEngine):
                 f"parameters got no gradient this step: {', '.join(late)}; every parameter must "
                 "take part in the loss, and finish_gradients follow a backward outside no_sync()"
             )
+        self._hand_over()
         for unit in self.units:
-            for pending in unit.reducing:
-                pending.wait()
-            unit.reducing.clear()
             unit.reduced = False
-            for flat in unit.flats:
-                self._hand_over(flat)
         self._step_done()
 
     def finish_step(self) -> None:
@@ -324,12 +333,16 @@ class Zero3DataParallel(ShardedEngine):
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         flats = self.flats
-        return self._with_compression({
-            "params": nbytes(f.slice.shard for f in flats) + self.gathered_bytes,
+        return self._with_peak({
+            "params": self._params_bytes(),
             "grads": nbytes(f.grad_shard for f in flats),
             "optimizer": optimizer_state_bytes(optimizer)
             + sum(f.slice.master_bytes for f in flats),
         })
+
+    def _params_bytes(self) -> int:
+        """The slices and the units gathered now."""
+        return nbytes(f.slice.shard for f in self.flats) + self.gathered_bytes
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -14,8 +14,9 @@ at the device's peak times an efficiency; each collective by alpha-beta on the l
 crosses (tp innermost on the mesh, so within a node first); tensor- and pipeline-parallel traffic
 on the critical path, data-parallel traffic hidden behind backward (ZeRO-3: the whole step) as
 far as it lasts; the schedule's simulated bubble stretching the pipelined part. A plan fits when
-its worst stage's model state, activations and ZeRO-3's two gathered units stay under 90% of the
-device's memory (the rest: the CUDA context, allocator fragmentation, temporaries).
+its worst stage's peak model state during the step (ZeRO-3's gathered units and the gradients in
+flight at their most, `cost.state_bytes`' "peak") and activations stay under 90% of the device's
+memory (the rest: the CUDA context, allocator fragmentation, temporaries).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "cp_method", "micro
 class Plan:
     degrees: dict
     params: int
-    memory_bytes: dict  # rank 0: params, grads, optimizer, activations, total
+    memory_bytes: dict  # rank 0: params, grads, optimizer (end of step), the model state's peak
+    # during the step, activations, total (end of step + activations)
     peak_memory_bytes: int  # the worst stage's total, buffers included: what must fit
     step_time_s: float
     tokens_per_s: float
@@ -177,17 +179,15 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
             hidden = 0.0 if not dev.overlap else compute if par.zero == 3 else compute * 2 / 3
             exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
             time = (compute + exposed) / (1 - bubble) + max(0.0, data - hidden)
-            buffers = _gathered_units(record, cfg) if par.zero == 3 else 0
-            priced[kind] = (cost.state_bytes(cfg, dims, record), traffic, buffers, model_flops,
-                            time)
-        state, traffic, buffers, model_flops, time = priced[kind]
+            priced[kind] = (cost.state_bytes(cfg, dims, record), traffic, model_flops, time)
+        state, traffic, model_flops, time = priced[kind]
         step = max(step, time)
-        per_stage.append((state, activation_bytes(cfg, dims, chunks), traffic, buffers,
-                          model_flops))
-    state, act, traffic, _, _ = per_stage[0]
-    memory = {**{k: state[k] for k in ("params", "grads", "optimizer")}, "activations": act}
-    memory["total"] = sum(state.values()) + act
-    peak = max(sum(s.values()) + a + b for s, a, _, b, _ in per_stage)
+        per_stage.append((state, activation_bytes(cfg, dims, chunks), traffic, model_flops))
+    state, act, traffic, _ = per_stage[0]
+    memory = {**{k: state[k] for k in ("params", "grads", "optimizer", "peak")},
+              "activations": act}
+    memory["total"] = sum(v for k, v in state.items() if k != "peak") + act
+    peak = max(s["peak"] + a for s, a, *_ in per_stage)
     model_flops = sum(f for *_, f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
     return Plan(degrees=_degrees(cfg, dims), params=_count(args, cfg.model.hf),
@@ -196,17 +196,6 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
                 comm_bytes=float(traffic.total),
                 fits=peak <= HEADROOM * dev.memory_bytes)
-
-
-def _gathered_units(record, cfg: Config) -> int:
-    """ZeRO-3 holds at most two units whole at once (the current and the prefetched)."""
-    return (2 if cfg.train.precision == "bf16" else 4) * _two_largest_units(record)
-
-
-@functools.lru_cache(maxsize=1024)
-def _two_largest_units(record) -> int:
-    units = [sum(record.params[n].local_numel for n in unit) for unit in record.units]
-    return sum(sorted(units)[-2:])
 
 
 @functools.lru_cache(maxsize=64)

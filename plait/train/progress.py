@@ -95,6 +95,7 @@ def print_summary(summary, world_size: int) -> None:
         ("params per rank", _bytes(state["params"])),
         ("grads per rank", _bytes(state["grads"])),
         ("optimizer state per rank", _bytes(state["optimizer"])),
+        ("model state at its peak in a step", _bytes(state["peak"])),
     ]
     if "compression" in state:  # error feedback, PowerSGD's Q
         rows.append(("compression state per rank", _bytes(state["compression"])))

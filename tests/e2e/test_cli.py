@@ -627,7 +627,7 @@ def test_plan_predicts_the_runs_bytes(traced_run):
     plans = json.loads(proc.stdout)
     assert len(plans) == 1  # every degree pinned: that plan alone
     plan, last = plans[0], read_metrics(traced_run / "metrics.jsonl")[-1]
-    assert {k: plan["memory_bytes"][k] for k in ("params", "grads", "optimizer")} == \
+    assert {k: plan["memory_bytes"][k] for k in ("params", "grads", "optimizer", "peak")} == \
         last["model_state_bytes"]
     assert plan["memory_bytes"]["activations"] == last["activation_bytes"]
     assert plan["comm_bytes"] == last["comm_bytes"]

@@ -12,6 +12,7 @@ from training import tiny_config
 
 from plait.checks import validate
 from plait.config import ConfigError, load_config
+from plait.model import build_model
 from plait.parallel.cost import all_to_all_bytes
 from plait.plan import estimate, rank_plans, with_degrees
 from plait.plan.hardware import DEVICES, Cluster, Device
@@ -38,13 +39,17 @@ def test_a_plan_prices_bytes_as_the_dry_run_does(overrides, gpus):
     dims = validate(cfg, gpus)
     plan = estimate(cfg, dims, Cluster(gpus, 8, TOY))
     rank0 = describe_rank(cfg, dims, 0)
-    assert plan.memory_bytes == {**{k: rank0["state"][k] for k in ("params", "grads", "optimizer")},
+    assert plan.memory_bytes == {**{k: rank0["state"][k]
+                                    for k in ("params", "grads", "optimizer", "peak")},
                                  "activations": rank0["activations"],
-                                 "total": sum(rank0["state"].values()) + rank0["activations"]}
+                                 "total": sum(rank0["state"].values()) - rank0["state"]["peak"]
+                                 + rank0["activations"]}
     assert plan.comm_bytes == float(rank0["traffic"].total)
-    worst = max(sum(r["state"].values()) + r["activations"]
+    # What must fit: the worst rank's peak model state during the step (ZeRO's gathered units
+    # and gradient staging at their most) plus its activations.
+    worst = max(r["state"]["peak"] + r["activations"]
                 for r in (describe_rank(cfg, dims, k) for k in range(gpus)))
-    assert plan.peak_memory_bytes >= worst  # ZeRO-3 adds its two gathered units
+    assert plan.peak_memory_bytes == worst
     assert 0 < plan.mfu <= TOY.efficiency and plan.step_time_s > 0
 
 
@@ -186,3 +191,22 @@ def test_calibration_fits_alpha_beta_and_prices_this_machine(tmp_path, monkeypat
     cfg = tiny_config("model.n_layers=4")
     slow = estimate(cfg, validate(cfg, 8), Cluster(8, 8, eight)).step_time_s
     assert slow > estimate(cfg, validate(cfg, 2), Cluster(2, 2, two)).step_time_s
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_gradients_stay_sharded_during_backward(zero):
+    """The peak of a step under ZeRO-2/3 holds the gradient slices plus the full-size staging of
+    at most two buckets or units (the one reducing and the one filling) and one parameter's own
+    gradient, not the whole model's gradient (which every rank staged until the end of backward
+    before: 4 bytes per parameter whatever the number of ranks). 16 blocks, 1 MiB buckets."""
+    cfg = tiny_config("model.n_layers=16", "model.dim=128", f"parallel.zero={zero}",
+                      "parallel.bucket_mb=1")
+    state = describe_rank(cfg, validate(cfg, 4), 0)["state"]
+    n = sum(p.numel() for p in build_model(cfg.model.args(), 0, "meta").parameters())
+    end = state["params"] + state["grads"] + state["optimizer"]
+    assert state["peak"] - end < 4 * n / 4  # under a quarter of the whole fp32 gradient
+    one = tiny_config("model.n_layers=16", "model.dim=128", f"parallel.zero={zero}",
+                      "parallel.bucket_mb=1", "parallel.microbatches=2")
+    accumulating = describe_rank(one, validate(one, 4), 0)["state"]
+    # Micro-batches before the last accumulate whole gradients in the parameters (4n bytes).
+    assert accumulating["peak"] - state["params"] - state["optimizer"] >= 4 * n
