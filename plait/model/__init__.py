@@ -21,12 +21,27 @@ def build_configured(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
     return build_model(args, seed, device)
 
 
+def build_sharded(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
+    """(the model `build_configured` builds, with its parameters on `meta`, the `Source` each
+    rank materializes its parts from: `parallelize` does, after cutting it), for a model no rank
+    holds whole (`plait.model.materialize`). A Hugging Face folder whose weights cannot be read
+    by slices (`load_hf_sharded`) is built whole, with no source."""
+    from plait.model.materialize import NamedInit
+
+    if hf:
+        from plait.model.hf import load_hf_sharded
+
+        return load_hf_sharded(hf, device) or (build_configured(args, seed, device, hf), None)
+    return build_model(args, seed, "meta"), NamedInit(seed, args.n_layers, device)
+
+
 __all__ = [
     "PRESETS",
     "ModelArgs",
     "Transformer",
     "build_configured",
     "build_model",
+    "build_sharded",
     "count_params",
     "init_weights",
     "model_args",

@@ -215,18 +215,41 @@ def hf_name(name: str, planned: bool) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
-def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
+def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu",
+            weights: bool = True) -> nn.Module:
     """The model in `folder` as transformers builds it (float32, SDPA attention), weights from
     its safetensors or, with none, initialised by transformers from `seed` (on `meta`: shapes
-    alone); wrapped for plait:
-    `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
-    hf = transformers_model(folder, seed, device)
+    alone; `weights=False`: the modules only, as `load_hf_sharded` builds them); wrapped for
+    plait: `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
+    hf = transformers_model(folder, seed, device, weights)
     plan = HF_PLANS.get(architecture(hf.config.to_dict()))
     return HFCausalLM(hf, plan) if plan is not None else PlainCausalLM(hf)
 
 
+def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
+    """(the model of `folder` with its parameters on `meta` and its buffers on `device`, the
+    `SafetensorsFile` its ranks materialize their parts from), or None where that cannot be
+    done: a folder with no weights (transformers initialises a fresh model whole), or a family
+    whose file stores tensors under other names or shapes than its modules (transformers
+    converts them on load, e.g. per-expert matrices into stacked ones)."""
+    from plait.model.materialize import SafetensorsFile, params_on_meta
+
+    if not has_weights(folder):
+        return None
+    with params_on_meta():
+        model = load_hf(folder, 0, device, weights=False)
+    planned = isinstance(model, HFCausalLM)
+    source = SafetensorsFile(folder, lambda name: hf_name(name, planned), device)
+    for name, p in model.named_parameters():
+        key = hf_name(name, planned)
+        if key not in source.where or tuple(source.where[key].get_slice(key).get_shape()) \
+                != tuple(p.shape):
+            return None
+    return model, source
+
+
 def transformers_model(folder: str | Path, seed: int = 0,
-                       device: torch.device | str = "cpu") -> nn.Module:
+                       device: torch.device | str = "cpu", weights: bool = True) -> nn.Module:
     """The `*ForCausalLM` of `folder` as transformers builds it, unwrapped (`load_hf`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
@@ -237,6 +260,9 @@ def transformers_model(folder: str | Path, seed: int = 0,
     if torch.device(device).type == "meta":  # shapes alone (--dry-run): nothing read or drawn
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config, **kwargs)
+    elif not weights:  # modules alone (under `params_on_meta`: parameters on `meta`)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, **kwargs).train()
     elif has_weights(folder):
         hf = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     else:

@@ -179,24 +179,56 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+BLOCK = 2**20  # elements drawn from one generator: a tensor's rows are drawn block by block
+
+
+def block_rows(shape: tuple[int, ...]) -> int:
+    """Rows (indices of dim 0) per block of `shape`: as many as fit in BLOCK elements, at least
+    one."""
+    row = math.prod(shape[1:])
+    return max(1, BLOCK // max(row, 1))
+
+
+def init_std(name: str, n_layers: int) -> float | None:
+    """The init of parameter `name`: N(0, std), or None for ones (norm gains)."""
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(("attention.wo.weight", ".w2.weight")):  # dense or expert feed-forward
+        return 0.02 / math.sqrt(2 * n_layers)
+    return 0.02
+
+
+def init_rows(seed: int, n_layers: int, name: str, shape: tuple[int, ...], lo: int,
+              hi: int) -> torch.Tensor:
+    """Rows [lo, hi) (of dim 0) of parameter `name`'s initial value, a tensor of `shape`, on the
+    CPU in fp32, drawn without drawing the rest: block b of `block_rows(shape)` rows comes from
+    its own generator, seeded by (seed, name) for block 0 and (seed, name#b) after it (so a tensor
+    of one block is one draw of its whole shape)."""
+    std = init_std(name, n_layers)
+    if std is None:
+        return torch.ones((hi - lo, *shape[1:]))
+    rows = block_rows(shape)
+    parts = []
+    for b in range(lo // rows, -(-hi // rows)):
+        start, stop = b * rows, min((b + 1) * rows, shape[0] if shape else 1)
+        g = torch.Generator().manual_seed(_param_seed(seed, name if b == 0 else f"{name}#{b}"))
+        block = torch.randn((stop - start, *shape[1:]), generator=g)
+        parts.append(block[max(lo, start) - start : min(hi, stop) - start])
+    return torch.cat(parts) * std if len(parts) > 1 else parts[0] * std
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
     """Deterministic init keyed by parameter name: N(0, 0.02) for embeddings and projections into
     the residual stream's inputs, N(0, 0.02 / sqrt(2 * n_layers)) for the two projections that
     write into the residual stream (GPT-2's scaled init), ones for norms.
 
-    Each tensor is drawn on the CPU in full and copied in, so the same name gets the same values
-    whatever device or dtype the model lives on.
+    Each tensor is drawn on the CPU (`init_rows`, in blocks of rows) and copied in, so the same
+    name gets the same values whatever device or dtype the model lives on, and a rank that holds
+    a slice of it draws the slice alone (`plait.model.materialize`).
     """
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-            continue
-        std = 0.02
-        if name.endswith(("attention.wo.weight", ".w2.weight")):  # dense or expert feed-forward
-            std = 0.02 / math.sqrt(2 * n_layers)
-        g = torch.Generator().manual_seed(_param_seed(seed, name))
-        p.copy_(torch.randn(p.shape, generator=g) * std)
+        p.copy_(init_rows(seed, n_layers, name, tuple(p.shape), 0, p.shape[0]))
 
 
 def build_model(args: ModelArgs, seed: int, device: torch.device | str = "cpu") -> Transformer:

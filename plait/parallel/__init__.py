@@ -35,6 +35,7 @@ from plait.comm.compression import build_compression
 from plait.comm.trace import TRACER
 from plait.config import ParallelConfig
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, hsdp_groups
+from plait.model.materialize import Filler, Source, is_meta, materialize
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
@@ -180,12 +181,15 @@ def parallelize(
     precision: str = "fp32",
     activation_checkpointing: str = "none",
     options: ModuleOptions = ModuleOptions(),
+    source: Source | None = None,
 ) -> Parallelized:
     """Apply every configured parallelism to `model` in the documented order. With bf16 and
     ZeRO, parameters are held in bf16 with fp32 masters of each rank's slices; without ZeRO, bf16
     is autocast over fp32 parameters. Do not use `model` afterwards: its pieces now live in the
     returned chunks. A model with no plan gets the data-parallel engines (`options` says what it
-    would otherwise read from a plan); a degree that needs a plan raises, naming it."""
+    would otherwise read from a plan); a degree that needs a plan raises, naming it. A model
+    built on `meta` is materialized from `source` after it is cut: each rank makes only what it
+    holds (under ZeRO-3, its slices; `plait.model.materialize`)."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
     chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing,
@@ -196,8 +200,16 @@ def parallelize(
     unsynced = record.grad_sync_axes() - {"dp", "cp", "ep", "tp"}
     if unsynced:
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
+    fill = None
+    if is_meta(chunks):
+        if source is None:
+            raise ValueError("the model is on the meta device: pass the source of its weights")
+        if cfg.zero == 3:
+            fill = Filler(source, record)  # each unit's slice, as the engine builds it
+        else:
+            materialize(chunks, record, source)  # the whole of what this rank holds
     engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16", axes, record,
-                                 options.wrap)
+                                 options.wrap, fill)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
 
     tp = axes["tp"]
@@ -262,7 +274,8 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                         bf16: bool, axes: dict[str, Axis], record: PlacementRecord,
-                        wrap: WrapPolicy | None = None) -> SyncedReplicas:
+                        wrap: WrapPolicy | None = None, fill: Filler | None = None
+                        ) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
     hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
     experts over dp, reducing gradients with the `parallel.compression` method."""
@@ -287,7 +300,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
                                         replicate=replicate,
                                         reshard_after_forward=cfg.reshard_after_forward,
                                         compression=compression, overrides=overrides,
-                                        wrap=wrap)
+                                        wrap=wrap, fill=fill)
     return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
                             offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
                             compression=compression, overrides=overrides)

@@ -39,8 +39,10 @@ class FlatParam:
         shard_device: torch.device | None = None,
         index: int = 0,
         group=None,
+        fill=None,
     ):
         self.index = index  # position among the engine's flat parameters
+        self.replaced: dict = {}  # `_materialize`'s new parameters
         self.group, self.size = group, size  # the ranks it is reduced (and sharded) over
         self.names = [n for n, _ in members]
         self.params = [p for _, p in members]
@@ -51,23 +53,51 @@ class FlatParam:
         total = members_numel(self.segments)
         self.shard_numel = -(-total // size)  # ceil: the buffer is padded to N * shard_numel
         first = self.params[0]
-        whole = torch.zeros(self.shard_numel * size, dtype=first.dtype, device=first.device)
-        for p, view in zip(self.params, self.views(whole), strict=True):
-            view.copy_(p.detach())
-        mine = whole[self.mine]
-        self.full = whole.to(param_dtype or first.dtype)
-        if shard_owns_storage:
-            shard = mine.to(device=shard_device or mine.device, dtype=self.full.dtype, copy=True)
+        if first.is_meta:  # a model bigger than one device: only this rank's slice is made
+            self._materialize(fill, param_dtype, master_device, shard_device)
         else:
-            shard = self.full[self.mine]
-        self.slice = Slice(shard, first.dtype, master_device)
-        if self.slice.master is not self.slice.shard:
-            self.slice.master.copy_(mine)  # the master keeps full precision from the start
-        for p, view in zip(self.params, self.views(self.full), strict=True):
-            p.data = view  # the parameter now lives in the flat buffer
+            whole = torch.zeros(self.shard_numel * size, dtype=first.dtype, device=first.device)
+            for p, view in zip(self.params, self.views(whole), strict=True):
+                view.copy_(p.detach())
+            mine = whole[self.mine]
+            self.full = whole.to(param_dtype or first.dtype)
+            if shard_owns_storage:
+                shard = mine.to(device=shard_device or mine.device, dtype=self.full.dtype,
+                                copy=True)
+            else:
+                shard = self.full[self.mine]
+            self.slice = Slice(shard, first.dtype, master_device)
+            if self.slice.master is not self.slice.shard:
+                self.slice.master.copy_(mine)  # the master keeps full precision from the start
+            for p, view in zip(self.params, self.views(self.full), strict=True):
+                p.data = view  # the parameter now lives in the flat buffer
         self.grad: torch.Tensor | None = None  # (N * shard_numel,) staging for the reduce-scatter
         self.grad_shard: torch.Tensor | None = None  # this rank's averaged gradient slice
         self.ready: set[int] = set()  # positions whose gradient has arrived this step
+
+    def _materialize(self, fill, param_dtype, master_device, shard_device) -> None:
+        """From `meta` parameters (ZeRO-3 of a model built on `meta`): this rank's slice from
+        `fill(name, start, n)` (elements [start, start + n) of the parameter this rank holds,
+        flattened; `plait.model.materialize`), a full buffer with no storage (the first gather
+        fills it), and parameters that are views of it in place of the `meta` ones
+        (`replaced`: id of the old -> the new, for `swap_parameters`)."""
+        first = self.params[0]
+        device = fill.device
+        mine = torch.zeros(self.shard_numel, dtype=first.dtype, device=device)
+        for name, lo, start, n in self.overlaps():
+            mine[lo : lo + n] = fill(name, start, n)
+        # Allocated, never written (the pages are not touched), and let go once viewed.
+        self.full = torch.empty(self.shard_numel * self.size, dtype=param_dtype or first.dtype,
+                                device=device)
+        new = [nn.Parameter(view, requires_grad=p.requires_grad)
+               for p, view in zip(self.params, self.views(self.full), strict=True)]
+        self.full.untyped_storage().resize_(0)
+        shard = mine.to(device=shard_device or device, dtype=self.full.dtype, copy=True)
+        self.slice = Slice(shard, first.dtype, master_device)
+        if self.slice.master is not self.slice.shard:
+            self.slice.master.copy_(mine)
+        self.replaced = {id(p): q for p, q in zip(self.params, new, strict=True)}
+        self.params = new
 
     @property
     def mine(self) -> slice:

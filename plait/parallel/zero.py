@@ -74,6 +74,8 @@ class ShardedEngine(SyncedReplicas):
         self._inflight: list = []  # (flat, its reduce-scatter) of the group last launched
         self.peak_params = self.peak_grads = 0  # this step's, measured from `begin_step`
         self.overrides = overrides or {}  # name -> the axis sharding it, if not `shard`
+        if any(p.is_meta for p in module.parameters()):
+            return  # materialized slice by slice: equal replicas by construction
         _broadcast_replicas(module, shard.group,
                             {n: a.group for n, a in self.overrides.items()})
         if self.replicate is not None:

@@ -42,6 +42,7 @@ from torch import nn
 from plait.comm import Pending, all_gather
 from plait.comm.compression import Compression
 from plait.mesh import Axis
+from plait.model.materialize import swap_parameters
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.data_parallel import sync_classes
@@ -143,15 +144,16 @@ class Unit:
 
     def __init__(self, modules: list[nn.Module], params: list[nn.Parameter],
                  names: dict[nn.Parameter, str], chunk: int, shard: Axis,
-                 overrides: dict[str, Axis], flat_args: tuple):
+                 overrides: dict[str, Axis], flat_args: tuple, fill=None):
         self.modules, self.chunk = modules, chunk
         named = [(names[p], p) for p in params]
         self.flats = [FlatParam([(n, p) for n, p in cls if (p.dim() >= 2) == decay], decay,
-                                axis.size, axis.rank, *flat_args, group=axis.group)
+                                axis.size, axis.rank, *flat_args, group=axis.group, fill=fill)
                       for axis, cls in sync_classes(named, shard, overrides)
                       for decay in (True, False)
                       if any((p.dim() >= 2) == decay for _, p in cls)]
-        self.gathered = True  # built from whole parameters
+        # Built from whole parameters; from `meta` ones (`fill`), only the slices exist.
+        self.gathered = not any(f.replaced for f in self.flats)
         self.pending: list[Pending] = []  # all-gathers in flight
         self.reduced = False  # this step's gradients are on their way to the slices
 
@@ -172,6 +174,7 @@ class Zero3DataParallel(ShardedEngine):
         compression: Compression | None = None,
         overrides: dict[str, Axis] | None = None,
         wrap: WrapPolicy | None = None,
+        fill=None,
     ):
         super().__init__()
         dp_size = shard.size * (replicate.size if replicate else 1)
@@ -185,10 +188,13 @@ class Zero3DataParallel(ShardedEngine):
         self.units = []
         for c, chunk in enumerate(chunks.values()):
             modules = unit_modules(chunk, wrap)
-            self.units += [Unit(m, params, names, c, shard, self.overrides, flat_args)
+            self.units += [Unit(m, params, names, c, shard, self.overrides, flat_args, fill)
                            for m, params in zip(modules, unit_params(modules), strict=True)]
-        # Every unit starts gathered (built from whole parameters) and is freed just below.
-        self.gathered_bytes = sum(f.full_bytes for u in self.units for f in u.flats)
+        # A model built on `meta`: its parameters become views of the flat buffers.
+        swap_parameters(chunks, {k: v for f in self.flats for k, v in f.replaced.items()})
+        # A unit built from whole parameters starts gathered, and is freed just below.
+        self.gathered_bytes = sum(f.full_bytes for u in self.units if u.gathered
+                                  for f in u.flats)
         self.peak_gathered_bytes = 0  # measured from the first step on
         for index, unit in enumerate(self.units):
             self._free(unit)

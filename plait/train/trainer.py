@@ -9,7 +9,6 @@ The trainer owns no process group: it is handed the mesh, so tests can drive it 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import statistics
@@ -24,7 +23,7 @@ from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims, rows_share
-from plait.model import build_configured, count_params
+from plait.model import build_configured, build_sharded, count_params
 from plait.parallel import cross_entropy, parallelize
 from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
@@ -65,15 +64,16 @@ class Trainer:
                  verify: bool = False):
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
-        model = build_configured_model(cfg, device)
-        # --verify: the whole model as built, for one step of a single process to compare with.
-        self.reference = copy.deepcopy(model) if verify else None
+        # On `meta`: each rank materializes only what it holds, once the model is cut.
+        model, source = build_sharded(args, cfg.train.seed, device, cfg.model.hf)
+        # --verify: the whole model, for one step of a single process to compare with.
+        self.reference = build_configured_model(cfg, device) if verify else None
         n_params = count_params(model)  # the whole model's, before any split
         self.microbatches = microbatches(cfg.parallel, dims)
         self.parallelized = parallelize(
             model, mesh, cfg.parallel, microbatches=self.microbatches,
             precision=cfg.train.precision,
-            activation_checkpointing=cfg.train.activation_checkpointing,
+            activation_checkpointing=cfg.train.activation_checkpointing, source=source,
         )
         del model  # its pieces live in the chunks now; other stages' layers are let go
         self.model = self.parallelized.module  # this rank's chunks, single-device names

@@ -1,0 +1,151 @@
+"""Models bigger than one device: built on `meta` (shapes, no storage), then each rank
+materializes only what it holds.
+
+`parallelize` cuts a `meta` model as it cuts a real one (pipeline stages, tensor-parallel slices,
+experts): the placement record then says, for every parameter the rank holds, which box of the
+whole tensor that is (`Placement.origin`, `.local_shape`). A `Source` produces any rows of any
+whole tensor without producing the rest, and from them the box (`box`) or, for a ZeRO-3 slice,
+just the elements of the box that the rank's flat slice covers (`elements`). Two sources:
+
+- `NamedInit`: plait's Llama init, drawn in blocks of rows per tensor (`llama.init_rows`), so a
+  slice equals the slice of a one-process init with the same seed;
+- `SafetensorsFile`: a Hugging Face folder's weights, each rank reading its rows through
+  `safe_open(...).get_slice` (the file is memory-mapped; nothing else is read).
+
+So no rank holds a tensor it does not hold in training, and the weights equal a one-process
+build's from step 0. Replicas are equal by construction (the same seed and name, or the same
+file), so nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from plait.parallel.placement import Placement
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Build modules with their parameters on `meta` and their buffers where the ambient device
+    puts them (rotary tables and masks are computed, not stored)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+class Source:
+    """Where a parameter's values come from, rows at a time."""
+
+    device = torch.device("cpu")
+
+    def rows(self, name: str, shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of dim 0 of the whole tensor `name` (of `shape`), fp32 on the CPU."""
+        raise NotImplementedError
+
+    def box(self, name: str, placement: Placement) -> torch.Tensor:
+        """The part of `name` a rank holds (its placement's box), on `self.device`."""
+        return self.elements(name, placement, 0, placement.local_numel).view(
+            placement.local_shape)
+
+    def elements(self, name: str, placement: Placement, start: int, n: int) -> torch.Tensor:
+        """Elements [start, start + n) of the rank's box of `name`, flattened; only the rows
+        that hold them are produced."""
+        local, origin, shape = placement.local_shape, placement.origin, placement.shape
+        row = math.prod(local[1:])
+        first, last = start // row, -(-(start + n) // row)  # the box's rows that hold them
+        rows = self.rows(name, shape, origin[0] + first, origin[0] + last)
+        for dim in range(1, len(shape)):  # the box's columns
+            if local[dim] != shape[dim]:
+                rows = rows.narrow(dim, origin[dim], local[dim])
+        flat = rows.reshape(-1)[start - first * row : start - first * row + n]
+        return flat.to(self.device, copy=True)
+
+
+class NamedInit(Source):
+    """plait's Llama init (`llama.init_rows`): seeded by the run's seed and each name."""
+
+    def __init__(self, seed: int, n_layers: int, device: torch.device | str = "cpu"):
+        self.seed, self.n_layers, self.device = seed, n_layers, torch.device(device)
+
+    def rows(self, name, shape, lo, hi):
+        from plait.model.llama import init_rows
+
+        return init_rows(self.seed, self.n_layers, name, shape, lo, hi)
+
+
+class SafetensorsFile(Source):
+    """A Hugging Face folder's safetensors (one file or an index of shards), read by slices;
+    `rename` maps plait's parameter names to the file's."""
+
+    def __init__(self, folder: str | Path, rename, device: torch.device | str = "cpu"):
+        from safetensors import safe_open
+
+        self.rename, self.device = rename, torch.device(device)
+        self.files, self.where = [], {}
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            handle = safe_open(str(path), framework="pt")
+            self.files.append(handle)  # kept open: each is a memory map
+            self.where.update({key: handle for key in handle.keys()})
+
+    def rows(self, name, shape, lo, hi):
+        key = self.rename(name)
+        if key not in self.where:
+            raise KeyError(f"{key} (parameter {name}) is in no safetensors file of the folder")
+        part = self.where[key].get_slice(key)
+        return part[lo:hi].float() if len(shape) else part[:].float()
+
+
+class Filler:
+    """`fill(name, start, n)` for the flat slices of ZeRO-3 (`flat.FlatParam`): elements of the
+    box this rank holds of `name`, from `source`, placed by `record`."""
+
+    def __init__(self, source: Source, record):
+        self.source, self.record, self.device = source, record, source.device
+
+    def __call__(self, name: str, start: int, n: int) -> torch.Tensor:
+        return self.source.elements(name, self.record.params[name], start, n)
+
+
+def swap_parameters(root: nn.Module, new: dict[int, nn.Parameter]) -> None:
+    """Put `new[id(old)]` wherever `old` is registered under `root` (tied parameters stay tied),
+    with the gradient hooks the transforms registered on `old` (tensor parallelism's all-reduce
+    of a partial gradient)."""
+    for module in root.modules():
+        for key, p in module._parameters.items():
+            if p is not None and id(p) in new:
+                q = new[id(p)]
+                if p._backward_hooks and q._backward_hooks is None:
+                    q._backward_hooks = p._backward_hooks  # the setter registers them
+                module._parameters[key] = q
+
+
+@torch.no_grad()
+def materialize(root: nn.Module, record, source: Source) -> None:
+    """Every `meta` parameter under `root` becomes its box, from `source` (the placement record
+    `record` says which box each name is)."""
+    new = {}
+    for name, p in root.named_parameters():
+        if p.is_meta:
+            new[id(p)] = nn.Parameter(source.box(name, record.params[name]),
+                                      requires_grad=p.requires_grad)
+    swap_parameters(root, new)
