@@ -80,7 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
     plan.add_argument("--gpus", type=int, help="devices in the job (required unless --calibrate)")
     plan.add_argument("--gpus-per-node", type=int, default=8)
-    plan.add_argument("--gpu", default="h100", help="a100, h100, h200, b200, or cpu (this machine)")
+    plan.add_argument("--gpu", default="h100",
+                      help="a100, h100, h200, b200, rtx4090, a10, l4, a6000, l40s, or cpu "
+                           "(this machine)")
+    plan.add_argument("--gpu-memory-gb", type=float,
+                      help="the device's memory in GB, for a device of another size")
     plan.add_argument("--intra-node-gbps", type=float, help="GB/s each way within a node")
     plan.add_argument("--inter-node-gbps", type=float, help="GB/s each way per GPU between nodes")
     plan.add_argument("--top", type=int, default=5, help="plans shown")
@@ -276,16 +280,18 @@ def cmd_plan(args: argparse.Namespace) -> None:
         if value < 1:
             raise ConfigError(option, f"at least 1, got {value}")
     for option, value in (("--intra-node-gbps", args.intra_node_gbps),
-                          ("--inter-node-gbps", args.inter_node_gbps)):
+                          ("--inter-node-gbps", args.inter_node_gbps),
+                          ("--gpu-memory-gb", args.gpu_memory_gb)):
         if value is not None and not value > 0:
-            raise ConfigError(option, f"a bandwidth > 0 in GB/s, got {value}")
+            raise ConfigError(option, f"a number > 0, got {value}")
     if args.gpu not in (*DEVICES, "cpu"):
         raise ConfigError("--gpu", f"one of {', '.join(DEVICES)}, cpu; got {args.gpu!r}")
     if args.write_recipe is not None:
         check_output_path(args.write_recipe, "--write-recipe")
     cfg = load(args)
     cluster = Cluster(args.gpus, args.gpus_per_node,
-                      device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus))
+                      device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus,
+                             args.gpu_memory_gb))
     plans = choose(cfg, cluster, pinned(cfg, args.overrides))
     if args.json:
         print(as_json(plans, args.top))
@@ -293,6 +299,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         print_plans(plans, cluster, args.top, plans[0].params)
     if args.write_recipe:
         write_recipe(args.write_recipe, cfg, plans[0], cluster)
+    if not plans[0].fits:  # every degree pinned: priced and shown, and it does not fit
+        sys.exit(1)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp | plan
+"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp | memory | plan
 [--nproc N] [--config FILE] [key=value ...]`: the benchmark suites' options and commands
 (`plait.bench` runs them). Like every command, bad input exits with status 2 and one line
 before any worker starts."""
@@ -79,6 +79,10 @@ def add_bench(sub, parser_class) -> None:
     cp.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     cp.add_argument("overrides", nargs="*", metavar="section.key=value")
     cp.set_defaults(func=cmd_bench_cp)
+    memory = suites.add_parser("memory", help="each rank's peak host memory building a model and "
+                               "through its first step, against the formulas")
+    memory.add_argument("overrides", nargs="*", metavar="section.key=value")
+    memory.set_defaults(func=cmd_bench_memory)
     plan = suites.add_parser("plan", help="the planner's predictions against runs here (bytes, "
                              "state, activations, step time) and published GPU runs")
     plan.add_argument("--which", default="all", help="measured, published or all")
@@ -127,6 +131,23 @@ def cmd_bench_compression(args: argparse.Namespace) -> None:
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_compression(args.nproc, load(args), methods, args.png)
+
+
+# A few hundred million parameters: the model of #30's report (304M, 1.16 GiB in fp32).
+MEMORY_MODEL = ["model.preset=small", "model.dim=1024", "model.n_layers=24", "model.n_heads=8",
+                "model.n_kv_heads=8", "model.vocab_size=256", "data.seq_len=32",
+                "train.global_batch=8", "data.max_bytes=200000"]
+
+
+def cmd_bench_memory(args: argparse.Namespace) -> None:
+    layouts = [(f"ZeRO-3 dp{n}", n, ["parallel.zero=3"]) for n in (2, 4, 8)]
+    layouts.append(("dp2 x tp2 x pp2, ZeRO-1", 8, ["parallel.tp=2", "parallel.pp=2",
+                                                   "parallel.zero=1"]))
+    configs = [(name, load_config(None, [*MEMORY_MODEL, *extra, *args.overrides]), n)
+               for name, n, extra in layouts]
+    from plait.bench import run_memory
+
+    run_memory(configs)
 
 
 def cmd_bench_checkpoint(args: argparse.Namespace) -> None:

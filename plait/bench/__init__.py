@@ -300,6 +300,36 @@ def run_checkpoint(recipes: list[tuple[str, Config, int]], repeats: int) -> list
     return out
 
 
+def run_memory(layouts: list[tuple[str, Config, int]]) -> list[dict]:
+    """Each (name, config, world size)'s per-rank peak host memory: bench/memory.py."""
+    from plait.bench.memory import bench_memory
+
+    for _, cfg, nproc in layouts:
+        validate(cfg, nproc)  # every layout is checked before any worker starts
+    out = []
+    for name, cfg, nproc in layouts:
+        rows = launch(nproc, bench_memory, cfg, threads=cfg.train.threads)[0]
+        worst = max(rows, key=lambda r: r["stepped"])
+        out.append({"layout": name, "ranks": nproc, **worst})
+    first = out[0]
+    args = layouts[0][1].model.args()
+    table = Table(title=(
+        f"plait bench memory: dim {args.dim} x {args.n_layers} layers, "
+        f"{first['whole_fp32'] / 4 / 1e6:,.0f}M parameters ({_size(first['whole_fp32'])} in "
+        "fp32, what every rank built before #30); peak resident memory over the baseline, "
+        "the rank that grew most"))
+    for col in ("layout", "ranks", "baseline", "building", "formula", "through step 1",
+                "formula", "held after the step", "step / whole fp32"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in out:
+        table.add_row(r["layout"], str(r["ranks"]), _size(r["baseline"]), _size(r["built"]),
+                      _size(r["startup_formula"]), _size(r["stepped"]),
+                      _size(r["step_formula"]), _size(r["held"]),
+                      f"{r['stepped'] / r['whole_fp32']:.2f}")
+    Console(width=150).print(table)
+    return out
+
+
 def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int,
             png: str) -> list[dict]:
     """A mixture-of-experts recipe at each ep degree on `nproc` ranks: bench/moe.py."""

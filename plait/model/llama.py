@@ -11,6 +11,7 @@ on, or on how the model will later be split.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -232,12 +233,26 @@ def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
 
 
 def build_model(args: ModelArgs, seed: int, device: torch.device | str = "cpu") -> Transformer:
-    """Build and initialise. On `meta`, only shapes exist and init is skipped."""
-    with torch.device(device):
+    """Build and initialise. On `meta`, only shapes exist and init is skipped (torch's own
+    `reset_parameters` too: `init_weights` replaces its values anyway, and on `meta` there are
+    none; the planner builds a model per layout it prices)."""
+    meta = torch.device(device).type == "meta"
+    with torch.device(device), _torch_init_skipped() if meta else contextlib.nullcontext():
         model = Transformer(args)
-    if torch.device(device).type != "meta":
+    if not meta:
         init_weights(model, seed, args.n_layers)
     return model
+
+
+@contextlib.contextmanager
+def _torch_init_skipped():
+    """nn.Linear's and nn.Embedding's constructors without their default init."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:

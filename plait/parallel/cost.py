@@ -367,6 +367,36 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     return state
 
 
+def startup_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> int:
+    """An upper bound of the device bytes a rank holds while it builds its part of a model built
+    on `meta` (`plait.model.materialize`); no activations or gradients exist yet, and what
+    offload keeps in host memory is left out.
+
+    ZeRO-3: its slices (and fp32 masters under bf16), plus, for the flat slice being made, its
+    fp32 copy and the rows drawn for it: at most 16 bytes per element of the largest slice, and
+    two draw blocks at its ends (no larger than the largest tensor). Otherwise: every tensor it
+    holds, whole, in fp32 (drawn one at a time: at most 8 more bytes per element of the largest),
+    then each bucket laid out (an fp32 and a parameter-dtype copy of the largest), and the
+    masters of its slices."""
+    from plait.model.llama import BLOCK
+
+    par = cfg.parallel
+    bf16 = cfg.train.precision == "bf16" and par.zero > 0
+    param_b = 2 if bf16 else 4
+    flats = [(K, _padded(members_numel(s), K if par.zero else 1))
+             for _, K, s in _flats(cfg, dims, record)]
+    sliced = sum(n // K for K, n in flats)
+    largest = max(p.local_numel for p in record.params.values())
+    # Offload keeps the masters (and, "params", the slices) in host memory: not on the device.
+    masters = 4 * sliced if bf16 and par.offload == "none" else 0
+    blocks = 2 * 4 * min(BLOCK, largest)  # whole draw blocks at a slice's two ends
+    if par.zero == 3:
+        slices = 0 if par.offload == "params" else param_b * sliced
+        return slices + masters + 16 * max(n // K for K, n in flats) + blocks
+    return 4 * record.held_numel() + masters + blocks + max(
+        8 * largest, (4 + param_b) * max(n for _, n in flats))
+
+
 def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params: int,
                  param_b: int) -> int:
     """The most parameter bytes held during a step. ZeRO-1/2: the whole replica, always.
@@ -450,4 +480,5 @@ def _grads_peak(record: PlacementRecord, flats, groups: list[int], zero: int,
     return most
 
 
-__all__ = ["ChunkLayout", "Traffic", "chunk_layouts", "state_bytes", "step_traffic"]
+__all__ = ["ChunkLayout", "Traffic", "chunk_layouts", "startup_bytes", "state_bytes",
+           "step_traffic"]

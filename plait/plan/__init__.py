@@ -43,7 +43,7 @@ HEADROOM = 0.9  # of device memory a plan may use
 # Message steps of a ring collective on n ranks, in units of n - 1 (send: one step).
 STEPS = {Op.ALL_REDUCE: 2, Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_TO_ALL: 1}
 DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "cp_method", "microbatches",
-           "pp_schedule", "activation_checkpointing", "sequence_parallel")
+           "pp_schedule", "activation_checkpointing", "sequence_parallel", "offload")
 
 
 @dataclass
@@ -52,12 +52,14 @@ class Plan:
     params: int
     memory_bytes: dict  # rank 0: params, grads, optimizer (end of step), the model state's peak
     # during the step, activations, total (end of step + activations)
-    peak_memory_bytes: int  # the worst stage's total, buffers included: what must fit
+    peak_memory_bytes: int  # the worst stage's device bytes at their most: what must fit
     step_time_s: float
     tokens_per_s: float
     mfu: float
     bubble: float
     comm_bytes: float  # rank 0, per step
+    startup_bytes: int = 0  # the worst stage's device bytes while it builds its part
+    host_memory_bytes: int = 0  # per node: what offload keeps in host memory
     warnings: list[str] = field(default_factory=list)
     fits: bool = True
 
@@ -178,24 +180,61 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
             data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
             hidden = 0.0 if not dev.overlap else compute if par.zero == 3 else compute * 2 / 3
             exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
-            time = (compute + exposed) / (1 - bubble) + max(0.0, data - hidden)
-            priced[kind] = (cost.state_bytes(cfg, dims, record), traffic, model_flops, time)
-        state, traffic, model_flops, time = priced[kind]
+            state = cost.state_bytes(cfg, dims, record)
+            offloaded, host_s, hidden_host_s = _offload(state, cfg, dims, cluster)
+            data += hidden_host_s  # parameter slices copied in before their gathers
+            time = (compute + exposed) / (1 - bubble) + max(0.0, data - hidden) + host_s
+            priced[kind] = (state, traffic, model_flops, time, offloaded,
+                            cost.startup_bytes(cfg, dims, record))
+        state, traffic, model_flops, time, offloaded, startup = priced[kind]
         step = max(step, time)
-        per_stage.append((state, activation_bytes(cfg, dims, chunks), traffic, model_flops))
-    state, act, traffic, _ = per_stage[0]
+        per_stage.append((state, activation_bytes(cfg, dims, chunks), traffic, model_flops,
+                          offloaded, startup))
+    state, act, traffic, *_ = per_stage[0]
     memory = {**{k: state[k] for k in ("params", "grads", "optimizer", "peak")},
               "activations": act}
     memory["total"] = sum(v for k, v in state.items() if k != "peak") + act
-    peak = max(s["peak"] + a for s, a, *_ in per_stage)
-    model_flops = sum(f for *_, f in per_stage) * dims.batch * dims.tp
+    # On the device: the step's peak and activations, less what offload keeps in host memory;
+    # and, before the first step, what building the rank's part of the model takes.
+    peak = max(s["peak"] - off + a for s, a, _, _, off, _ in per_stage)
+    startup = max(st for *_, st in per_stage)
+    host = cluster.gpus_per_node * max(off for *_, off, _ in per_stage)
+    model_flops = sum(f[3] for f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
+    fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \
+        host <= HEADROOM * dev.host_memory_bytes
     return Plan(degrees=_degrees(cfg, dims), params=_count(args, cfg.model.hf),
-                memory_bytes=memory,
-                peak_memory_bytes=peak, step_time_s=step, tokens_per_s=tokens / step,
+                memory_bytes=memory, peak_memory_bytes=max(peak, startup), step_time_s=step,
+                tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
-                comm_bytes=float(traffic.total),
-                fits=peak <= HEADROOM * dev.memory_bytes)
+                comm_bytes=float(traffic.total), startup_bytes=startup,
+                host_memory_bytes=host, fits=fits)
+
+
+def _offload(state: dict, cfg: Config, dims: ParallelDims,
+             cluster: Cluster) -> tuple[int, float, float]:
+    """(bytes offload keeps in host memory per rank, seconds it adds to the step on the critical
+    path, seconds of copies that can hide behind compute). "optimizer" (ZeRO-Offload): the fp32
+    masters and moments in host memory; per step the gradient slice goes down and the updated
+    parameter slice comes back over PCIe, and the CPU runs AdamW (memory-bound: 32 bytes per
+    element at the node's host bandwidth, shared by its GPUs). "params" (ZeRO-3): the parameter
+    slices too, each copied to the device before each of its gathers."""
+    par, dev = cfg.parallel, cluster.device
+    if par.offload == "none":
+        return 0, 0.0, 0.0
+    bf16 = cfg.train.precision == "bf16"
+    sliced = state["optimizer"] // (12 if bf16 else 8)  # elements of this rank's slices
+    param_b = 2 if bf16 else 4
+    reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
+    pcie = dev.pcie_gbps * 1e9
+    cpu = sliced * 32 / (dev.host_gbps * 1e9 / cluster.gpus_per_node)
+    host, seconds = state["optimizer"], sliced * (reduce_b + param_b) / pcie + cpu
+    hidden = 0.0
+    if par.offload == "params":
+        host += state["params"]  # ZeRO-3's slices at the end of a step
+        gathers = 1 if not par.reshard_after_forward else 2 * microbatches(par, dims)
+        hidden = gathers * state["params"] / pcie
+    return host, seconds, hidden
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,7 +248,7 @@ def _degrees(cfg: Config, dims: ParallelDims) -> dict:
             "cp": dims.cp, "ep": dims.ep, "zero": par.zero, "cp_method": par.cp_method,
             "microbatches": microbatches(par, dims), "pp_schedule": par.pp_schedule,
             "activation_checkpointing": cfg.train.activation_checkpointing,
-            "sequence_parallel": par.sequence_parallel}
+            "sequence_parallel": par.sequence_parallel, "offload": par.offload}
 
 
 def with_degrees(cfg: Config, **degrees) -> Config:
@@ -268,6 +307,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
                                    | {rows}),
             # Hybrid sharding: shard within a node, replicate across nodes.
             "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else []),
+            "offload": ["none"],  # `rank_plans` searches it where nothing fits without
             "activation_checkpointing": ["none", "selective", "full"],
         }
         choice.update({k: [v] for k, v in fixed.items()})
@@ -286,7 +326,15 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
 def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
     """Every valid layout priced, the ones that fit first, fastest first; warnings attached.
     Of the checkpointing modes of one layout only the first that fits is kept (recomputation
-    only costs time)."""
+    only costs time). On a GPU, offload is searched when no layout fits without it (ZeRO-Offload
+    for a model too big for its devices, not for speed)."""
+    if "offload" not in fixed and not cluster.device.name.startswith("cpu"):
+        # Offload only where nothing fits without it: it costs host copies and a CPU update.
+        plans = rank_plans(cfg, cluster, {**fixed, "offload": "none"})
+        if not any(p.fits for p in plans):
+            plans = sorted(plans + rank_plans(cfg, cluster, {**fixed, "offload": "optimizer"})
+                           + rank_plans(cfg, cluster, {**fixed, "offload": "params"}), key=_rank)
+        return plans
     plans, fitted = [], set()
     for c, dims in candidates(cfg, cluster, fixed):
         layout = tuple(v for k, v in _degrees(c, dims).items() if k != "activation_checkpointing")
@@ -297,8 +345,12 @@ def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
             fitted.add(layout)
         plan.warnings = warnings(plan, c, dims, cluster)
         plans.append(plan)
-    return sorted(plans, key=lambda p: (not p.fits, -p.tokens_per_s, p.degrees["zero"],
-                                        p.peak_memory_bytes))
+    return sorted(plans, key=_rank)
+
+
+def _rank(p: Plan) -> tuple:
+    """Fitting first, then fastest, then the lower ZeRO stage, then the leaner."""
+    return not p.fits, -p.tokens_per_s, p.degrees["zero"], p.peak_memory_bytes
 
 
 def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
@@ -330,7 +382,9 @@ def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list
                        "batch fits in one: it only adds passes")
     if not p.fits:
         out.append(f"does not fit: {p.peak_memory_bytes / 1e9:.1f} GB per GPU of "
-                   f"{dev.memory_bytes / 1e9:.0f} GB ({HEADROOM:.0%} usable)")
+                   f"{dev.memory_bytes / 1e9:.0f} GB ({HEADROOM:.0%} usable)"
+                   + (f", or {p.host_memory_bytes / 1e9:.0f} GB of host memory per node of "
+                      f"{dev.host_memory_bytes / 1e9:.0f}" if d["offload"] != "none" else ""))
     return out
 
 
@@ -341,6 +395,11 @@ def reasons(p: Plan, cluster: Cluster) -> list[str]:
            f"GB per GPU with " + (f"ZeRO-{d['zero']}" if d["zero"] else "plain data parallelism")
            + (f", activation checkpointing {d['activation_checkpointing']}"
               if d["activation_checkpointing"] != "none" else "")]
+    if d["offload"] != "none":
+        what = "optimizer state" if d["offload"] == "optimizer" else \
+            "optimizer state and parameter slices"
+        out.append(f"{what} offloaded to host memory ({p.host_memory_bytes / 1e9:.0f} GB per "
+                   "node; the update runs on the CPU)")
     if d["tp"] > 1:
         where = "within a node" if cluster.within_node(1, d["tp"]) else "across nodes"
         out.append(f"tensor parallelism {d['tp']} {where}"

@@ -6,7 +6,19 @@ Sources, vendors' datasheets (dense, no sparsity): A100 SXM 80 GB, 312 TFLOP/s b
 600 GB/s both directions (300 each way); H100 SXM 80 GB, 989 TFLOP/s, NVLink 4 at 900 GB/s (450);
 H200 SXM 141 GB, 989 TFLOP/s, NVLink 4; B200 180 GB, 2.25 PFLOP/s, NVLink 5 at 1.8 TB/s (900).
 Between nodes one 400 Gb/s InfiniBand NDR port per GPU (50 GB/s; 200 Gb/s HDR, 25 GB/s, in the
-A100 generation). `cpu` is this machine: one rank per core, its measured fp32 matmul rate, gloo on
+A100 generation). Host side (offload): PCIe 4.0 x16 (A100) moves 32 GB/s each way, PCIe 5.0 x16
+(H100 on) 64; a DGX node has 2 TB of host memory (1 TB for the DGX A100 80GB).
+
+PCIe cards with no NVLink (24 and 48 GB, the seeds' "4 x 24 GB GPUs"): RTX 4090 24 GB, 165
+TFLOP/s bf16 dense (fp32 accumulation); A10 24 GB, 125; L4 24 GB, 121; RTX A6000 48 GB, 155;
+L40S 48 GB, 362; all PCIe 4.0 x16, which is also their link to each other within a node (32 GB/s
+each way; the A6000's two-card NVLink bridge is left out), 100 Gb/s Ethernet between nodes (12.5
+GB/s), 256 GB of host memory per node (a workstation or a cloud VM of 4 to 8 of them).
+
+The CPU side of optimizer offload (the AdamW update on the host) is priced as memory-bound: 32
+bytes per parameter (read and write the fp32 master and two moments, read the gradient) at 100
+GB/s of host memory bandwidth per node, shared by its GPUs (an assumption, not a measurement).
+`cpu` is this machine: one rank per core, its measured fp32 matmul rate, gloo on
 loopback, as `plait plan --calibrate` measured it (`plait.plan.calibrate`).
 """
 
@@ -32,13 +44,24 @@ class Device:
     step_overhead_s: float = 0.0  # per optimizer step, beyond the matmuls
     microbatch_overhead_s: float = 0.0  # per micro-batch through the whole model
     overlap: bool = True  # collectives run beside compute (not when ranks fill every core)
+    pcie_gbps: float = 32.0  # GB/s each way between a device and host memory (offload)
+    host_memory_bytes: float = 256 * GB  # per node
+    host_gbps: float = 100.0  # host memory bandwidth per node (the CPU's optimizer step)
 
 
 DEVICES = {
-    "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 300, 25),
-    "h100": Device("H100 SXM 80GB", 989e12, 80 * GB, 450, 50),
-    "h200": Device("H200 SXM 141GB", 989e12, 141 * GB, 450, 50),
-    "b200": Device("B200 180GB", 2250e12, 180 * GB, 900, 50),
+    "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 300, 25, host_memory_bytes=1000 * GB),
+    "h100": Device("H100 SXM 80GB", 989e12, 80 * GB, 450, 50, pcie_gbps=64,
+                   host_memory_bytes=2000 * GB),
+    "h200": Device("H200 SXM 141GB", 989e12, 141 * GB, 450, 50, pcie_gbps=64,
+                   host_memory_bytes=2000 * GB),
+    "b200": Device("B200 180GB", 2250e12, 180 * GB, 900, 50, pcie_gbps=64,
+                   host_memory_bytes=2000 * GB),
+    "rtx4090": Device("RTX 4090 24GB", 165e12, 24 * GB, 32, 12.5),
+    "a10": Device("A10 24GB", 125e12, 24 * GB, 32, 12.5),
+    "l4": Device("L4 24GB", 121e12, 24 * GB, 32, 12.5),
+    "a6000": Device("RTX A6000 48GB", 155e12, 48 * GB, 32, 12.5),
+    "l40s": Device("L40S 48GB", 362e12, 48 * GB, 32, 12.5),
 }
 
 
@@ -63,10 +86,13 @@ def cpu_device(ranks: int = 1) -> Device:
 
 
 def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None,
-           ranks: int = 1) -> Device:
-    """A named device (KeyError if unknown), links overridden where given; `cpu` is this machine
-    for a job of `ranks` ranks."""
+           ranks: int = 1, memory_gb: float | None = None) -> Device:
+    """A named device (KeyError if unknown), links and memory overridden where given; `cpu` is
+    this machine for a job of `ranks` ranks."""
     found = cpu_device(ranks) if name == "cpu" else DEVICES[name]
+    if memory_gb is not None:
+        found = replace(found, name=f"{found.name} at {memory_gb:g} GB",
+                        memory_bytes=memory_gb * GB)
     if intra_gbps is not None:
         found = replace(found, intra_gbps=intra_gbps)
     if inter_gbps is not None:

@@ -248,6 +248,7 @@ OTHER_BAD_INPUT = [
     (["bench", "plan", "--steps", "0"], "--steps"),
     (["plan", "--gpus", "8", "--gpu", "tpu"], "--gpu"),
     (["plan", "--gpus", "8", "--inter-node-gbps", "0"], "--inter-node-gbps"),
+    (["plan", "--gpus", "8", "--gpu-memory-gb", "-24"], "--gpu-memory-gb"),
     (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),
     (["plan", "--gpus", "3", "model.preset=tiny", "parallel.tp=2"], "plan"),  # no valid layout
     (["convert", "--to", "hf", "{files}/out", "{files}/empty_dir"], "CKPT"),  # no checkpoint

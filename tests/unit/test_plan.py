@@ -49,7 +49,7 @@ def test_a_plan_prices_bytes_as_the_dry_run_does(overrides, gpus):
     # and gradient staging at their most) plus its activations.
     worst = max(r["state"]["peak"] + r["activations"]
                 for r in (describe_rank(cfg, dims, k) for k in range(gpus)))
-    assert plan.peak_memory_bytes == worst
+    assert plan.peak_memory_bytes == max(worst, plan.startup_bytes)  # or building it, if more
     assert 0 < plan.mfu <= TOY.efficiency and plan.step_time_s > 0
 
 
@@ -71,7 +71,8 @@ def test_expert_parallel_plans_add_the_balanced_token_all_to_alls():
 def test_pinning_every_degree_prices_that_plan_alone():
     cfg = tiny_config("model.n_layers=4")
     fixed = {"tp": 2, "pp": 2, "zero": 1, "dp_shard": 0, "microbatches": 4,
-             "pp_schedule": "1f1b", "sequence_parallel": True, "activation_checkpointing": "none"}
+             "pp_schedule": "1f1b", "sequence_parallel": True, "activation_checkpointing": "none",
+             "offload": "none"}
     plans = rank_plans(cfg, Cluster(8, 8, TOY), fixed)
     expected = {**fixed, "dp": 2, "cp": 1, "ep": 1, "cp_method": "ring"}
     assert len(plans) == 1 and plans[0].degrees == expected
@@ -106,7 +107,7 @@ def test_each_anti_pattern_is_flagged():
 def test_a_model_that_fits_nowhere_names_the_smallest_change():
     cfg = load_config(None, ["model.preset='7b'", "train.global_batch=8", "data.seq_len=1024"])
     with pytest.raises(ConfigError) as refused:
-        choose(cfg, Cluster(1, 8, DEVICES["h100"]), {"pp": 1, "tp": 1})
+        choose(cfg, Cluster(1, 8, DEVICES["h100"]), {"pp": 1, "tp": 1, "offload": "none"})
     assert "does not fit" in str(refused.value) and "use 2 GPUs" in str(refused.value)
 
 
@@ -210,3 +211,45 @@ def test_sharded_gradients_stay_sharded_during_backward(zero):
     accumulating = describe_rank(one, validate(one, 4), 0)["state"]
     # Micro-batches before the last accumulate whole gradients in the parameters (4n bytes).
     assert accumulating["peak"] - state["params"] - state["optimizer"] >= 4 * n
+
+
+def test_a_pinned_plan_that_does_not_fit_is_still_priced():
+    """The ZeRO paper's stage-0 row: 7.5B parameters of plain data parallelism on 64 GPUs hold
+    120 GB each; with every degree pinned the plan is returned (and shown, status 1) with its
+    warning, not refused; with a choice left the refusal names the model state as the cause."""
+    cfg = load_config(None, ["model.preset='7b'", "model.n_layers=36", "model.vocab_size=26147",
+                             "train.global_batch=64", "data.seq_len=1024"])
+    pins = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "dp_shard": 0, "microbatches": 1,
+            "activation_checkpointing": "full", "offload": "none"}
+    plans = choose(cfg, Cluster(64, 8, DEVICES["h100"]), pins)
+    assert len(plans) == 1 and not plans[0].fits
+    assert any(w.startswith("does not fit: 12") for w in plans[0].warnings)
+    big = load_config(None, ["model.preset='70b'", "train.global_batch=8", "data.seq_len=512",
+                             "train.precision=bf16"])
+    with pytest.raises(ConfigError) as refused:
+        choose(big, Cluster(8, 8, DEVICES["h100"]), {"zero": 2, "tp": 1, "offload": "none"})
+    assert "its model state alone needs" in str(refused.value), refused.value
+
+
+def test_four_24gb_gpus_train_7b_only_with_offload():
+    """The seeds' exercise: a 7B model on 4 x 24 GB (RTX 4090) in bf16 fits only with its
+    optimizer state in host memory (ZeRO-Offload): 16 bytes per parameter over 4 ranks is 27 GB
+    each before any activation."""
+    cfg = load_config(None, ["model.preset='7b'", "train.global_batch=16", "data.seq_len=1024",
+                             "train.precision=bf16"])
+    plans = rank_plans(cfg, Cluster(4, 8, DEVICES["rtx4090"]), {"tp": 1, "pp": 1})
+    assert plans[0].fits and plans[0].degrees["offload"] != "none"
+    assert not any(p.fits for p in plans if p.degrees["offload"] == "none")
+    assert any(p.fits for p in plans if p.degrees["offload"] == "optimizer")
+    assert plans[0].host_memory_bytes > 0
+
+
+def test_a_70b_model_starts_on_80gb_devices():
+    """Built on `meta`, a rank of 70B at tp2 x pp8 x dp4 holds its stage's slice in fp32 while
+    it starts (26 GB), not the whole model (280 GB in fp32 on every rank, as before #30)."""
+    cfg = load_config(None, ["model.preset='70b'", "train.global_batch=64", "data.seq_len=4096",
+                             "train.precision=bf16", "parallel.tp=2", "parallel.pp=8",
+                             "parallel.zero=1", "parallel.sequence_parallel=true"])
+    plan = estimate(cfg, validate(cfg, 64), Cluster(64, 8, DEVICES["h100"]))
+    assert 0 < plan.startup_bytes < 80e9 < 4 * plan.params
+    assert plan.peak_memory_bytes >= plan.startup_bytes

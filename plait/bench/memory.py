@@ -1,0 +1,57 @@
+"""`plait bench memory`: each rank's peak host memory while it builds its part of a model and
+through its first training step, against what the formulas say it holds (`cost.startup_bytes`,
+`cost.state_bytes`' "peak" plus the step's activations) and against the whole model in fp32,
+which every rank built before #30. Peak memory is the process's own count (VmHWM), restarted
+after a tiny model's step so that the interpreter and everything the trainer imports are the
+baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from plait.bench.step import start_worker
+from plait.config import Config
+from plait.model import count_params
+from plait.model.llama import build_model
+from plait.parallel import cost
+from plait.train.host_memory import (
+    peak_resident_bytes,
+    release_freed_memory,
+    reset_peak,
+    resident_bytes,
+)
+from plait.train.trainer import Trainer
+
+
+@record
+def bench_memory(cfg: Config) -> list[dict] | None:
+    dims, mesh = start_worker(cfg)
+    if cfg.parallel.zero == 3:
+        release_freed_memory()  # as `plait train` does
+    tiny = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset="tiny",
+                                                              overrides={}))
+    Trainer(tiny, dims, mesh, torch.device("cpu")).train_step(0)
+    gc.collect()
+    reset_peak()
+    baseline = resident_bytes()
+    trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
+    built = peak_resident_bytes() - baseline
+    result = trainer.train_step(0)
+    stepped = peak_resident_bytes() - baseline
+    record_ = trainer.parallelized.record
+    state = trainer.parallelized.state_bytes(trainer.optimizer)
+    row = {"rank": dist.get_rank(), "baseline": baseline, "built": built, "stepped": stepped,
+           "startup_formula": cost.startup_bytes(cfg, dims, record_),
+           "step_formula": state["peak"] + result["activation_bytes"],
+           "held": sum(v for k, v in state.items() if k != "peak"),
+           "whole_fp32": 4 * count_params(build_model(cfg.model.args(), 0, "meta"))}
+    rows, rank = [None] * dist.get_world_size(), dist.get_rank()
+    dist.all_gather_object(rows, row)
+    dist.destroy_process_group()
+    return rows if rank == 0 else None
