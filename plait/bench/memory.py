@@ -22,7 +22,6 @@ from plait.model.llama import build_model
 from plait.parallel import cost
 from plait.train.host_memory import (
     peak_resident_bytes,
-    release_freed_memory,
     reset_peak,
     resident_bytes,
 )
@@ -32,8 +31,6 @@ from plait.train.trainer import Trainer
 @record
 def bench_memory(cfg: Config) -> list[dict] | None:
     dims, mesh = start_worker(cfg)
-    if cfg.parallel.zero == 3:
-        release_freed_memory()  # as `plait train` does
     tiny = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset="tiny",
                                                               overrides={}))
     Trainer(tiny, dims, mesh, torch.device("cpu")).train_step(0)

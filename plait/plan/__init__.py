@@ -198,7 +198,8 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     # and, before the first step, what building the rank's part of the model takes.
     peak = max(s["peak"] - off + a for s, a, _, _, off, _ in per_stage)
     startup = max(st for *_, st in per_stage)
-    host = cluster.gpus_per_node * max(off for *_, off, _ in per_stage)
+    per_node = min(cluster.gpus, cluster.gpus_per_node)
+    host = per_node * max(off for *_, off, _ in per_stage)
     model_flops = sum(f[3] for f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
     fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \
@@ -227,7 +228,7 @@ def _offload(state: dict, cfg: Config, dims: ParallelDims,
     param_b = 2 if bf16 else 4
     reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
     pcie = dev.pcie_gbps * 1e9
-    cpu = sliced * 32 / (dev.host_gbps * 1e9 / cluster.gpus_per_node)
+    cpu = sliced * 32 / (dev.host_gbps * 1e9 / min(cluster.gpus, cluster.gpus_per_node))
     host, seconds = state["optimizer"], sliced * (reduce_b + param_b) / pcie + cpu
     hidden = 0.0
     if par.offload == "params":

@@ -38,6 +38,7 @@ def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
         "tensors": len(record.params),
         "elements": record.held_numel(),
         "state": cost.state_bytes(cfg, dims, record),
+        "startup": cost.startup_bytes(cfg, dims, record),
         "activations": activations,
         "traffic": cost.step_traffic(cfg, dims, record, layouts),
     }
@@ -56,13 +57,14 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
                         f"zero {cfg.parallel.zero}, {cfg.train.precision}; model state per rank")
     kinds = list(ranks[0]["state"])  # params, grads, optimizer (, compression)
     for col in ("rank", *shown, "chunks", "tensors", "parameters", *(f"{k} MiB" for k in kinds),
-                "activations MiB"):
+                "activations MiB", "start-up MiB"):
         state.add_column(col, justify="right")
     for r in ranks:
         state.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in shown),
                       ",".join(map(str, r["chunks"])), str(r["tensors"]),
                       f"{r['elements']:,}", *(_mib(r["state"][k]) for k in kinds),
-                      "no formula" if r["activations"] is None else _mib(r["activations"]))
+                      "no formula" if r["activations"] is None else _mib(r["activations"]),
+                      _mib(r["startup"]))
     console.print(state)
     comm = Table(title="collectives of one training step, per rank and group "
                        "(bytes by the ring convention)")

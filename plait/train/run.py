@@ -17,7 +17,6 @@ from plait.checks import validate
 from plait.comm.watchdog import Heartbeat, diagnose, is_timeout
 from plait.config import Config
 from plait.mesh import build_mesh
-from plait.train.host_memory import release_freed_memory
 from plait.train.outputs import Outputs
 from plait.train.progress import print_summary
 
@@ -59,8 +58,6 @@ def run_training(cfg: Config, outputs: Outputs | None = None, verify: bool = Fal
     trainer_class = importlib.import_module(TRAINING_STACK).Trainer
     torch.set_num_threads(cfg.train.threads)
     device = worker_device(cfg.train.device)
-    if cfg.parallel.zero == 3 and device.type == "cpu":
-        release_freed_memory()  # units freed go back to the kernel (train/host_memory.py)
     timeout_s = cfg.parallel.timeout_s
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(seconds=timeout_s))

@@ -29,6 +29,7 @@ from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
 from plait.train.data import TokenData
 from plait.train.faults import maybe_fail
+from plait.train.host_memory import STEADY_THRESHOLD, release_freed_memory
 from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
 from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.outputs import Outputs
@@ -64,6 +65,8 @@ class Trainer:
                  verify: bool = False):
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
+        if device.type == "cpu":  # freed build temporaries go back to the kernel at once
+            release_freed_memory()
         # On `meta`: each rank materializes only what it holds, once the model is cut.
         model, source = build_sharded(args, cfg.train.seed, device, cfg.model.hf)
         # --verify: the whole model, for one step of a single process to compare with.
@@ -76,6 +79,8 @@ class Trainer:
             activation_checkpointing=cfg.train.activation_checkpointing, source=source,
         )
         del model  # its pieces live in the chunks now; other stages' layers are let go
+        if device.type == "cpu" and cfg.parallel.zero != 3:  # ZeRO-3 keeps freeing its units
+            release_freed_memory(STEADY_THRESHOLD)
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
         self.data = TokenData(cfg.data, cfg.train.seed)

@@ -1,33 +1,19 @@
-"""A model larger than what a rank may hold: at ZeRO-3 over 8 ranks, no rank's peak resident
-memory while it builds its part exceeds its baseline plus `cost.startup_bytes` (+ 16 MiB), and
-from before the model is built through its first training step, none exceeds the
-interpreter's baseline plus the formula's peak model state (`cost.state_bytes`: its slices, the
-units gathered at once, the gradient staging in flight) plus the step's activations plus 16 MiB
-(allocator and gloo buffers) -- a bound below the whole model's fp32 size, so no rank ever held
-the model whole. Peak memory is the process's own count (VmHWM, restarted once the process
-group is up and a tiny model has trained a step, so that the modules the trainer imports are in
-the baseline). Before #30 each rank built the whole model first and staged its whole gradient."""
+"""A model larger than what a rank may hold, at ZeRO-3 over 8 ranks (`plait bench memory`'s worker,
+under plait's launcher: fresh interpreters, as `plait train` runs them). Peak resident memory is
+each process's own count (VmHWM), restarted after a tiny model's step so that the interpreter and
+everything the trainer imports are the baseline. No rank grows, while it builds its part, beyond
+`cost.startup_bytes`, nor, through its first step, beyond the formula's peak model state
+(`cost.state_bytes`: its slices, the units gathered at once, the gradient staging in flight)
+plus the step's activations -- each + 16 MiB (allocator, gloo buffers) -- a bound below the
+whole model's fp32 size: no rank ever held the model whole. Before #30 each rank built the whole
+model first, and staged its whole gradient."""
 
 from __future__ import annotations
 
-import gc
-
-import torch
-import torch.distributed as dist
-from harness import run_world
 from training import tiny_config
 
-from plait.checks import validate
-from plait.mesh import build_mesh
-from plait.model import build_model
-from plait.parallel import cost
-from plait.train.host_memory import (
-    peak_resident_bytes,
-    release_freed_memory,
-    reset_peak,
-    resident_bytes,
-)
-from plait.train.trainer import Trainer
+from plait.bench.memory import bench_memory
+from plait.launch import launch
 
 MiB = 2**20
 # 24 blocks of dim 512: 76M parameters, 291 MiB in fp32; a unit (one block) is 12 MiB.
@@ -35,30 +21,11 @@ MODEL = ["model.n_layers=24", "model.dim=512", "model.n_heads=8", "model.n_kv_he
          "data.seq_len=2", "train.global_batch=8", "parallel.zero=3"]
 
 
-def _first_step_peak(cfg):
-    dims = validate(cfg, dist.get_world_size())
-    mesh = build_mesh(dims)
-    release_freed_memory()  # as `plait train` does for ZeRO-3 on the CPU
-    # The baseline: the interpreter with everything the trainer imports (a tiny model's run).
-    Trainer(tiny_config("parallel.zero=3"), dims, mesh, torch.device("cpu")).train_step(0)
-    gc.collect()
-    reset_peak()
-    baseline = resident_bytes()
-    trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
-    built = peak_resident_bytes() - baseline
-    result = trainer.train_step(0)
-    state = trainer.parallelized.state_bytes(trainer.optimizer)
-    return {"built": built, "startup": cost.startup_bytes(cfg, dims, trainer.parallelized.record),
-            "grown": peak_resident_bytes() - baseline, "state_peak": state["peak"],
-            "activations": result["activation_bytes"]}
-
-
 def test_no_rank_holds_the_whole_model_at_zero3_dp8():
-    cfg = tiny_config(*MODEL)
-    whole = 4 * sum(p.numel() for p in build_model(cfg.model.args(), 0, "meta").parameters())
-    for rank, r in enumerate(run_world(_first_step_peak, 8, cfg)):
-        bound = r["state_peak"] + r["activations"] + 16 * MiB
-        assert bound < whole, "the model is too small to show anything"
-        assert r["built"] <= r["startup"] + 16 * MiB, f"rank {rank}: building it"
-        assert r["grown"] <= bound, \
-            f"rank {rank}: {r['grown'] / MiB:.1f} MiB over its baseline, bound {bound / MiB:.1f}"
+    for r in launch(8, bench_memory, tiny_config(*MODEL))[0]:
+        bound = r["step_formula"] + 16 * MiB  # the step's peak model state + activations
+        assert bound < r["whole_fp32"], "the model is too small to show anything"
+        assert r["built"] <= r["startup_formula"] + 16 * MiB, f"rank {r['rank']}: building it"
+        assert r["stepped"] <= bound, \
+            f"rank {r['rank']}: {r['stepped'] / MiB:.1f} MiB over its baseline, bound " \
+            f"{bound / MiB:.1f}"
