@@ -93,13 +93,13 @@ def test_default_recipe_on_two_workers_and_a_short_run(tmp_path):
     the world size), and a run shorter than the recipe's warm-up (clipped, said once). With no
     --nproc, one worker: test_one_worker_unless_told."""
     metrics = tmp_path / "m.jsonl"
-    proc = plait("train", "--nproc", "2", "--metrics", str(metrics), "train.steps=3")
+    proc = plait_here("train", "--nproc", "2", "--metrics", str(metrics), "train.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("warm-up clipped to 3 steps") == 1
+    assert proc.stderr.count("warm-up clipped to 3 steps") == 1  # said by the command, once
     records = read_metrics(metrics)
     # The warm-up over the 3 steps reaches the recipe's peak LR, 3e-3, at the last one.
     assert [r["lr"] for r in records] == pytest.approx([1e-3, 2e-3, 3e-3])
-    assert "plait train: 2 rank(s)" in proc.stdout + proc.stderr
+    assert all(r["tokens_per_s"] > 0 for r in records)  # (the summary: the 4-worker test)
 
 
 def test_3d_recipe(tmp_path):
