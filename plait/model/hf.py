@@ -22,12 +22,14 @@ A family with no plan (GPT-2, ...) trains as a plain module: DDP and ZeRO-1/2/3.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from plait.model.args import ModelArgs
+from plait.model.materialize import Stacked
 from plait.model.plan import ModelPlan
 
 # transformers' decoder layer, dense (Llama, Mistral, Qwen2, Qwen3): attention q/k/v split by
@@ -229,9 +231,9 @@ def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu
 def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
     """(the model of `folder` with its parameters on `meta` and its buffers on `device`, the
     `SafetensorsFile` its ranks materialize their parts from), or None where that cannot be
-    done: a folder with no weights (transformers initialises a fresh model whole), or a family
-    whose file stores tensors under other names or shapes than its modules (transformers
-    converts them on load, e.g. per-expert matrices into stacked ones)."""
+    done: a folder with no weights (transformers initialises a fresh model whole), or one whose
+    file holds a tensor under a name or shape that neither the module's nor `OLDER_NAMES`
+    gives."""
     from plait.model.materialize import SafetensorsFile, params_on_meta
 
     if not has_weights(folder):
@@ -239,13 +241,41 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
     with params_on_meta():
         model = load_hf(folder, 0, device, weights=False)
     planned = isinstance(model, HFCausalLM)
-    source = SafetensorsFile(folder, lambda name: hf_name(name, planned), device)
+    source = SafetensorsFile(folder, None, device)
+    keys = {name: file_key(hf_name(name, planned), source.where) for name, _ in
+            model.named_parameters()}
+    source.rename = keys.__getitem__
     for name, p in model.named_parameters():
-        key = hf_name(name, planned)
-        if key not in source.where or tuple(source.where[key].get_slice(key).get_shape()) \
-                != tuple(p.shape):
+        if source.shape(keys[name], p.shape[0] if p.dim() else 0) != tuple(p.shape):
             return None
     return model, source
+
+
+# Names a file may hold instead of the modules' (transformers renames and stacks them on load):
+# Mixtral's router and its experts, stored one expert at a time. (module name, file's name).
+OLDER_NAMES = [
+    (re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$"),
+     "model.layers.{i}.block_sparse_moe.gate.weight"),
+    (re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$"),
+     Stacked(("model.layers.{i}.block_sparse_moe.experts.{{e}}.w1.weight",
+              "model.layers.{i}.block_sparse_moe.experts.{{e}}.w3.weight"))),
+    (re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.down_proj$"),
+     Stacked(("model.layers.{i}.block_sparse_moe.experts.{{e}}.w2.weight",))),
+]
+
+
+def file_key(key: str, present) -> str | Stacked:
+    """Where a folder's file holds transformers' parameter `key`: under that name, or under an
+    older one (`OLDER_NAMES`)."""
+    if key in present:
+        return key
+    for pattern, older in OLDER_NAMES:
+        m = pattern.match(key)
+        if m:
+            if isinstance(older, Stacked):
+                return Stacked(tuple(part.format(i=m.group(1)) for part in older.parts))
+            return older.format(i=m.group(1))
+    return key
 
 
 def transformers_model(folder: str | Path, seed: int = 0,

@@ -10,7 +10,8 @@ just the elements of the box that the rank's flat slice covers (`elements`). Two
 - `NamedInit`: plait's Llama init, drawn in blocks of rows per tensor (`llama.init_rows`), so a
   slice equals the slice of a one-process init with the same seed;
 - `SafetensorsFile`: a Hugging Face folder's weights, each rank reading its rows through
-  `safe_open(...).get_slice` (the file is memory-mapped; nothing else is read).
+  `safe_open(...).get_slice` (the file is memory-mapped; nothing else is read), a stacked
+  experts tensor assembled from the file's per-expert tensors of the experts the rank holds.
 
 So no rank holds a tensor it does not hold in training, and the weights equal a one-process
 build's from step 0. Replicas are equal by construction (the same seed and name, or the same
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,9 +95,17 @@ class NamedInit(Source):
         return init_rows(self.seed, self.n_layers, name, shape, lo, hi)
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A stacked-experts tensor (experts, ...) that a file stores one expert at a time: expert e
+    is the concatenation along its first dim of the file's tensors `parts` (names with {e})."""
+
+    parts: tuple[str, ...]
+
+
 class SafetensorsFile(Source):
     """A Hugging Face folder's safetensors (one file or an index of shards), read by slices;
-    `rename` maps plait's parameter names to the file's."""
+    `rename` maps plait's parameter names to the file's (a name, or `Stacked`)."""
 
     def __init__(self, folder: str | Path, rename, device: torch.device | str = "cpu"):
         from safetensors import safe_open
@@ -107,12 +117,28 @@ class SafetensorsFile(Source):
             self.files.append(handle)  # kept open: each is a memory map
             self.where.update({key: handle for key in handle.keys()})
 
+    def shape(self, key: str | Stacked, experts: int = 0) -> tuple[int, ...] | None:
+        """The whole tensor's shape as the file holds it (None: not all of it is there)."""
+        if isinstance(key, Stacked):
+            shapes = [self.shape(part.format(e=e)) for e in range(experts) for part in key.parts]
+            if not experts or None in shapes:
+                return None
+            per = shapes[:len(key.parts)]
+            return (experts, sum(s[0] for s in per), *per[0][1:])
+        return tuple(self.where[key].get_slice(key).get_shape()) if key in self.where else None
+
     def rows(self, name, shape, lo, hi):
         key = self.rename(name)
+        if isinstance(key, Stacked):  # each expert of [lo, hi) assembled from its parts
+            return torch.stack([torch.cat([self.rows_of(part.format(e=e), 0, None)
+                                           for part in key.parts]) for e in range(lo, hi)])
+        return self.rows_of(key, lo, hi) if len(shape) else self.rows_of(key, None, None)
+
+    def rows_of(self, key: str, lo: int | None, hi: int | None) -> torch.Tensor:
         if key not in self.where:
-            raise KeyError(f"{key} (parameter {name}) is in no safetensors file of the folder")
+            raise KeyError(f"{key} is in no safetensors file of the folder")
         part = self.where[key].get_slice(key)
-        return part[lo:hi].float() if len(shape) else part[:].float()
+        return (part[:] if lo is None else part[lo:hi]).float()
 
 
 class Filler:

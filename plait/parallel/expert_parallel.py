@@ -125,6 +125,9 @@ class StackedExperts(nn.Module):
         send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
         rows = all_to_all_rows(x[token], send, recv, group)
         local = torch.arange(per, device=x.device).repeat(G).repeat_interleave(arriving.flatten())
+        for name, p in self._parameters.items():  # the module computes with this one's
+            if self.local._parameters[name] is not p:  # (materialized from `meta` since)
+                self.local._parameters[name] = p
         out = self.local(rows, local[:, None], torch.ones_like(local, dtype=x.dtype)[:, None])
         back = all_to_all_rows(out, recv, send, group)
         gates = top_k_weights.reshape(-1)[order, None].to(back.dtype)

@@ -26,20 +26,22 @@ WIDE = ["model.n_layers=4", "model.vocab_size=20000"]
 
 def _built(cfg):
     """This rank's parameters right after construction (ZeRO-3: its units gathered whole), with
-    each one's tensor-parallel shard."""
+    how tensor and expert parallelism split each one."""
     dims = validate(cfg, dist.get_world_size())
     trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
     record = trainer.parallelized.record
-    return {n: (t, record.params[n].shards.get("tp")) for n, t in held_params(trainer).items()}
+    return {n: (t, [record.params[n].shards.get(a) for a in ("tp", "ep")])
+            for n, t in held_params(trainer).items()}
 
 
 def _check(results, whole: dict[str, torch.Tensor]) -> None:
     seen = set()
     for held in results:
-        for name, (tensor, tp) in held.items():
+        for name, (tensor, shards) in held.items():
             want = whole[name]
-            if tp is not None and tp.dim is not None:
-                want = want.chunk(tp.count, dim=tp.dim)[tp.index]
+            for shard in shards:
+                if shard is not None and shard.dim is not None:
+                    want = want.chunk(shard.count, dim=shard.dim)[shard.index]
             assert torch.equal(tensor, want), name
             seen.add(name)
     assert seen == set(whole)  # every parameter is held somewhere
@@ -56,11 +58,17 @@ def test_each_rank_materializes_the_one_process_init(ranks, overrides):
     _check(run_world(_built, ranks, cfg), dict(whole.named_parameters()))
 
 
-def test_a_hugging_face_folder_is_read_by_slices(tmp_path):
+@pytest.mark.parametrize("family,ranks,overrides", [
+    ("llama", 2, ["parallel.tp=2"]),
+    # Mixtral's file holds each expert apart; the modules stack them: each ep rank reads its own.
+    ("mixtral", 2, ["parallel.ep=2"]),
+])
+def test_a_hugging_face_folder_is_read_by_slices(tmp_path, family, ranks, overrides):
     from transformers import AutoModelForCausalLM
 
-    folder = write_model(tmp_path / "llama", "llama")
-    cfg = hf_config(folder, "parallel.tp=2")
+    folder = write_model(tmp_path / family, family)
+    cfg = hf_config(folder, *overrides)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-    results = run_world(_built, 2, cfg)
-    _check(results, {n: reference[hf_name(n, True)] for n in results[0]})
+    results = run_world(_built, ranks, cfg)
+    whole = {hf: reference[hf_name(hf, True)] for held in results for hf in held}
+    _check(results, whole)
