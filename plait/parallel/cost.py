@@ -44,8 +44,9 @@ from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import moe_layers
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
-from plait.parallel.state_cost import (  # noqa: F401 - state_bytes, startup_bytes re-exported
+from plait.parallel.state_cost import (  # noqa: F401 - re-exported
     compression_method,
+    dtype_bytes,
     flat_buffers,
     padded_numel,
     startup_bytes,

@@ -81,18 +81,25 @@ def compression_method(cfg: Config):
     return built.method if built is not None else None
 
 
+def dtype_bytes(cfg: Config) -> tuple[int, int]:
+    """(bytes per parameter element held, bytes per gradient element reduced): 2 and 2 or 4 under
+    bf16 ZeRO (bf16 parameters; `parallel.reduce_dtype`), else fp32."""
+    bf16 = cfg.train.precision == "bf16" and cfg.parallel.zero > 0
+    return (2 if bf16 else 4), (2 if bf16 and cfg.parallel.reduce_dtype == "bf16" else 4)
+
+
 def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:
     """Model-state bytes this rank holds after a step: parameters, gradients, optimizer state
     (AdamW: two fp32 moments; under bf16 ZeRO also the fp32 master: 2 + 2 + 12 per parameter),
     ZeRO's shards padded to a multiple of the sharding group; with gradient compression, its
-    state ("compression"); and "peak", the most held during the step (`_peak`)."""
+    state ("compression"); and "peak", the most held during the step (`_params_peak` +
+    `_grads_peak` + the rest)."""
     par = cfg.parallel
-    bf16 = cfg.train.precision == "bf16" and par.zero > 0
+    param_b, reduce_b = dtype_bytes(cfg)
+    bf16 = param_b == 2
     held = record.held_numel()
     flats = [(s, K, padded_numel(members_numel(s), K if par.zero else 1))
              for _, K, s in flat_buffers(cfg, dims, record)]
-    param_b = 2 if bf16 else 4
-    reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
     if par.zero == 0:
         state = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
     else:
@@ -132,8 +139,8 @@ def startup_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> i
     from plait.model.llama import BLOCK
 
     par = cfg.parallel
-    bf16 = cfg.train.precision == "bf16" and par.zero > 0
-    param_b = 2 if bf16 else 4
+    param_b, _ = dtype_bytes(cfg)
+    bf16 = param_b == 2
     flats = [(K, padded_numel(members_numel(s), K if par.zero else 1))
              for _, K, s in flat_buffers(cfg, dims, record)]
     sliced = sum(n // K for K, n in flats)

@@ -198,8 +198,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     # and, before the first step, what building the rank's part of the model takes.
     peak = max(s["peak"] - off + a for s, a, _, _, off, _ in per_stage)
     startup = max(st for *_, st in per_stage)
-    per_node = min(cluster.gpus, cluster.gpus_per_node)
-    host = per_node * max(off for *_, off, _ in per_stage)
+    host = cluster.per_node * max(off for *_, off, _ in per_stage)
     model_flops = sum(f[3] for f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
     fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \
@@ -223,12 +222,10 @@ def _offload(state: dict, cfg: Config, dims: ParallelDims,
     par, dev = cfg.parallel, cluster.device
     if par.offload == "none":
         return 0, 0.0, 0.0
-    bf16 = cfg.train.precision == "bf16"
-    sliced = state["optimizer"] // (12 if bf16 else 8)  # elements of this rank's slices
-    param_b = 2 if bf16 else 4
-    reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
+    param_b, reduce_b = cost.dtype_bytes(cfg)
+    sliced = state["optimizer"] // (12 if param_b == 2 else 8)  # elements of this rank's slices
     pcie = dev.pcie_gbps * 1e9
-    cpu = sliced * 32 / (dev.host_gbps * 1e9 / min(cluster.gpus, cluster.gpus_per_node))
+    cpu = sliced * 32 / (dev.host_gbps * 1e9 / cluster.per_node)
     host, seconds = state["optimizer"], sliced * (reduce_b + param_b) / pcie + cpu
     hidden = 0.0
     if par.offload == "params":

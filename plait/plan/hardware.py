@@ -106,6 +106,11 @@ class Cluster:
     gpus_per_node: int
     device: Device
 
+    @property
+    def per_node(self) -> int:
+        """GPUs in a node of this cluster (all of them, when fewer than a node)."""
+        return min(self.gpus, self.gpus_per_node)
+
     def within_node(self, stride: int, size: int) -> bool:
         """Whether a group of `size` ranks `stride` apart on the row-major mesh lies in one node
         (ranks fill nodes in order)."""
