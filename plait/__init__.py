@@ -1,7 +1,8 @@
 """plait: a distributed training engine for PyTorch.
 
 The Python API (`plait/api.py`; README "Use plait from Python"): `init`, `prepare`, `print0`,
-`finish`, with `ParallelConfig`, `WrapPolicy`, `ModelPlan` and `load_hf` (a Hugging Face folder).
+`finish`, with `ParallelConfig`, `WrapPolicy`, `ModelPlan`, `LossScaler` (fp16) and `load_hf` (a
+Hugging Face folder).
 They are imported when first used, so that `import plait.cli` stays light.
 """
 
@@ -19,6 +20,7 @@ _EXPORTS = {
     "Prepared": "plait.api",
     "ParallelConfig": "plait.config",
     "WrapPolicy": "plait.parallel.wrap",
+    "LossScaler": "plait.parallel.loss_scaling",
     "ModelPlan": "plait.model.plan",
     "load_hf": "plait.model.hf",
 }

@@ -44,6 +44,7 @@ from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import ParallelConfig
 from plait.mesh import build_mesh, rows_share
 from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
+from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.wrap import WrapPolicy
 from plait.train.verify import Verdict, verify_step
 
@@ -99,7 +100,7 @@ class Prepared:
 
     def parameters(self) -> list[torch.Tensor]:
         """What the optimizer steps on this rank: whole parameters (DDP), or this rank's slices
-        of flattened parameters (ZeRO), fp32 masters under bf16."""
+        of flattened parameters (ZeRO), fp32 masters under bf16 or fp16."""
         decay, no_decay = self.parallelized.optimizer_groups()
         return decay + no_decay
 
@@ -119,17 +120,27 @@ class Prepared:
         """One optimizer step on this rank's rows (`local`): forward and backward over the
         micro-batches, gradients averaged (or reduce-scattered), clipped to `grad_clip` (0:
         not), the optimizer's step. Returns the loss, averaged over all ranks. A non-finite
-        gradient norm raises (nothing is updated). The module's mode is the caller's, as in
-        PyTorch (`job.model.train()` / `.eval()`)."""
+        gradient norm raises (nothing is updated), except under fp16, where it is an overflow:
+        the step is skipped and the loss scale backs off (`loss_scaler`), unless the loss itself
+        is not finite. The module's mode is the caller's, as in PyTorch (`job.model.train()` /
+        `.eval()`)."""
         self.parallelized.module.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
         loss_sum, norm = self.parallelized.step(self._split(inputs, targets), optimizer,
                                                 grad_clip)
-        if not math.isfinite(norm):
+        loss = self.global_mean(loss_sum)
+        overflow = self.loss_scaler is not None and math.isfinite(loss)
+        if not math.isfinite(norm) and not overflow:
             raise FloatingPointError(f"step {self._steps}: the gradient norm is {norm}; "
                                      "nothing was updated (lower the learning rate?)")
         self._steps += 1
-        return self.global_mean(loss_sum)
+        return loss
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16's loss scale (`.scale`) and skipped steps (`.skipped`); None otherwise. A
+        skipped step should leave the learning rate where it was (plait's trainer does)."""
+        return self.parallelized.scaler
 
     def _split(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[tuple]:
         M = self.microbatches
@@ -210,21 +221,23 @@ def prepare(
     wrap: WrapPolicy | None = None,
     checkpoint: WrapPolicy | None = None,
     precision: str = "fp32",
+    loss_scaler: LossScaler | None = None,
     device: torch.device | str | None = None,
     verify: bool = False,
 ) -> Prepared:
     """Apply `parallel` (default: DDP over every rank) to `model` on the world `init` joined.
     `loss_fn(outputs, targets)` is the mean loss of a micro-batch (None: cross-entropy over
     (b, s, V) logits); `wrap` chooses ZeRO-3's units and `checkpoint` the modules recomputed in
-    the backward (classes, or a parameter count); `precision` "fp32" or "bf16". The model's own
+    the backward (classes, or a parameter count); `precision` "fp32", "bf16" or "fp16" (with
+    `loss_scaler`, default dynamic from 2^16: `plait.LossScaler`). The model's own
     weights are used (every rank starts from rank 0's); move it to `device` first or pass it.
     `verify`: keep a copy of the model for `Prepared.verify`."""
     if not dist.is_initialized():
         raise RuntimeError("call plait.init() first: it joins the world of processes")
     parallel = parallel or ParallelConfig()
-    dims = validate_parallel(parallel, dist.get_world_size())
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision: 'fp32' or 'bf16', got {precision!r}")
+    if precision not in ("fp32", *HALF):
+        raise ValueError(f"precision: 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    dims = validate_parallel(parallel, dist.get_world_size(), precision)
     where = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(where)
     with torch.no_grad():  # every rank starts from rank 0's weights and buffers
@@ -236,7 +249,7 @@ def prepare(
     options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
     parallelized = parallelize(model, build_mesh(dims, where.type), parallel, microbatches=M,
                                precision=precision, activation_checkpointing=mode,
-                               options=options)
+                               options=options, scaler=loss_scaler)
     # The reference's loss: the user's, or cross-entropy over whole logits (the layout's may be
     # the vocabulary-parallel one).
     return Prepared(parallelized, M, parallel, loss_fn or cross_entropy, reference)

@@ -24,6 +24,7 @@ from plait.mesh import AXES, ParallelDims
 from plait.model.args import ModelArgs
 from plait.model.moe import ROUTERS
 from plait.parallel.context_parallel import METHODS as CP_METHODS
+from plait.parallel.loss_scaling import HALF
 
 
 def validate(cfg: Config, world_size: int) -> ParallelDims:
@@ -50,20 +51,21 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     dims = _check_hybrid(cfg.parallel, dims)
     _check_context(cfg, dims, args)
     _check_moe(cfg, dims, args)
-    _check_parallel(cfg.parallel)
-    _check_compression(cfg.parallel, dims, cfg.train.precision)
+    _check_parallel(cfg.parallel, cfg.train.precision)
+    _check_compression(cfg.parallel, dims)
     _check_train(cfg.train, dims)
     _check_data(cfg.data, args)
     _check_checkpoint(cfg)
     return dims
 
 
-def validate_parallel(par: ParallelConfig, world_size: int) -> ParallelDims:
+def validate_parallel(par: ParallelConfig, world_size: int,
+                      precision: str = "fp32") -> ParallelDims:
     """The checks of the `parallel` section alone (the Python API: the model and data are the
     user's); the resolved mesh degrees."""
     dims = _check_hybrid(par, _resolve_dims(par, world_size))
-    _check_parallel(par)
-    _check_compression(par, dims, "fp32")
+    _check_parallel(par, precision)
+    _check_compression(par, dims)
     return dims
 
 
@@ -126,11 +128,16 @@ def _check_hybrid(par: ParallelConfig, dims: ParallelDims) -> ParallelDims:
     return dataclasses.replace(dims, dp_shard=par.dp_shard or dims.dp)
 
 
-def _check_parallel(par: ParallelConfig) -> None:
+def _check_parallel(par: ParallelConfig, precision: str) -> None:
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"a ZeRO stage is 0, 1, 2 or 3, got {par.zero}")
-    if par.reduce_dtype not in ("fp32", "bf16"):
-        raise ConfigError("parallel.reduce_dtype", f"'fp32' or 'bf16', got '{par.reduce_dtype}'")
+    if par.reduce_dtype not in ("fp32", *HALF):
+        raise ConfigError("parallel.reduce_dtype",
+                          f"'fp32', 'bf16' or 'fp16', got '{par.reduce_dtype}'")
+    if par.reduce_dtype != "fp32" and par.reduce_dtype != precision:
+        raise ConfigError("parallel.reduce_dtype", f"'{par.reduce_dtype}' reduces in the half "
+                          f"dtype of train.precision, which is '{precision}': use 'fp32'"
+                          + (f" or '{precision}'" if precision in HALF else ""))
     if par.offload not in ("none", "optimizer", "params"):
         raise ConfigError(
             "parallel.offload", f"'none', 'optimizer' or 'params', got '{par.offload}'"
@@ -149,7 +156,7 @@ def _check_parallel(par: ParallelConfig) -> None:
         )
 
 
-def _check_compression(par: ParallelConfig, dims: ParallelDims, precision: str) -> None:
+def _check_compression(par: ParallelConfig, dims: ParallelDims) -> None:
     field, method = "parallel.compression", par.compression
     if method not in METHODS:
         raise ConfigError(field, f"one of {', '.join(METHODS)}; got '{method}'")
@@ -168,8 +175,9 @@ def _check_compression(par: ParallelConfig, dims: ParallelDims, precision: str) 
     elif method != "none" and par.allreduce != "backend":
         why = (f"a method chooses its own collectives; parallel.allreduce='{par.allreduce}' is "
                "for uncompressed all-reduces: set one")
-    elif method != "none" and par.zero and precision == "bf16" and par.reduce_dtype == "bf16":
-        why = "parallel.reduce_dtype='bf16' already compresses the reduction: set it to 'fp32'"
+    elif method != "none" and par.zero and par.reduce_dtype != "fp32":
+        why = (f"parallel.reduce_dtype='{par.reduce_dtype}' already compresses the reduction: "
+               "set it to 'fp32'")
     if why:
         raise ConfigError(field, why)
 
@@ -339,8 +347,10 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
                           f"got {train.eval_every}")
     if train.eval_batches < 1:
         raise ConfigError("train.eval_batches", f"must be >= 1, got {train.eval_batches}")
-    if train.precision not in ("fp32", "bf16"):
-        raise ConfigError("train.precision", f"'fp32' or 'bf16', got '{train.precision}'")
+    if train.precision not in ("fp32", *HALF):
+        raise ConfigError("train.precision",
+                          f"'fp32', 'bf16' or 'fp16', got '{train.precision}'")
+    _check_loss_scale(train)
     if train.lr_scaling not in ("none", "linear"):
         raise ConfigError("train.lr_scaling", f"'none' or 'linear', got '{train.lr_scaling}'")
     if not 0 <= train.stop_after <= train.steps:
@@ -361,6 +371,27 @@ def _check_train(train: TrainConfig, dims: ParallelDims) -> None:
             "train.global_batch",
             f"{train.global_batch} must be a positive multiple of {ranks}",
         )
+
+
+def _check_loss_scale(train: TrainConfig) -> None:
+    """`train.loss_scale*`: fp16's (plait/parallel/loss_scaling.py)."""
+    scale = train.loss_scale
+    if isinstance(scale, str) and scale != "dynamic":
+        raise ConfigError("train.loss_scale", f"'dynamic' or a positive number, got '{scale}'")
+    if not isinstance(scale, str) and scale <= 0:
+        raise ConfigError("train.loss_scale", f"a static scale must be > 0, got {scale:g}")
+    if not isinstance(scale, str) and train.precision != "fp16":
+        raise ConfigError("train.loss_scale", "loss scaling is for train.precision = 'fp16' "
+                          f"(this run is '{train.precision}'): leave it at 'dynamic'")
+    for key, ok, want in (
+            ("init", train.loss_scale_init > 0, "must be > 0"),
+            ("growth_interval", train.loss_scale_growth_interval >= 1, "must be >= 1 step"),
+            ("hysteresis", train.loss_scale_hysteresis >= 1, "must be >= 1 (1: back off at once)"),
+            ("min", 0 < train.loss_scale_min <= train.loss_scale_init,
+             f"must be in (0, train.loss_scale_init={train.loss_scale_init:g}]")):
+        if not ok:
+            value = getattr(train, f"loss_scale_{key}")
+            raise ConfigError(f"train.loss_scale_{key}", f"{want}, got {value}")
 
 
 def _check_data(data: DataConfig, args: ModelArgs) -> None:

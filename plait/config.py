@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from plait.mesh import AXES, ParallelDims  # noqa: F401 - AXES is re-exported
 from plait.model.args import PRESETS, ModelArgs
@@ -64,7 +65,7 @@ class ParallelConfig:
     dp_shard: int = 0  # under ZeRO: shard over groups of this many dp ranks (HSDP); 0 = all of dp
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after use (False: keep it whole
     # from its first use in a step to its gradient reduction, one gather per step)
-    reduce_dtype: str = "fp32"  # ZeRO gradient reductions under train.precision = "bf16"
+    reduce_dtype: str = "fp32"  # ZeRO gradient reductions: "fp32", or train.precision's half dtype
     offload: str = "none"  # ZeRO on a GPU: "optimizer" or "params" (stage 3) in host memory
     pp_schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zb1"
     microbatches: int = 0  # micro-batches per step and dp rank (accumulation); 0 = pp
@@ -94,7 +95,13 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm; 0 disables
     seed: int = 0
-    precision: str = "fp32"  # "fp32" | "bf16" (autocast; fp32 weights and optimizer state)
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp32 weights and optimizer
+    # state; fp16 with loss scaling, plait/parallel/loss_scaling.py)
+    loss_scale: str | float = "dynamic"  # fp16: "dynamic", or a static scale (a number)
+    loss_scale_init: float = 65536.0  # the dynamic scale's start, 2^16
+    loss_scale_growth_interval: int = 2000  # clean steps in a row before the scale doubles
+    loss_scale_hysteresis: int = 1  # overflows tolerated before the scale halves (1: at once)
+    loss_scale_min: float = 1.0  # a dynamic scale falling below this stops the run
     eval_every: int = 0  # steps between validation passes; 0 = only after the last step
     eval_batches: int = 4
     threads: int = 1  # intra-op threads per worker: oversubscribed cores are ruinous
@@ -248,6 +255,11 @@ def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
         known = ", ".join(n.rstrip("_") for n in hints if n != "overrides")
         raise ConfigError(key, f"unknown key; {key.split('.')[0]} keys are {known}")
     want = hints[name]
+    if get_origin(want) in (Union, types.UnionType):  # str | float: a word or a number
+        words = [t for t in get_args(want) if t is not float]
+        if isinstance(value, bool) or not isinstance(value, (int, float, *words)):
+            raise ConfigError(key, f"expected a word or a number, got {value!r}")
+        want = type(value) if isinstance(value, tuple(words)) else float
     if get_origin(want) is list:
         if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
             raise ConfigError(key, f"expected a list of integers, got {value!r}")

@@ -4,6 +4,7 @@ same function for the single-process reference and for every parallel compositio
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -114,3 +115,86 @@ def run_steps(cfg, steps: int = 4, probe=None):
         "activations_left": trainer.activations.bytes,  # kept past the step: a leak
         "probe": probed() if probed is not None else None,
     }
+
+
+class _Overflow(torch.autograd.Function):
+    """Forward: x. Backward: x's gradient with its first element infinite (an fp16 overflow)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+
+def overflow_at(module: torch.nn.Module, step: int, now: list[int]) -> None:
+    """Make `module`'s output gradient overflow in the backward of step `step` (`now[0]` is the
+    step running)."""
+    def hook(_, __, output):
+        if now[0] == step and torch.is_grad_enabled():
+            return _Overflow.apply(output)
+    module.register_forward_hook(hook)
+
+
+def grad_scaler_reference(cfg, steps: int = 4, inject: tuple[str, int] | None = None,
+                          half_params: bool = False) -> dict:
+    """One process training the whole model with torch's own fp16 recipe: autocast and
+    `torch.amp.GradScaler` with the run's settings (its rule is hysteresis 1), unscale, clip,
+    `scaler.step`, `scaler.update`; a skipped step leaves the LR schedule where it was.
+    `half_params`: fp16 parameters with fp32 masters that the optimizer steps (as ZeRO holds
+    them; Micikevicius et al. 2018). `inject` = (module name, step): that module's output
+    gradient overflows in that step. Returns losses, the scale after each step, the global norm
+    of the unscaled gradient before clipping, the skipped steps, and the parameters."""
+    from plait.model.moe import MoEFeedForward
+    from plait.parallel import cross_entropy
+    from plait.train.data import TokenData
+    from plait.train.optim import build_optimizer, lr_at, set_lr
+    from plait.train.trainer import build_configured_model
+
+    train = cfg.train
+    model = build_configured_model(cfg)
+    params = dict(model.named_parameters())
+    if half_params:
+        params = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+        model.half()
+    optimizer = build_optimizer([p for p in params.values() if p.dim() >= 2],
+                                [p for p in params.values() if p.dim() < 2], train)
+    scaler = torch.amp.GradScaler("cpu", init_scale=train.loss_scale_init,
+                                  growth_interval=train.loss_scale_growth_interval)
+    now = [0]
+    if inject is not None:
+        overflow_at(model.get_submodule(inject[0]), inject[1], now)
+    data = TokenData(cfg.data, train.seed)
+    out = {"losses": [], "scales": [], "norms": [], "skipped": 0}
+    for step in range(steps):
+        now[0] = step
+        set_lr(optimizer, lr_at(step - out["skipped"], train))
+        for m in model.modules():  # the auxiliary losses' gradients carry the scale too
+            if isinstance(m, MoEFeedForward):
+                m.loss_scale = scaler.get_scale()
+        inputs, targets = data.batch(step, train.global_batch)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = cross_entropy(model(inputs), targets)
+        scaler.scale(loss).backward()
+        if half_params:
+            for n, p in model.named_parameters():
+                params[n].grad, p.grad = p.grad.float(), None
+        scaler.unscale_(optimizer)
+        out["skipped"] += not all(torch.isfinite(p.grad).all() for p in params.values())
+        norm = torch.nn.utils.clip_grad_norm_(list(params.values()), train.grad_clip or math.inf)
+        out["norms"].append(norm.item())
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if half_params:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(params[n])
+        out["losses"].append(loss.item())
+        out["scales"].append(scaler.get_scale())
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out

@@ -5,6 +5,9 @@ against the same step under PyTorch's own peer, in one run:
     parallel.zero = 1, 2  plait ZeRO-1 / 2  vs  DDP + torch ZeroRedundancyOptimizer
     parallel.zero = 3     plait ZeRO-3      vs  torch.distributed.fsdp.fully_shard (per block, root)
 
+in the run's `train.precision`: the peers under autocast, fully_shard with a
+`MixedPrecisionPolicy`, fp16 with `torch.amp.GradScaler` / FSDP's `ShardedGradScaler`.
+
 Per world size (1, 2, 4, ... up to N; the same global batch each time, i.e. strong scaling) the
 steps take turns, in rotating order so that none always runs first: plait, torch, and (for plain
 DDP) plait with communication skipped (every micro-batch under `no_sync`, no all-reduce).
@@ -27,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,6 +41,7 @@ from plait.config import Config, microbatches
 from plait.mesh import build_mesh
 from plait.model.plan import has_plan, plan_of
 from plait.parallel import DataParallel
+from plait.parallel.loss_scaling import HALF
 from plait.train.data import TokenData
 from plait.train.trainer import Trainer, build_configured_model
 
@@ -54,25 +59,35 @@ def with_free_dp(cfg: Config) -> Config:
 
 
 class _Runner:
-    """One model, its optimizer, and a step over this rank's rows in micro-batches."""
+    """One model, its optimizer, and a step over this rank's rows in micro-batches; in a half
+    precision under autocast, fp16 with a loss scaler (torch's `GradScaler`, or FSDP's
+    `ShardedGradScaler`), as torch's recipes do."""
 
-    def __init__(self, wrapped, opt, micro_batches, communicate=True):
+    def __init__(self, wrapped, opt, micro_batches, communicate=True, half=None, scaler=None):
         self.wrapped, self.opt, self.micro_batches = wrapped, opt, micro_batches
-        self.communicate = communicate
+        self.communicate, self.half, self.scaler = communicate, half, scaler
 
     def step(self) -> None:
         self.wrapped.zero_grad(set_to_none=True)
         self.opt.zero_grad(set_to_none=True)
         last = len(self.micro_batches) - 1
+        compute = (torch.autocast("cpu", dtype=self.half) if self.half is not None
+                   else contextlib.nullcontext())
         for i, (x, y) in enumerate(self.micro_batches):
             sync = self.communicate and i == last
             with contextlib.nullcontext() if sync else self.wrapped.no_sync():
-                logits = self.wrapped(x)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / len(self.micro_batches)
-                loss.backward()
+                with compute:
+                    logits = self.wrapped(x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                loss = loss / len(self.micro_batches)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
         if self.communicate and hasattr(self.wrapped, "finish_gradients"):
             self.wrapped.finish_gradients()
-        self.opt.step()
+        if self.scaler is None:
+            self.opt.step()
+            return
+        self.scaler.step(self.opt)  # unscales, skips an overflowing step
+        self.scaler.update()
 
 
 def as_plaits_llama(cfg: Config) -> Config:
@@ -93,21 +108,30 @@ def plait_step(cfg: Config, dims, mesh):
 
 
 def torch_runner(model, mesh, cfg: Config, batches) -> _Runner:
-    group, par = mesh["dp"].get_group(), cfg.parallel
+    """PyTorch's peer of the run's engine, in the run's precision: DDP (+ ZeroRedundancyOptimizer)
+    under autocast over fp32 parameters, fully_shard with `MixedPrecisionPolicy` (half parameters
+    and compute, fp32 reductions); fp16 with torch's loss scalers, from the run's initial scale."""
+    group, par, train = mesh["dp"].get_group(), cfg.parallel, cfg.train
+    half = HALF.get(train.precision)
+    fp16 = train.precision == "fp16"
+    init = train.loss_scale_init if train.loss_scale == "dynamic" else float(train.loss_scale)
     if par.zero == 3:
+        policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
         blocks = model.get_submodule(plan_of(model).blocks).values() if has_plan(model) else ()
         for block in blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        return _Runner(_NoSync(model), opt, batches)
+        scaler = ShardedGradScaler("cpu", init_scale=init, process_group=group) if fp16 else None
+        return _Runner(_NoSync(model), opt, batches, scaler=scaler)  # the policy casts
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=par.bucket_mb)
     if par.zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                       process_group=group, lr=1e-4)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return _Runner(ddp, opt, batches)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init) if fp16 else None
+    return _Runner(ddp, opt, batches, half=half, scaler=scaler)
 
 
 class _NoSync(torch.nn.Module):
@@ -179,9 +203,11 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
         runners["llama"] = plait_step(as_plaits_llama(cfg), dims, mesh)
     if not cfg.parallel.zero:
         local = model()
+        half = HALF.get(cfg.train.precision)
+        scaler = torch.amp.GradScaler("cpu") if cfg.train.precision == "fp16" else None
         runners["no_comm"] = _Runner(DataParallel(local, group),
                                      torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
-                                     communicate=False).step
+                                     communicate=False, half=half, scaler=scaler).step
     medians = time_in_turns(runners, group, steps)
     dist.destroy_process_group()
     return medians if rank == 0 else None

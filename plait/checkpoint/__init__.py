@@ -5,8 +5,10 @@ A checkpoint is a folder `step-NNNNNNNN` (the number of optimizer steps done) ho
 
 - DCP's shard files and `.metadata`: `model.<name>` (the parameters the optimizer steps: fp32
   masters under bf16), `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`, `optim.step` (AdamW's
-  step count), `train.step`, `rng` (the CPU generator's state), and with a compression method
-  its state: `compression.error.<name>`, `compression.q.<name>` (`compression.py`);
+  step count), `train.step`, `rng` (the CPU generator's state), with a compression method
+  its state: `compression.error.<name>`, `compression.q.<name>` (`compression.py`), and under
+  fp16 the loss scaler's: `train.loss_scale`, `train.loss_scale_growth_tracker`,
+  `train.loss_scale_hysteresis_left`, `train.skipped_steps` (`parallel/loss_scaling.py`);
 - `plait.json`: the step, the configuration and world it was made with, and what it contains
   (a Hugging Face import holds the model alone);
 - `COMPLETE`, written last by rank 0 once DCP has gathered every rank's write results and
@@ -134,6 +136,8 @@ def training_state(par, optimizer: torch.optim.Optimizer, step: int = 0,
         sd["optim.step"] = first["step"].detach().clone()
         sd["rng"] = torch.get_rng_state()
         sd.update(compression_state(par)[0])
+        if par.scaler is not None:
+            sd.update(par.scaler.state_tensors())
     return sd
 
 
@@ -144,15 +148,21 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
     full = "optim" in read_meta(path)["contents"]
     sd = training_state(par, optimizer, with_optimizer=full)
     if full:  # compression's entries as they were saved (see compression.py)
+        sizes = saved_sizes(path)
         sd = {k: v for k, v in sd.items() if not k.startswith("compression.")}
-        entries, compression_loaded = compression_state(par, saved_sizes(path))
+        entries, compression_loaded = compression_state(par, sizes)
         sd.update(entries)
+        if par.scaler is not None and "train.loss_scale" not in sizes:
+            # A checkpoint of an fp32 or bf16 run: fp16 starts its scale afresh.
+            sd = {k: v for k, v in sd.items() if k not in par.scaler.state_tensors()}
     dcp.load(sd, checkpoint_id=str(path), planner=LoadPlanner(), process_group=group)
     if full:
         for state in optimizer.state.values():
             state["step"].copy_(sd["optim.step"])
         torch.set_rng_state(sd["rng"])
         compression_loaded()
+        if par.scaler is not None and "train.loss_scale" in sd:
+            par.scaler.load_state_tensors(sd)
         if par.engine.compression is not None:  # its start counts optimizer steps
             par.engine.compression.steps = int(sd["train.step"])
     # Masters into the bf16 parameters; ZeRO-1/2 gather every slice back into each replica.

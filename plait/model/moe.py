@@ -189,6 +189,7 @@ class MoEFeedForward(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.route_groups = 1
         self.grad_scale = 1.0
+        self.loss_scale = 1.0  # fp16: the main loss's scale, which the auxiliary losses share
         self.stats: list[RouterStats] = []  # one per training forward; the trainer clears it
 
     def route(self, probs: torch.Tensor, scores: torch.Tensor | None = None) -> Routing:
@@ -232,7 +233,8 @@ class MoEFeedForward(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, routing.token,
                                                  (y * routing.weight[:, None]).to(tokens.dtype))
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
-            out = AttachLoss.apply(out, (self.aux_coef * aux + self.z_coef * z) * self.grad_scale)
+            out = AttachLoss.apply(out, (self.aux_coef * aux + self.z_coef * z)
+                                   * (self.grad_scale * self.loss_scale))
         if self.training:
             self.stats.append(RouterStats(
                 aux_loss=aux_loss(picked, prob_sum / n).item(), z_loss=(z_sum / n).item(),

@@ -19,6 +19,7 @@ Under context parallelism the trainer cuts each sequence by `Parallelized.contex
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -40,7 +41,8 @@ from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
-from plait.parallel.expert_parallel import apply_ep, expert_overrides
+from plait.parallel.expert_parallel import apply_ep, expert_overrides, moe_layers
+from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
 from plait.parallel.placement import PlacementRecord
@@ -78,6 +80,9 @@ class Parallelized:
     pipeline_eval: PipelineExecutor  # and a forward-only pass
     axes: dict[str, Axis]  # this rank's mesh axes
     context: ContextLayout  # which tokens of each sequence this rank holds (cp)
+    scaler: LossScaler | None = None  # fp16's loss scale (None: no scaling)
+    moe: list = dataclasses.field(default_factory=list)  # the mixtures of experts: their
+    # auxiliary losses' gradients carry the loss scale too
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(decay, no_decay): the tensors the optimizer owns (under ZeRO: this rank's slices)."""
@@ -91,23 +96,38 @@ class Parallelized:
         """One optimizer step, the one every caller drives (trainer, Python API, benches):
         buffers synced, the schedule over this rank's micro-batches (inputs, targets), gradients
         finished, the global norm, clipping to `grad_clip` (0: none), the optimizer's step.
-        Returns (the sum of this rank's scaled micro-batch losses, the global gradient norm);
-        when the norm is not finite nothing is updated and the caller decides what that means."""
+        Returns (the sum of this rank's micro-batch losses, each divided by their number; the
+        global norm of the unscaled gradient); when the norm is not finite nothing is updated,
+        the loss scale (fp16) backs off, and the caller decides what else that means."""
         self.engine.begin_step()
         self.sync_buffers()
+        # fp16: each rank's loss is multiplied by the scale divided by the number of ranks whose
+        # gradients the engine averages, so that its activations' gradients are as large as one
+        # process's over the whole batch: the scale overflows where one process's would.
+        before = self.scaler.scale if self.scaler is not None else 1.0
+        scale = before / self.axes["batch"].size if self.scaler is not None else 1.0
+        self.pipeline.loss_scale = scale
+        for layer in self.moe:
+            layer.loss_scale = scale
         loss_sum = self.pipeline.run(microbatches)
         with TRACER.span("finish gradients"):
             self.finish_gradients()
         # The global norm, every step: for clipping, and because a NaN or infinite loss or
         # gradient anywhere shows in it, the same on every rank (it is reduced over the axes
-        # whose ranks hold different gradients; replicas hold equal ones).
+        # whose ranks hold different gradients; replicas hold equal ones). Gradients are still
+        # scaled: dividing the norm by the scale (a power of two: exactly) unscales it.
         with TRACER.span("gradient norm"):
-            norm = self.grad_norm_sq().sqrt().item()
+            norm = self.grad_norm_sq().sqrt().item() / scale
+        if self.scaler is not None:
+            self.scaler.update(overflow=not math.isfinite(norm))
+            if self.engine.compression is not None:  # error feedback follows the scale
+                self.engine.compression.rescale(self.scaler.scale / before)
         if not math.isfinite(norm):
             return loss_sum, norm  # no update: every rank decides alike
-        if grad_clip > 0:
-            clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], grad_clip,
-                            norm)
+        # Unscaling and clipping in one pass: g * (coef / scale) is g / scale * coef, rounded once.
+        coef = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
+        if coef / scale != 1.0:
+            scale_grads_([p for g in optimizer.param_groups for p in g["params"]], coef / scale)
         with TRACER.span("optimizer"):
             optimizer.step()
             self.finish_step()
@@ -156,17 +176,14 @@ class Parallelized:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, norm: float) -> None:
-    """Scale gradients so that their global norm is at most `max_norm`.
-
-    The caller supplies the global norm, because only the parallel layout knows which
-    gradients are shards to sum over ranks and which are replicas to count once. The coefficient
-    is torch.nn.utils.clip_grad_norm_'s: max_norm / (norm + 1e-6), capped at 1."""
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+def scale_grads_(params, factor: float) -> None:
+    """Multiply every gradient by `factor`: the loss scale's inverse times the clipping
+    coefficient. Clipping's coefficient is torch.nn.utils.clip_grad_norm_'s, max_norm / (norm +
+    1e-6) capped at 1, from the global norm the caller supplies: only the parallel layout knows
+    which gradients are shards to sum over ranks and which are replicas to count once."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def _device(module: torch.nn.Module) -> torch.device:
@@ -182,14 +199,17 @@ def parallelize(
     activation_checkpointing: str = "none",
     options: ModuleOptions = ModuleOptions(),
     source: Source | None = None,
+    scaler: LossScaler | None = None,
 ) -> Parallelized:
-    """Apply every configured parallelism to `model` in the documented order. With bf16 and
-    ZeRO, parameters are held in bf16 with fp32 masters of each rank's slices; without ZeRO, bf16
-    is autocast over fp32 parameters. Do not use `model` afterwards: its pieces now live in the
-    returned chunks. A model with no plan gets the data-parallel engines (`options` says what it
-    would otherwise read from a plan); a degree that needs a plan raises, naming it. A model
-    built on `meta` is materialized from `source` after it is cut: each rank makes only what it
-    holds (under ZeRO-3, its slices; `plait.model.materialize`)."""
+    """Apply every configured parallelism to `model` in the documented order. With a half
+    precision ("bf16", "fp16") and ZeRO, parameters are held in it with fp32 masters of each
+    rank's slices; without ZeRO, it is autocast over fp32 parameters. fp16 scales the loss by
+    `scaler` (default: dynamic from 2^16; `loss_scaling.py`). Do not use `model` afterwards:
+    its pieces now live in the returned chunks. A model with no plan gets the data-parallel
+    engines (`options` says what it would otherwise read from a plan); a degree that needs a
+    plan raises, naming it. A model built on `meta` is materialized from `source` after it is
+    cut: each rank makes only what it holds (under ZeRO-3, its slices;
+    `plait.model.materialize`)."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
     chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing,
@@ -208,8 +228,8 @@ def parallelize(
             fill = Filler(source, record)  # each unit's slice, as the engine builds it
         else:
             materialize(chunks, record, source)  # the whole of what this rank holds
-    engine = build_data_parallel(chunks, mesh, cfg, precision == "bf16", axes, record,
-                                 options.wrap, fill)
+    half = HALF.get(precision)
+    engine = build_data_parallel(chunks, mesh, cfg, half, axes, record, options.wrap, fill)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
 
     tp = axes["tp"]
@@ -221,15 +241,15 @@ def parallelize(
                              "plait's vocabulary-parallel cross-entropy; pass no loss_fn")
         loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp.group,
                                     vocab_size=getattr(model.args, plan.vocab_size))
-    bf16_params = precision == "bf16" and cfg.zero > 0
-    # What passes between stages (only pp > 1, which needs a plan, sends anything).
+    # What passes between stages (only pp > 1, which needs a plan, sends anything): the
+    # parameters' dtype (half under ZeRO with a half precision).
     width = getattr(model.args, plan.hidden_size) if plan and axes["pp"].size > 1 else 0
     activation = Activation(width, tp.size if cfg.sequence_parallel else 1,
-                            torch.bfloat16 if bf16_params else torch.float32)
+                            half if half is not None and cfg.zero > 0 else torch.float32)
     device = _device(chunks)
     compute = contextlib.nullcontext
-    if precision == "bf16":
-        compute = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    if half is not None:
+        compute = functools.partial(torch.autocast, device.type, dtype=half)
     by_index = {int(c): m for c, m in chunks.items()}
     pp_group = axes["pp"].group
     train = PipelineExecutor(schedule, by_index, pp_group, loss_fn, activation, device,
@@ -238,7 +258,11 @@ def parallelize(
         forward_only(schedule.stages, schedule.microbatches, schedule.chunks_per_stage),
         by_index, pp_group, loss_fn, activation, device, compute=compute)
     context = ContextLayout(cfg.cp_method, axes["cp"].rank, axes["cp"].size)
-    return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context)
+    if precision == "fp16" and scaler is None:
+        scaler = LossScaler()
+    moe = [layer for chunk in chunks.values() for layer in moe_layers(chunk).values()]
+    return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context,
+                        scaler if precision == "fp16" else None, moe)
 
 
 def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
@@ -273,12 +297,14 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
 
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
-                        bf16: bool, axes: dict[str, Axis], record: PlacementRecord,
+                        half: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
                         wrap: WrapPolicy | None = None, fill: Filler | None = None
                         ) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
     hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
-    experts over dp, reducing gradients with the `parallel.compression` method."""
+    experts over dp, reducing gradients with the `parallel.compression` method. Under ZeRO with
+    a `half` dtype the parameters are held in it (fp32 masters), and gradients are reduced in it
+    where `parallel.reduce_dtype` names it."""
     dp = axes["batch"]
     overrides = {n: axes["dp"] for n in expert_overrides(record)}
     compression = build_compression(cfg.compression, cfg.compression_ratio,
@@ -292,8 +318,8 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
         dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
         shard, replicate = hsdp_groups(dims)
     precision = {
-        "param_dtype": torch.bfloat16 if bf16 else None,
-        "reduce_dtype": torch.bfloat16 if bf16 and cfg.reduce_dtype == "bf16" else torch.float32,
+        "param_dtype": half,
+        "reduce_dtype": half if half is not None and cfg.reduce_dtype != "fp32" else torch.float32,
     }
     if cfg.zero == 3:
         return Zero3DataParallel(chunks, shard, **precision, offload=cfg.offload,

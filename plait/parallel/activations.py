@@ -15,13 +15,14 @@ S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
                the attention output (/ T), w1 x, w3 x and the gate (3 F / T)
     full       the block input (A / S)
 
-In bf16 (`_Sizes`): matmul outputs take 2 bytes; under autocast over fp32 weights each matmul
-keeps its own bf16 cast of its input (three of the attention norm's output, two of the feed-
-forward norm's) and of its weight; with bf16 weights (ZeRO) the residual stream is bf16 and each
-norm keeps its fp32 upcast and a bf16 x / rms(x). Each chunk's forward keeps the rotary tables;
-the first chunk the embedding's indices, the last chunk the final norm, the softmax of the logits
-(r s V / T, fp32) and the targets. A stage holds what its schedule has in flight: the peak,
-walking its actions, of what each F adds and each B (W under a split backward) frees.
+In bf16 (`_Sizes`; fp16 the same): matmul outputs take 2 bytes; under autocast over fp32
+weights each matmul keeps its own bf16 cast of its input (three of the attention norm's output,
+two of the feed-forward norm's) and of its weight; with bf16 weights (ZeRO) the residual stream
+is bf16 and each norm keeps its fp32 upcast and a bf16 x / rms(x). Each chunk's forward keeps
+the rotary tables; the first chunk the embedding's indices, the last chunk the final norm, the
+softmax of the logits (r s V / T, fp32) and the targets. A stage holds what its schedule has in
+flight: the peak, walking its actions, of what each F adds and each B (W under a split backward)
+frees.
 
 The composition matrix asserts these equal to the measured peak on every rank of every row.
 """
@@ -33,6 +34,7 @@ from fractions import Fraction
 
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
+from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
 
@@ -58,7 +60,7 @@ class _Sizes:
 
 
 def _sizes(cfg: Config) -> _Sizes:
-    if cfg.train.precision != "bf16":
+    if cfg.train.precision not in HALF:  # bf16 and fp16 keep the same sizes
         return _Sizes(4, 4, 8, 4, False)  # the norm keeps its input and x / rms(x) (fp32)
     if cfg.parallel.zero:  # bf16 parameters: the norm's fp32 upcast and its bf16 x / rms(x)
         return _Sizes(2, 2, 6, 2, False)

@@ -26,8 +26,9 @@ tp, an activation is A = r s dim elements:
 - the global gradient norm, every step: one float64 all-reduce per axis whose ranks hold
   different pieces.
 
-Dtypes: the residual stream and its gradients are bf16 only with bf16 parameters (ZeRO + bf16);
-matmul outputs are bf16 under any bf16 training (autocast).
+Dtypes (bf16 and fp16 alike, "half"): the residual stream and its gradients are half only with
+half parameters (ZeRO + a half precision); matmul outputs are half under any half-precision
+training (autocast).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import moe_layers
+from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.state_cost import (  # noqa: F401 - re-exported
@@ -111,9 +113,9 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     C, split = schedule.chunks, schedule.split_backward
     rows = train.global_batch // dims.rows // M
     seq, dim, T = cfg.data.seq_len // dims.cp, cfg.model.args().dim, dims.tp  # this rank's tokens
-    bf16 = train.precision == "bf16"
-    act_b = 2 if bf16 and par.zero else 4  # residual stream, its gradients, the embedding
-    mm_b = 2 if bf16 else 4  # outputs of the row-parallel matmuls
+    half = train.precision in HALF  # bf16 or fp16: the same sizes
+    act_b = 2 if half and par.zero else 4  # residual stream, its gradients, the embedding
+    mm_b = 2 if half else 4  # outputs of the row-parallel matmuls
     A = rows * seq * dim
     blocks = sum(c.layers for c in chunks)
     first = any(c.first for c in chunks)
@@ -189,8 +191,8 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
             for op, nbytes in reduction:
                 add(group, op, K, nbytes)
     else:
-        param_b = 2 if bf16 else 4
-        reduce_b = 2 if bf16 and par.reduce_dtype == "bf16" else 4
+        param_b = 2 if half else 4
+        reduce_b = 2 if half and par.reduce_dtype != "fp32" else 4
         gathers = 1 if par.zero < 3 else (2 * M if par.reshard_after_forward else 1)
         for group, K, segments in flat_buffers(cfg, dims, record):
             padded = padded_numel(members_numel(segments), K)
@@ -264,10 +266,10 @@ def routed_traffic(t: Traffic, cfg: Config, dims: ParallelDims,
         return
     args, M = cfg.model.args(), microbatches(cfg.parallel, dims)
     tokens = cfg.train.global_batch // dims.rows // M * cfg.data.seq_len // dims.cp
-    # Bytes per element out (the block's residual dtype) and back (the experts' output: bf16
+    # Bytes per element out (the block's residual dtype) and back (the experts' output: half
     # under autocast); backward sends the gradients of each the other way.
-    bf16 = cfg.train.precision == "bf16"
-    out, back = (2 if bf16 and cfg.parallel.zero else 4), (2 if bf16 else 4)
+    half = cfg.train.precision in HALF
+    out, back = (2 if half and cfg.parallel.zero else 4), (2 if half else 4)
     passes = 2 + (cfg.train.activation_checkpointing == "full")
     t.add("ep", Op.ALL_TO_ALL, dims.ep, tokens * args.moe_top_k * args.dim * (out + back)
           * M * moe * passes, calls=2 * M * moe * passes)

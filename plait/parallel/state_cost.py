@@ -16,6 +16,7 @@ from plait.comm.compression import Segment, build_compression, layout, members_n
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.parallel.expert_parallel import expert_overrides
+from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.schedules import Kind
 from plait.parallel.placement import PlacementRecord
@@ -83,9 +84,10 @@ def compression_method(cfg: Config):
 
 def dtype_bytes(cfg: Config) -> tuple[int, int]:
     """(bytes per parameter element held, bytes per gradient element reduced): 2 and 2 or 4 under
-    bf16 ZeRO (bf16 parameters; `parallel.reduce_dtype`), else fp32."""
-    bf16 = cfg.train.precision == "bf16" and cfg.parallel.zero > 0
-    return (2 if bf16 else 4), (2 if bf16 and cfg.parallel.reduce_dtype == "bf16" else 4)
+    ZeRO with a half precision, bf16 or fp16 (half parameters; `parallel.reduce_dtype`), else
+    fp32."""
+    half = cfg.train.precision in HALF and cfg.parallel.zero > 0
+    return (2 if half else 4), (2 if half and cfg.parallel.reduce_dtype != "fp32" else 4)
 
 
 def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:

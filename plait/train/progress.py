@@ -107,8 +107,11 @@ def print_summary(summary, world_size: int) -> None:
                  ("MoE tokens dropped (mean)", f"{mean('dropped'):.2%}"),
                  ("MoE busiest expert / mean (worst)",
                   f"{max(m['max_load'] for m in summary.moe):.2f}")]
+    if summary.loss_scale:
+        rows.append(("fp16 loss scale (end)", f"{summary.loss_scale:g}"))
     if summary.skipped_steps:
-        rows.append(("steps skipped (non-finite gradient)", str(summary.skipped_steps)))
+        why = "fp16 overflow" if summary.loss_scale else "non-finite gradient"
+        rows.append((f"steps skipped ({why})", str(summary.skipped_steps)))
     for row in rows:
         table.add_row(*row)
     Console(stderr=True).print(table)

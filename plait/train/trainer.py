@@ -25,6 +25,7 @@ from plait.config import Config, microbatches
 from plait.mesh import ParallelDims, rows_share
 from plait.model import build_configured, build_sharded, count_params
 from plait.parallel import cross_entropy, parallelize
+from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
 from plait.train.data import TokenData
@@ -57,6 +58,7 @@ class Summary:
     comm_bytes_per_step: float = 0.0
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     skipped_steps: int = 0
+    loss_scale: float = 0.0  # fp16: the scale at the end (0: no loss scaling)
     moe: list[dict] = field(default_factory=list)  # each step's routing metrics (MoE models)
 
 
@@ -77,7 +79,9 @@ class Trainer:
             model, mesh, cfg.parallel, microbatches=self.microbatches,
             precision=cfg.train.precision,
             activation_checkpointing=cfg.train.activation_checkpointing, source=source,
+            scaler=LossScaler.of(cfg.train),
         )
+        self.scaler = self.parallelized.scaler  # fp16's; None otherwise
         del model  # its pieces live in the chunks now; other stages' layers are let go
         if device.type == "cpu" and cfg.parallel.zero != 3:  # ZeRO-3 keeps freeing its units
             release_freed_memory(STEADY_THRESHOLD)
@@ -123,7 +127,8 @@ class Trainer:
         # Both: under ZeRO the optimizer owns slices, not the model's parameters.
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
-        lr = lr_at(step, self.train_cfg)
+        # A step skipped for an fp16 overflow does not advance the schedule (loss_scaling.py).
+        lr = lr_at(step - (self.scaler.skipped if self.scaler else 0), self.train_cfg)
         set_lr(self.optimizer, lr)
         self.moe.clear()
         inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.rows_rank,
@@ -132,8 +137,13 @@ class Trainer:
             loss_sum, norm = self.parallelized.step(self._microbatches(inputs, targets),
                                                     self.optimizer, self.train_cfg.grad_clip)
         result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,
-                  "skipped": not math.isfinite(norm)}
-        if result["skipped"] and self.train_cfg.nan_policy == "stop":
+                  "grad_norm": norm, "skipped": not math.isfinite(norm)}
+        # Under fp16 a non-finite norm is the loss scale's business (an overflow: skipped, the
+        # scale backed off), unless the loss itself is not finite: then it is nan_policy's. The
+        # loss's reduction runs only on skipped steps.
+        overflow = result["skipped"] and self.scaler is not None and \
+            math.isfinite(self._global_mean(loss_sum))
+        if result["skipped"] and not overflow and self.train_cfg.nan_policy == "stop":
             raise NonFiniteGradient(
                 f"step {step}: the gradient norm is {norm}, not finite; "
                 f"likely causes: a learning rate too high for this model (train.lr = "
@@ -174,13 +184,13 @@ class Trainer:
         local = self.data.batch(0, cfg.global_batch, self.rows_rank, self.rows, self.microbatches)
         self.model.train()
         compute = contextlib.nullcontext()
-        if cfg.precision == "bf16":
-            compute = torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if cfg.precision in HALF:
+            compute = torch.autocast(self.device.type, dtype=HALF[cfg.precision])
         with compute:  # the reference's forward as the layout computes its own
             return verify_step(self.parallelized, self.reference.train(),
                                self._microbatches(*local), inputs.to(self.device),
                                targets.to(self.device), cross_entropy, self._global_mean,
-                               2e-2 if cfg.precision == "bf16" else 1e-4)
+                               2e-2 if cfg.precision in HALF else 1e-4)
 
     def fit(self, outputs: Outputs | None = None) -> Summary:
         """Train from `start_step` until `train.steps` or `train.stop_after` steps are done,
@@ -221,6 +231,7 @@ class Trainer:
                 "step": step,
                 "loss": loss,
                 "lr": result["lr"],
+                "grad_norm": result["grad_norm"],  # before clipping (unscaled under fp16)
                 "tokens": self.tokens_per_step * (step + 1),
                 "step_time_s": elapsed,
                 "tokens_per_s": self.tokens_per_step / elapsed,
@@ -231,7 +242,10 @@ class Trainer:
                 "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
                 "activation_bytes": result["activation_bytes"],
             }
-            if cfg.nan_policy == "skip":
+            if self.scaler is not None:  # the whole run's, resumes included
+                record["loss_scale"] = self.scaler.scale
+                record["skipped_steps"] = self.scaler.skipped
+            elif cfg.nan_policy == "skip":
                 record["skipped_steps"] = summary.skipped_steps
             if self.moe.layers is not None:
                 record["moe"] = self.moe.step()
@@ -255,4 +269,5 @@ class Trainer:
         summary.mfu = self.flops_per_step / steady / peak
         summary.comm_bytes_per_step = statistics.mean(comm)
         summary.model_state_bytes = self.parallelized.state_bytes(self.optimizer)
+        summary.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
         return summary

@@ -23,13 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_world
-from training import assert_params_close, run_steps, tiny_config
-
-from plait.checks import validate
-from plait.train.dry_run import describe_rank
+from matrix import STEPS, compare
+from training import run_steps, tiny_config
 
 BASE = ["model.n_layers=4", "train.warmup_steps=2", "train.steps=4"]
-STEPS = 4
 
 # (id, ranks, overrides). Degrees left unset are derived: dp takes what the others leave.
 ROWS = [
@@ -111,60 +108,6 @@ def references():
         "bf16-zero": run_world(run_steps, 1, config("train.precision=bf16",
                                                     "parallel.zero=1"))[0],
     }
-
-
-def check_placements(results) -> None:
-    """Across ranks: each parameter on exactly one pp coordinate, tp shards tiling it."""
-    held: dict[tuple, list] = {}
-    for r in results:
-        c = r["coords"]
-        for name, (shape, shards, replicated) in r["placements"].items():
-            assert set(shards) | replicated == {"pp", "dp", "cp", "ep", "tp"}, name
-            assert not set(shards) & replicated, name
-            key = (name, c["dp"], c["cp"], c["ep"])
-            held.setdefault(key, []).append((c["pp"], shards.get("tp"), r["params"][name].shape,
-                                             shape))
-    names = {k[0] for k in held}
-    for (name, *_), holders in held.items():
-        assert len({pp for pp, *_ in holders}) == 1, f"{name} on several stages"
-        tp = holders[0][1]
-        if tp is not None:
-            assert sorted(h[1].index for h in holders) == list(range(tp.count)), name
-            full = holders[0][3]
-            assert sum(h[2][tp.dim] for h in holders) == full[tp.dim], name
-    return names
-
-
-def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
-    dims = validate(cfg, len(results))
-    for r in results:
-        # Exact accounting: the last step's collectives and the model state after it equal the
-        # formulas of plait.parallel.cost, and so does what `plait train --dry-run` predicts for
-        # this rank from one process, without a process group.
-        assert r["ledger"] == r["traffic"], f"rank {r['rank']}"
-        assert r["state"] == r["state_formula"], f"rank {r['rank']}"
-        dry = describe_rank(cfg, dims, r["rank"])
-        assert (dict(dry["traffic"].calls), dry["traffic"].bytes) == r["ledger"]
-        assert dry["state"] == r["state"]
-        # The activations kept for backward (the step's peak, counted by storage) equal their
-        # formula, plait.parallel.activations, exactly.
-        assert dry["activations"] == r["activation_bytes"], f"rank {r['rank']}"
-        assert r["activations_left"] == 0, f"rank {r['rank']}"
-        assert dry["elements"] == sum(p.numel() for p in r["params"].values()) or \
-            cfg.parallel.zero == 3  # ZeRO-3's held_params are gathered whole
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
-                                   rtol=loss_rtol, atol=0)
-        tp = r["placements"]
-        for name, p in r["params"].items():
-            want = ref["params"][name]
-            shard = tp[name][1].get("tp")
-            if shard is not None:
-                want = want.chunk(shard.count, dim=shard.dim)[shard.index]
-            if param_atol is not None:
-                assert_params_close(p, want, name, atol=param_atol, steps=STEPS)
-            else:
-                assert (p.float() - want.float()).abs().mean() <= param_mean_atol, name
-    assert check_placements(results) == set(ref["params"])  # every parameter held somewhere
 
 
 @pytest.mark.parametrize("ranks,overrides", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])

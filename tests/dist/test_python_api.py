@@ -189,3 +189,48 @@ def _unused():
 def test_a_parameter_without_a_gradient_is_named():
     for said in run_world(_unused, 2):
         assert said.startswith("parameters got no gradient this step: spare.weight, spare.bias")
+
+
+def _fp16_plait():
+    plait.init()
+    job = plait.prepare(_model(False), F.cross_entropy, plait.ParallelConfig(), precision="fp16",
+                        loss_scaler=plait.LossScaler(scale=2.0**10, growth_interval=1))
+    optimizer = torch.optim.AdamW(job.parameters(), lr=LR)
+    losses, scales = [], []
+    for x, y in _batches():
+        losses.append(job.step(*job.local(x, y), optimizer, grad_clip=1.0))
+        scales.append(job.loss_scaler.scale)
+    return losses, job.full_state_dict(), scales
+
+
+def _fp16_one_process():
+    model = _model(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    losses, scales = [], []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+        scales.append(scaler.get_scale())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, scales
+
+
+def test_fp16_follows_torchs_grad_scaler():
+    """fp16 from Python: DDP over 2 ranks with `plait.LossScaler` against one process with
+    autocast and `torch.amp.GradScaler` (scale 2^10, doubling after every clean step): the same
+    scales exactly, losses and parameters as fp16 summation order allows (measured 1e-6
+    relative on the losses; test_fp16's tolerances)."""
+    want = _fp16_one_process()
+    assert want[2] == [2.0**11, 2.0**12, 2.0**13, 2.0**14]
+    for losses, params, scales in run_world(_fp16_plait, 2):
+        assert scales == want[2]
+        assert losses == pytest.approx(want[0], rel=1e-3)
+        for name, p in want[1].items():
+            assert (params[name] - p).abs().mean() <= 3e-4, name

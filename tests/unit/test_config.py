@@ -142,7 +142,19 @@ BAD_INPUT = [
     (["data.seq_len=0"], "data.seq_len"),
     # Parallel keys.
     (["parallel.zero=4"], "parallel.zero"),
-    (["parallel.reduce_dtype=fp16"], "parallel.reduce_dtype"),
+    (["parallel.reduce_dtype=fp16"], "parallel.reduce_dtype"),  # a fp32 run
+    (["parallel.reduce_dtype=bf16", "train.precision=fp16"], "parallel.reduce_dtype"),
+    (["parallel.reduce_dtype=fp8"], "parallel.reduce_dtype"),
+    # fp16's loss scale.
+    (["train.precision=fp16", "train.loss_scale=auto"], "train.loss_scale"),
+    (["train.precision=fp16", "train.loss_scale=0"], "train.loss_scale"),
+    (["train.precision=fp16", "train.loss_scale=true"], "train.loss_scale"),
+    (["train.loss_scale=1024"], "train.loss_scale"),  # not fp16
+    (["train.precision=fp16", "train.loss_scale_init=-1"], "train.loss_scale_init"),
+    (["train.precision=fp16", "train.loss_scale_growth_interval=0"],
+     "train.loss_scale_growth_interval"),
+    (["train.precision=fp16", "train.loss_scale_hysteresis=0"], "train.loss_scale_hysteresis"),
+    (["train.precision=fp16", "train.loss_scale_min=1e9"], "train.loss_scale_min"),
     (["parallel.offload=disk"], "parallel.offload"),
     (["parallel.offload=optimizer"], "parallel.offload"),  # without ZeRO
     (["parallel.offload=params", "parallel.zero=1"], "parallel.offload"),
@@ -204,6 +216,8 @@ BAD_INPUT = [
     (["parallel.compression=int8", "parallel.allreduce=ring"], "parallel.compression"),
     (["parallel.compression=bf16", "parallel.zero=2", "train.precision=bf16",
       "parallel.reduce_dtype=bf16"], "parallel.compression"),
+    (["parallel.compression=topk", "parallel.zero=2", "train.precision=fp16",
+      "parallel.reduce_dtype=fp16"], "parallel.compression"),
     (["train=3"], "train=3"),  # not section.key=value
     (["model.preset=tiny", "data.seq_len=65"], "data.seq_len"),  # beyond max_seq_len 64
     # Files: the recipe, the data, the metrics path (created by the `files` fixture).

@@ -219,6 +219,21 @@ class Compression:
     def state_bytes(self) -> int:
         return self.method.state_bytes()
 
+    @torch.no_grad()
+    def rescale(self, factor: float) -> None:
+        """fp16's loss scale changed by `factor`: error feedback holds gradients as they were
+        scaled, and follows it. After an overflow, an error that is not finite restarts from zero
+        (what that step held back is lost) and so does PowerSGD's Q, from its seeded start. The
+        methods with state keep it in `error` (and PowerSGD in `q`), by buffer or parameter."""
+        for error in getattr(self.method, "error", {}).values():
+            if not torch.isfinite(error).all():
+                error.zero_()
+            elif factor != 1.0:
+                error.mul_(factor)
+        q = getattr(self.method, "q", {})
+        for name in [n for n, t in q.items() if not torch.isfinite(t).all()]:
+            del q[name]
+
 
 def build_compression(method: str, ratio: float = 0.01, rank: int = 4,
                       start: int = 0) -> Compression | None:

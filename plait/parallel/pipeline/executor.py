@@ -64,6 +64,7 @@ class PipelineExecutor:
         self.loss_fn, self.activation, self.device = loss_fn, activation, device
         self.no_sync = no_sync or contextlib.nullcontext
         self.compute = compute or contextlib.nullcontext  # e.g. bf16 autocast around forwards
+        self.loss_scale = 1.0  # fp16: what backward multiplies the loss by (set each step)
         # The action that produces each chunk's gradients last: only it may communicate them.
         grad_kind = Kind.W if schedule.split_backward else Kind.B
         self.final = {}
@@ -75,9 +76,10 @@ class PipelineExecutor:
         return (chunk * self.schedule.microbatches + microbatch) * 2 + backward
 
     def run(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Execute this stage's actions over the micro-batches; returns the sum of the (scaled)
-        losses computed here (0 on stages without the last chunk). Each action is traced (when
-        tracing) from the end of its receive, so the waiting shows as idle in the timeline."""
+        """Execute this stage's actions over the micro-batches; returns the sum of the losses
+        computed here, each divided by the number of micro-batches and not by `loss_scale` (0 on
+        stages without the last chunk). Each action is traced (when tracing) from the end of its
+        receive, so the waiting shows as idle in the timeline."""
         s, M = self.schedule, len(microbatches)
         saved: dict[tuple[int, int], _Saved] = {}
         sends: list[tuple[Pending, torch.Tensor]] = []
@@ -103,6 +105,8 @@ class PipelineExecutor:
                 if a.chunk == s.chunks - 1:
                     out = self.loss_fn(out, microbatches[a.microbatch][1].to(self.device)) / M
                     loss_sum += out.item()
+                    if self.loss_scale != 1.0:  # fp16: backward from the scaled loss
+                        out = out * self.loss_scale
                 else:
                     out = out.to(self.activation.dtype).contiguous()
                     sent = out.detach()
