@@ -358,6 +358,10 @@ def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list
         out.append(f"{cfg.model.hf}: model state and collectives are the transformers model's; "
                    "its activations and FLOPs are priced as plait's Llama block of the same "
                    "shape (no formula for another module's)")
+    if cfg.train.precision == "bf16" and not dev.bf16:
+        out.append(f"{dev.name} has no bf16 tensor cores: bf16 runs far below the "
+                   f"{dev.peak_flops / 1e12:g} TFLOP/s priced here; use train.precision='fp16' "
+                   "(loss scaling)")
     if not cluster.within_node(1, d["tp"]):
         out.append(f"tensor parallelism across nodes: tp={d['tp']} > {cluster.gpus_per_node} GPUs "
                    "per node, so its all-reduces in every layer cross the inter-node links; keep "

@@ -15,6 +15,12 @@ L40S 48 GB, 362; all PCIe 4.0 x16, which is also their link to each other within
 each way; the A6000's two-card NVLink bridge is left out), 100 Gb/s Ethernet between nodes (12.5
 GB/s), 256 GB of host memory per node (a workstation or a cloud VM of 4 to 8 of them).
 
+The generation before bf16 (fp16 tensor cores only, plait's `train.precision = "fp16"`): V100
+SXM2 32 GB, 125 TFLOP/s fp16 dense, NVLink 2 at 300 GB/s (150 each way), PCIe 3.0 x16 (16 GB/s),
+100 Gb/s EDR InfiniBand between nodes (12.5 GB/s), 768 GB of host memory (DGX-1V 32GB is 512,
+DGX-2 1.5 TB; we take the middle); T4 16 GB, 65 TFLOP/s fp16, PCIe 3.0 x16 as its only link, 100
+Gb/s Ethernet between nodes. On these bf16 runs without tensor cores: the planner says so.
+
 The CPU side of optimizer offload (the AdamW update on the host) is priced as memory-bound: 32
 bytes per parameter (read and write the fp32 master and two moments, read the gradient) at 100
 GB/s of host memory bandwidth per node, shared by its GPUs (an assumption, not a measurement).
@@ -33,7 +39,7 @@ GB = 1e9
 @dataclass(frozen=True)
 class Device:
     name: str
-    peak_flops: float  # per device, dense bf16 (fp32 for the CPU)
+    peak_flops: float  # per device, dense bf16 or fp16 (fp32 for the CPU)
     memory_bytes: float
     intra_gbps: float  # GB/s each way per device, within a node
     inter_gbps: float  # GB/s each way per device, between nodes
@@ -47,6 +53,7 @@ class Device:
     pcie_gbps: float = 32.0  # GB/s each way between a device and host memory (offload)
     host_memory_bytes: float = 256 * GB  # per node
     host_gbps: float = 100.0  # host memory bandwidth per node (the CPU's optimizer step)
+    bf16: bool = True  # has bf16 tensor cores (`peak_flops` is then the bf16 and fp16 peak)
 
 
 DEVICES = {
@@ -62,6 +69,9 @@ DEVICES = {
     "l4": Device("L4 24GB", 121e12, 24 * GB, 32, 12.5),
     "a6000": Device("RTX A6000 48GB", 155e12, 48 * GB, 32, 12.5),
     "l40s": Device("L40S 48GB", 362e12, 48 * GB, 32, 12.5),
+    "v100": Device("V100 SXM2 32GB", 125e12, 32 * GB, 150, 12.5, pcie_gbps=16,
+                   host_memory_bytes=768 * GB, bf16=False),
+    "t4": Device("T4 16GB", 65e12, 16 * GB, 16, 12.5, pcie_gbps=16, bf16=False),
 }
 
 

@@ -253,3 +253,17 @@ def test_a_70b_model_starts_on_80gb_devices():
     plan = estimate(cfg, validate(cfg, 64), Cluster(64, 8, DEVICES["h100"]))
     assert 0 < plan.startup_bytes < 80e9 < 4 * plan.params
     assert plan.peak_memory_bytes >= plan.startup_bytes
+
+
+def test_fp16_is_priced_as_bf16_and_bf16_on_a_v100_is_flagged():
+    """fp16 keeps the sizes of bf16 (2-byte parameters and activations under autocast and ZeRO):
+    every plan of 1B on 8 V100s prices both alike, byte for byte; bf16 there gets a warning (no bf16
+    tensor cores), fp16 none."""
+    base = ["model.preset='1b'", "train.global_batch=32", "data.seq_len=1024", "parallel.zero=1"]
+    cluster = Cluster(8, 8, DEVICES["v100"])
+    bf16, fp16 = (rank_plans(load_config(None, [*base, f"train.precision={p}"]), cluster,
+                             {"tp": 1, "pp": 1}) for p in ("bf16", "fp16"))
+    assert [(p.degrees, p.memory_bytes, p.step_time_s) for p in bf16] == \
+        [(p.degrees, p.memory_bytes, p.step_time_s) for p in fp16]
+    assert any("no bf16 tensor cores" in w for w in bf16[0].warnings)
+    assert not any("bf16" in w for w in fp16[0].warnings)
