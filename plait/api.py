@@ -237,6 +237,8 @@ def prepare(
     parallel = parallel or ParallelConfig()
     if precision not in ("fp32", *HALF):
         raise ValueError(f"precision: 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    if loss_scaler is not None and precision != "fp16":
+        raise ValueError(f"loss_scaler: loss scaling is for precision='fp16', not {precision!r}")
     dims = validate_parallel(parallel, dist.get_world_size(), precision)
     where = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(where)

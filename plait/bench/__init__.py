@@ -54,6 +54,11 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
     zero = cfg.parallel.zero
     engine = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[zero]
     peer = {0: "torch DDP", 3: "torch fully_shard"}.get(zero, "torch ZeroRedundancyOptimizer")
+    precision = cfg.train.precision
+    if precision != "fp32":
+        engine, peer = f"{engine} {precision}", f"{peer} {precision}"
+    if precision == "fp16":
+        peer += " + " + ("ShardedGradScaler" if zero == 3 else "GradScaler")
     hf = bool(cfg.model.hf)
     model = f"Hugging Face {cfg.model.hf} (transformers' modules), " if hf else "model "
     table = Table(title=(

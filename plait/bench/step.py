@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -185,6 +186,8 @@ def start_worker(cfg: Config):
 
 @record
 def bench_step(cfg: Config, steps: int) -> dict | None:
+    # fully_shard's ShardedGradScaler replicates its one-element found-inf tensors, and says so.
+    warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")
     dims, mesh = start_worker(cfg)
     group = mesh["dp"].get_group()
     rank, n = dist.get_rank(), dims.dp

@@ -22,6 +22,7 @@ step's update would, applied).
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -204,3 +205,23 @@ def test_a_non_finite_loss_is_nan_policys_not_the_scalers():
         assert steps == [False] and error.startswith("step 1: the gradient norm is nan")
     for steps, error in run_world(_nan_loss_at, 2, 1, "skip", timeout=120):
         assert steps == [False, True, False] and error is None
+
+
+def test_compressions_error_feedback_survives_an_overflow():
+    """fp16 with top-k's error feedback at dp2, the overflow injected on rank 1 in step 1: the
+    step is skipped with the scale halved as in the rows above, the error buffers stay finite
+    (an overflowed buffer's error restarts from zero), and the steps after it train."""
+    cfg = tiny_config(*BASE, "parallel.compression=topk", "parallel.compression_ratio=0.1")
+
+    def errors(trainer):
+        return lambda: [bool(e.isfinite().all())
+                        for e in trainer.parallelized.engine.compression.method.error.values()]
+
+    def probe(trainer):
+        scales, errs = injected("layers.2.feed_forward.w2", {"dp": 1})(trainer), errors(trainer)
+        return lambda: {**scales(), "finite": errs()}
+
+    for r in run_world(run_steps, 2, cfg, STEPS, probe, timeout=120):
+        assert r["probe"]["scales"] == [2.0**14, 2.0**13, 2.0**13, 2.0**14]
+        assert r["probe"]["finite"] and all(r["probe"]["finite"])
+        assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][3] < r["losses"][0]

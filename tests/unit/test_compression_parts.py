@@ -143,3 +143,18 @@ def test_error_feedback_loses_nothing_across_ranks():
     for method, options in (("topk", {"ratio": 0.05}), ("sign", {}), ("powersgd", {"rank": 2})):
         got, put_in, held = run_world(run, 2, method, options)[0]
         torch.testing.assert_close(got + held, put_in, rtol=0, atol=1e-5, msg=method)
+
+
+def test_error_feedback_follows_the_fp16_loss_scale():
+    """When fp16's loss scale changes by a factor the held-back gradient (scaled as the gradients
+    were) changes by it too; after an overflow a non-finite error restarts from zero and a
+    non-finite PowerSGD Q from its seeded start (made again on next use)."""
+    topk = build_compression("topk", ratio=0.5)
+    topk.method.error = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([float("inf"), 1.0])}
+    topk.rescale(0.5)
+    assert topk.method.error["a"].tolist() == [0.5, -1.0]
+    assert topk.method.error["b"].tolist() == [0.0, 0.0]
+    psgd = build_compression("powersgd", rank=1)
+    psgd.method.q = {"w": torch.ones(3, 1), "v": torch.full((3, 1), float("nan"))}
+    psgd.rescale(2.0)
+    assert list(psgd.method.q) == ["w"]
