@@ -1,0 +1,147 @@
+"""The checks of a run's own sections, `train` (with fp16's loss scale), `data` and `checkpoint`,
+made before a worker starts; `plait.checks.validate` calls them after the model's and the
+layout's. Each raises `ConfigError(field, fix)`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from plait.config import Config, ConfigError, DataConfig, TrainConfig, model_section
+from plait.mesh import ParallelDims
+from plait.model.args import ModelArgs
+from plait.parallel.loss_scaling import HALF
+
+
+def check_train(train: TrainConfig, dims: ParallelDims) -> None:
+    if train.steps < 1:
+        raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
+    if not 0 <= train.warmup_steps <= train.steps:
+        raise ConfigError("train.warmup_steps", f"must be in [0, train.steps={train.steps}]")
+    if train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "no CUDA device here; use 'auto' or 'cpu'")
+    if train.lr <= 0:
+        raise ConfigError("train.lr", f"must be > 0, got {train.lr}")
+    for name, low, high in (("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0)):
+        value = getattr(train, name)
+        if not low <= value < high:
+            raise ConfigError(f"train.{name}", f"must be in [{low:g}, {high:g}), got {value}")
+    if not 0 <= train.min_lr_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio", f"must be in [0, 1], got {train.min_lr_ratio}")
+    for name in ("weight_decay", "grad_clip", "peak_tflops"):
+        if getattr(train, name) < 0:
+            raise ConfigError(f"train.{name}", f"must be >= 0, got {getattr(train, name)}")
+    if train.base_batch < 1:
+        raise ConfigError("train.base_batch", f"must be >= 1, got {train.base_batch}")
+    if train.eval_every < 0:
+        raise ConfigError("train.eval_every", f"must be >= 0 (0: after the last step only), "
+                          f"got {train.eval_every}")
+    if train.eval_batches < 1:
+        raise ConfigError("train.eval_batches", f"must be >= 1, got {train.eval_batches}")
+    if train.precision not in ("fp32", *HALF):
+        raise ConfigError("train.precision",
+                          f"'fp32', 'bf16' or 'fp16', got '{train.precision}'")
+    _check_loss_scale(train)
+    if train.lr_scaling not in ("none", "linear"):
+        raise ConfigError("train.lr_scaling", f"'none' or 'linear', got '{train.lr_scaling}'")
+    if not 0 <= train.stop_after <= train.steps:
+        raise ConfigError("train.stop_after", f"a step count in [0, train.steps={train.steps}] "
+                          f"(0: run them all), got {train.stop_after}")
+    if train.threads < 1:
+        raise ConfigError("train.threads", f"must be >= 1, got {train.threads}")
+    if train.activation_checkpointing not in ("none", "full", "selective"):
+        raise ConfigError("train.activation_checkpointing",
+                          f"'none', 'full' or 'selective', got '{train.activation_checkpointing}'")
+    if train.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
+    if train.nan_policy not in ("stop", "skip"):
+        raise ConfigError("train.nan_policy", f"'stop' or 'skip', got '{train.nan_policy}'")
+    if train.global_batch < 1 or train.global_batch % dims.rows:
+        ranks = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
+        raise ConfigError(
+            "train.global_batch",
+            f"{train.global_batch} must be a positive multiple of {ranks}",
+        )
+
+
+def _check_loss_scale(train: TrainConfig) -> None:
+    """`train.loss_scale*`: fp16's (plait/parallel/loss_scaling.py)."""
+    scale = train.loss_scale
+    if isinstance(scale, str) and scale != "dynamic":
+        raise ConfigError("train.loss_scale", f"'dynamic' or a positive number, got '{scale}'")
+    if not isinstance(scale, str) and scale <= 0:
+        raise ConfigError("train.loss_scale", f"a static scale must be > 0, got {scale:g}")
+    if not isinstance(scale, str) and train.precision != "fp16":
+        raise ConfigError("train.loss_scale", "loss scaling is for train.precision = 'fp16' "
+                          f"(this run is '{train.precision}'): leave it at 'dynamic'")
+    for key, ok, want in (
+            ("init", train.loss_scale_init > 0, "must be > 0"),
+            ("growth_interval", train.loss_scale_growth_interval >= 1, "must be >= 1 step"),
+            ("hysteresis", train.loss_scale_hysteresis >= 1, "must be >= 1 (1: back off at once)"),
+            ("min", 0 < train.loss_scale_min <= train.loss_scale_init,
+             f"must be in (0, train.loss_scale_init={train.loss_scale_init:g}]")):
+        if not ok:
+            value = getattr(train, f"loss_scale_{key}")
+            raise ConfigError(f"train.loss_scale_{key}", f"{want}, got {value}")
+
+
+def check_data(data: DataConfig, args: ModelArgs) -> None:
+    if not 1 <= data.seq_len <= args.max_seq_len:
+        raise ConfigError(
+            "data.seq_len",
+            f"must be in [1, model.max_seq_len={args.max_seq_len}], got {data.seq_len}",
+        )
+    if not 0 < data.val_fraction < 1:
+        raise ConfigError("data.val_fraction", f"must be in (0, 1), got {data.val_fraction}")
+    if data.max_bytes < 1:
+        raise ConfigError("data.max_bytes", f"must be >= 1, got {data.max_bytes}")
+    if data.source != "stdlib" and not Path(data.source).exists():
+        raise ConfigError("data.source", f"no such file or folder '{data.source}'; or use 'stdlib'")
+    if data.source.endswith(".bin") and args.vocab_size > 65536:
+        raise ConfigError("model.vocab_size", "uint16 .bin data holds token ids below 65536")
+    elif not data.source.endswith(".bin") and args.vocab_size < 256:
+        raise ConfigError("model.vocab_size", "byte-level text needs vocab_size >= 256")
+
+
+def check_checkpoint(cfg: Config) -> None:
+    ck = cfg.checkpoint
+    if ck.every < 0:
+        raise ConfigError("checkpoint.every", f"must be >= 0 steps (0: at the end), got {ck.every}")
+    if ck.keep < 1:
+        raise ConfigError("checkpoint.keep", f"must be >= 1, got {ck.keep}")
+    if ck.every and not ck.dir:
+        raise ConfigError("checkpoint.every", "saving needs checkpoint.dir, a folder to save in")
+    if ck.dir:
+        where = Path(ck.dir)
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir() or not os.access(where, os.W_OK):
+            raise ConfigError("checkpoint.dir", f"cannot write in {where}; choose another folder")
+    # Imported here: torch.distributed.checkpoint takes seconds to import, which every command
+    # that validates a configuration would pay (`plait plan`, `--dry-run`, the launcher).
+    from plait.checkpoint import find, read_meta
+
+    source = find(ck.resume, ck.dir)  # a path given as `resume` is looked in alone
+    if ck.resume not in ("auto", "never") and source is None:
+        raise ConfigError("checkpoint.resume", f"no complete checkpoint at {ck.resume}; give a "
+                          "checkpoint folder (with COMPLETE) or a folder of them, 'auto' or "
+                          "'never'")
+    if source is not None:
+        saved = read_meta(source)["config"]["model"]
+        held = model_section(saved)
+        ours = _weights_signature(cfg.model.args())
+        differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
+        if differ:
+            key, value = next(iter(differ.items()))
+            raise ConfigError("checkpoint.resume", f"{source} holds a model with {key}={value}, "
+                              f"this run's has {key}={ours[key]}; resume with the same model "
+                              "settings, or set checkpoint.resume='never'")
+
+
+def _weights_signature(args: ModelArgs) -> dict:
+    """What a checkpoint's weights fix: their shapes, and the numbers the forward uses them with."""
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
+            "rope_theta")
+    return {k: getattr(args, k) for k in keys}
