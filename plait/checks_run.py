@@ -72,7 +72,8 @@ def _check_loss_scale(train: TrainConfig) -> None:
     if isinstance(scale, str) and scale != "dynamic":
         raise ConfigError("train.loss_scale", f"'dynamic' or a positive number, got '{scale}'")
     if not isinstance(scale, str) and scale <= 0:
-        raise ConfigError("train.loss_scale", f"a static scale must be > 0, got {scale:g}")
+        raise ConfigError("train.loss_scale", f"a static scale must be > 0, got {scale:g} "
+                          "(DeepSpeed's 0 for a dynamic scale is 'dynamic' here)")
     if not isinstance(scale, str) and train.precision != "fp16":
         raise ConfigError("train.loss_scale", "loss scaling is for train.precision = 'fp16' "
                           f"(this run is '{train.precision}'): leave it at 'dynamic'")
