@@ -63,7 +63,8 @@ def injected(module: str, where: dict):
     def install(trainer):
         now, scales, norms, train_step = [0], [], [], trainer.train_step
         coords = trainer.dims.coords(dist.get_rank())
-        if all(coords[a] == c for a, c in where.items()):
+        here = all(coords[a] == c for a, c in where.items())
+        if here:
             for chunk in trainer.model.values():
                 try:
                     overflow_at(chunk.get_submodule(module), STEP, now)
@@ -80,7 +81,7 @@ def injected(module: str, where: dict):
         trainer.train_step = step
         layers = [m for chunk in trainer.model.values() for m in moe_layers(chunk).values()]
         return lambda: {"scales": scales, "norms": norms, "skipped": trainer.scaler.skipped,
-                        "injected": all(coords[a] == c for a, c in where.items()),
+                        "injected": here,
                         # the last step's token rows each all-to-all moved (ep)
                         "rows": [r for m in layers for r in getattr(m.dispatch, "rows", [])]}
 
