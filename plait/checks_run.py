@@ -96,14 +96,11 @@ def check_data(data: DataConfig, args: ModelArgs) -> None:
         )
     if not 0 < data.val_fraction < 1:
         raise ConfigError("data.val_fraction", f"must be in (0, 1), got {data.val_fraction}")
-    if data.max_bytes < 1:
-        raise ConfigError("data.max_bytes", f"must be >= 1, got {data.max_bytes}")
+    if data.max_bytes < 0:
+        raise ConfigError("data.max_bytes", f"must be >= 0 (0: all of data.source), got "
+                          f"{data.max_bytes}")
     if data.source != "stdlib" and not Path(data.source).exists():
         raise ConfigError("data.source", f"no such file or folder '{data.source}'; or use 'stdlib'")
-    if data.source.endswith(".bin") and args.vocab_size > 65536:
-        raise ConfigError("model.vocab_size", "uint16 .bin data holds token ids below 65536")
-    elif not data.source.endswith(".bin") and args.vocab_size < 256:
-        raise ConfigError("model.vocab_size", "byte-level text needs vocab_size >= 256")
 
 
 def check_checkpoint(cfg: Config) -> None:

@@ -127,7 +127,10 @@ def check_inputs(cfg: Config, out=None) -> None:
     """What validate cannot see from the configuration alone: the data and the output paths."""
     from plait.train.data import check_source
 
-    check_source(cfg.data, cfg.model.args().vocab_size)
+    vocab_key = f"model.hf ({cfg.model.hf})" if cfg.model.hf else "model.vocab_size"
+    note = check_source(cfg.data, cfg.model.args().vocab_size, cfg.train.global_batch, vocab_key)
+    if note and speaks():
+        print(note, file=sys.stderr)
     if out is None:
         return
     if out.metrics is not None:

@@ -113,10 +113,12 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # "stdlib" (Python's own .py files), a text file or folder, a .bin
+    # "stdlib" (Python's own .py files), a text file or folder (bytes are tokens), a uint16 .bin,
+    # or a folder written by `plait data prepare` (train/corpus.py)
+    source: str = "stdlib"
     seq_len: int = 64
-    val_fraction: float = 0.05
-    max_bytes: int = 4_000_000  # of text read from `source`
+    val_fraction: float = 0.05  # of the documents (whole), or of the tokens of a single document
+    max_bytes: int = 0  # train on the first bytes of `source` only (said when it cuts); 0: all
 
 
 @dataclass

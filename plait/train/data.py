@@ -1,20 +1,26 @@
-"""Token data: a byte-level corpus (or a pre-tokenized uint16 `.bin`), a fixed validation split, and
-global batches that depend only on the seed and the step, never on the number of ranks.
+"""Token data by epochs: windows of a memory-mapped corpus (`corpus.py`), each training window
+visited once per epoch, and global batches that depend only on the seed and the step, never on the
+number of ranks.
 
-Each data-parallel rank draws the same global batch of row offsets and keeps its own contiguous
-slice of rows, so the union of the ranks' slices is the 1-rank batch, row for row.
+The training split is cut into windows of seq_len + 1 ids that overlap by one (the last target of
+one is the first input of the next). Step s's global batch is positions s*B .. s*B + B - 1 of the
+endless sequence "epoch 0's order, epoch 1's order, ...", where each epoch's order is a permutation
+of the windows chosen by (seed, epoch). Each data-parallel rank reads only its own contiguous slice
+of the rows, so the union of the ranks' slices is the 1-rank batch, row for row, at any world size
+and after a resume on another one.
 """
 
 from __future__ import annotations
 
-import os
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from plait.config import ConfigError, DataConfig
+from plait.train.corpus import CorpusError, is_prepared, open_corpus, read_manifest, verify_shards
+
+_MASK64 = (1 << 64) - 1
 
 
 class ByteTokenizer:
@@ -29,88 +35,75 @@ class ByteTokenizer:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def _text_files(root: Path) -> list[Path]:
-    """Files under `root` in a fixed order, skipping installed packages and caches."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
-        files += [Path(dirpath, f) for f in sorted(filenames)]
-    return files
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 (arithmetic wraps, as it must)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
-def read_corpus(source: str, max_bytes: int) -> np.ndarray:
-    """Token ids of the source: bytes of text (uint8 ids) or a uint16 `.bin` file."""
-    if source.endswith(".bin"):
-        return np.fromfile(source, dtype=np.uint16, count=max_bytes // 2)
-    if source == "stdlib":
-        files = [f for f in _text_files(Path(sysconfig.get_paths()["stdlib"])) if f.suffix == ".py"]
-    elif Path(source).is_dir():
-        files = _text_files(Path(source))
-    else:
-        files = [Path(source)]
-    chunks, total = [], 0
-    for f in files:
-        if total >= max_bytes:
-            break
-        data = f.read_bytes()[: max_bytes - total]
-        chunks.append(data)
-        total += len(data)
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
+    """Where each of `index` (values in [0, n)) goes under a permutation of [0, n) chosen by `key`:
+    a 4-round Feistel network on the smallest even number of bits that covers n, walked until it
+    lands inside [0, n) (cycle walking, Black and Rogaway 2002). O(1) memory per index: no
+    permutation of the corpus's windows is ever stored."""
+    if n < 1:
+        raise ValueError("a permutation of nothing")
+    half = max(1, (int(n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = _mix(np.arange(4, dtype=np.uint64) + np.uint64((key * 4) & _MASK64))
+
+    def encrypt(x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << np.uint64(half)) | right
+
+    x = encrypt(np.asarray(index, dtype=np.uint64))
+    while (outside := x >= np.uint64(n)).any():
+        x[outside] = encrypt(x[outside])
+    return x.astype(np.int64)
 
 
-def check_source(cfg: DataConfig, vocab_size: int) -> int:
-    """Before any worker starts: the source reads, holds whole uint16 token ids below the
-    vocabulary (.bin), and enough tokens for one window of seq_len + 1 in each split. Returns the
-    number of tokens; raises ConfigError naming data.source (or the model key to change)."""
-    path = Path(cfg.source)
-    try:
-        if cfg.source.endswith(".bin"):
-            size = path.stat().st_size
-            if size % 2:
-                raise ConfigError("data.source", f"{path} has {size} bytes, an odd number; a "
-                                  "uint16 .bin holds 2 bytes per token id (cut, or not ids?)")
-            tokens = np.fromfile(path, dtype=np.uint16, count=cfg.max_bytes // 2)
-            if len(tokens) and int(tokens.max()) >= vocab_size:
-                at = int(np.argmax(tokens >= vocab_size))
-                raise ConfigError("model.vocab_size", f"token id {int(tokens[at])} at position "
-                                  f"{at} of {path} is >= vocab_size={vocab_size}; raise "
-                                  "model.vocab_size or fix the data")
-        else:
-            tokens = read_corpus(cfg.source, cfg.max_bytes)
-    except OSError as e:
-        raise ConfigError("data.source", f"cannot read {path}: {e.strerror or e}") from None
-    n = len(tokens)
-    n_val, need = int(n * cfg.val_fraction), cfg.seq_len + 2
-    if n_val < need or n - n_val < need:
-        raise ConfigError("data.source", f"{n} tokens is too little: the training and validation "
-                          f"({cfg.val_fraction:g}) splits each need seq_len + 2 = {need}; use more "
-                          "text (or data.max_bytes) or a shorter data.seq_len")
-    return n
+def _key(seed: int, epoch: int) -> int:
+    """Epoch e >= 0 of training; -1 is the validation split's one fixed order."""
+    return (seed * 0x9E3779B97F4A7C15 + epoch + 1) & _MASK64
 
 
 class TokenData:
-    """Train and validation streams with the batch sampler."""
+    """The training and validation windows of `cfg.source`, with the batch sampler."""
 
     def __init__(self, cfg: DataConfig, seed: int):
-        tokens = torch.from_numpy(read_corpus(cfg.source, cfg.max_bytes).astype(np.int64))
-        n_val = int(len(tokens) * cfg.val_fraction)
+        try:
+            self.corpus = open_corpus(cfg.source, cfg.max_bytes)
+        except (CorpusError, OSError) as e:
+            raise ConfigError("data.source", str(e)) from None
         self.seq_len, self.seed = cfg.seq_len, seed
-        self.train, self.val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
-        if len(self.val) <= cfg.seq_len + 1:
+        self.split = self.corpus.split(cfg.val_fraction)
+        self.train_windows = (self.split - 1) // self.seq_len
+        self.val_windows = (self.corpus.tokens - self.split - 1) // self.seq_len
+        if self.train_windows < 1 or self.val_windows < 1:
             raise ConfigError(
-                "data.source",
-                f"{len(tokens)} tokens is too little for seq_len={cfg.seq_len} and a "
-                f"validation split of {cfg.val_fraction}; use more text",
-            )
+                "data.source", f"{self.corpus.tokens} tokens is too little for seq_len="
+                f"{cfg.seq_len} and a validation split of {cfg.val_fraction}; use more text")
 
-    def _rows(self, stream: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        idx = offsets[:, None] + torch.arange(self.seq_len + 1)  # (rows, seq + 1)
-        window = stream[idx]
+    def _rows(self, first: int, windows: np.ndarray, share) -> tuple[torch.Tensor, ...]:
+        window = torch.from_numpy(self.corpus.read(first + share(windows) * self.seq_len,
+                                                   self.seq_len + 1))
         return window[:, :-1], window[:, 1:]  # inputs, targets: (rows, seq)
 
-    def _offsets(self, stream: torch.Tensor, key: int, rows: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(key)
-        return torch.randint(0, len(stream) - self.seq_len - 1, (rows,), generator=g)
+    def windows(self, step: int, global_batch: int) -> np.ndarray:
+        """The training windows of `step`'s global batch, in row order."""
+        visit = step * global_batch + np.arange(global_batch, dtype=np.int64)
+        epoch, index = np.divmod(visit, self.train_windows)
+        out = np.empty_like(visit)
+        for e in np.unique(epoch).tolist():  # a batch may straddle two epochs
+            out[epoch == e] = permute(index[epoch == e], self.train_windows, _key(self.seed, e))
+        return out
+
+    def epochs(self, steps: int, global_batch: int) -> float:
+        """Epochs completed after `steps` steps: windows visited / windows in the training split."""
+        return steps * global_batch / self.train_windows
 
     def batch(self, step: int, global_batch: int, rank: int = 0, ranks: int = 1,
               microbatches: int = 1):
@@ -118,15 +111,64 @@ class TokenData:
         (global_batch / ranks, seq). With micro-batches, the global batch is cut into that many
         runs of rows and the rank takes its share of each, in order: micro-batch m over all
         ranks is the global batch's m-th run (what a mixture of experts routes together)."""
-        offsets = self._offsets(self.train, self.seed * 1_000_003 + step, global_batch)
-        return self._rows(self.train, _share(offsets, rank, ranks, microbatches))
+        share = lambda w: _share(w, rank, ranks, microbatches)  # noqa: E731
+        return self._rows(0, self.windows(step, global_batch), share)
 
     def val_batch(self, index: int, global_batch: int, rank: int = 0, ranks: int = 1,
                   microbatches: int = 1):
-        """A fixed validation batch (same rows for every run with this data and seed)."""
-        offsets = self._offsets(self.val, -1 - self.seed * 1_000_003 - index, global_batch)
-        return self._rows(self.val, _share(offsets, rank, ranks, microbatches))
+        """A fixed validation batch (same rows for every run with this data and seed); a split of
+        fewer windows than the batch repeats them."""
+        visit = index * global_batch + np.arange(global_batch, dtype=np.int64)
+        windows = permute(visit % self.val_windows, self.val_windows, _key(self.seed, -1))
+        share = lambda w: _share(w, rank, ranks, microbatches)  # noqa: E731
+        return self._rows(self.split, windows, share)
 
 
-def _share(offsets: torch.Tensor, rank: int, ranks: int, microbatches: int) -> torch.Tensor:
-    return offsets.view(microbatches, ranks, -1)[:, rank].reshape(-1)
+def _share(rows: np.ndarray, rank: int, ranks: int, microbatches: int) -> np.ndarray:
+    return rows.reshape(microbatches, ranks, -1)[:, rank].reshape(-1)
+
+
+def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
+                 vocab_key: str = "model.vocab_size") -> str:
+    """Before any worker starts: the source reads (a prepared folder's shards whole and with their
+    checksums), its token ids fit the model's vocabulary (`vocab_key` names where that comes
+    from), and its training split holds one global batch of windows. Returns the note a limit the
+    user asked for makes ("" when none); raises ConfigError naming the key to change."""
+    try:
+        if is_prepared(cfg.source):
+            manifest = read_manifest(Path(cfg.source))
+            if manifest["vocab_size"] > vocab_size:
+                raise ConfigError(vocab_key, f"the tokenizer of {cfg.source} has "
+                                  f"{manifest['vocab_size']} tokens, the model {vocab_size}; "
+                                  f"set {vocab_key} >= {manifest['vocab_size']}")
+            verify_shards(Path(cfg.source), manifest)
+        elif cfg.source.endswith(".bin"):
+            _check_bin(Path(cfg.source), vocab_size, vocab_key)
+        data = TokenData(cfg, seed=0)
+    except CorpusError as e:
+        raise ConfigError(e.key, e.message) from None
+    except OSError as e:
+        raise ConfigError("data.source", f"cannot read {cfg.source}: {e.strerror or e}") from None
+    if data.corpus.vocab_size <= 256 and vocab_size < data.corpus.vocab_size:
+        raise ConfigError(vocab_key, f"byte-level text needs {vocab_key} >= 256")
+    if data.train_windows < global_batch:
+        raise ConfigError("data.source", f"the training split holds {data.train_windows} windows "
+                          f"of seq_len + 1 = {cfg.seq_len + 1} tokens, fewer than one global batch "
+                          f"(train.global_batch = {global_batch}); use more text, a shorter "
+                          "data.seq_len or a smaller batch")
+    return data.corpus.note
+
+
+def _check_bin(path: Path, vocab_size: int, vocab_key: str) -> None:
+    """A uint16 `.bin`: whole ids, all below the vocabulary (scanned in pieces, not loaded)."""
+    size = path.stat().st_size
+    if size % 2 or not size:
+        raise ConfigError("data.source", f"{path} has {size} bytes, not a whole number of uint16 "
+                          "token ids (2 bytes each): cut, or not ids?")
+    ids = np.memmap(path, dtype=np.uint16, mode="r")
+    for at in range(0, len(ids), 1 << 24):
+        piece = ids[at : at + (1 << 24)]
+        if int(piece.max()) >= vocab_size:
+            where = at + int(np.argmax(piece >= vocab_size))
+            raise ConfigError(vocab_key, f"token id {int(ids[where])} at position {where} of "
+                              f"{path} is >= {vocab_size}; raise {vocab_key} or fix the data")

@@ -131,13 +131,15 @@ class Trainer:
         lr = lr_at(step - (self.scaler.skipped if self.scaler else 0), self.train_cfg)
         set_lr(self.optimizer, lr)
         self.moe.clear()
+        waited = time.perf_counter()
         inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.rows_rank,
                                           self.rows, self.microbatches)
+        waited = time.perf_counter() - waited
         with self.activations:  # peak bytes saved for backward during the step
             loss_sum, norm = self.parallelized.step(self._microbatches(inputs, targets),
                                                     self.optimizer, self.train_cfg.grad_clip)
         result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,
-                  "grad_norm": norm, "skipped": not math.isfinite(norm)}
+                  "grad_norm": norm, "skipped": not math.isfinite(norm), "data_wait_s": waited}
         # Under fp16 a non-finite norm is the loss scale's business (an overflow: skipped, the
         # scale backed off), unless the loss itself is not finite: then it is nan_policy's. The
         # loss's reduction runs only on skipped steps.
@@ -233,12 +235,14 @@ class Trainer:
                 "lr": result["lr"],
                 "grad_norm": result["grad_norm"],  # before clipping (unscaled under fp16)
                 "tokens": self.tokens_per_step * (step + 1),
+                "epoch": self.data.epochs(step + 1, cfg.global_batch),  # windows visited / all
                 "step_time_s": elapsed,
                 "tokens_per_s": self.tokens_per_step / elapsed,
                 "mfu": self.flops_per_step / elapsed / peak,
                 "comm_bytes": ledger["bytes"],
                 "comm_calls": ledger["calls"],
                 "comm_wait_s": ledger["wait_s"],  # blocked in collectives: the exposed part
+                "data_wait_s": result["data_wait_s"],  # reading this rank's rows of the batch
                 "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
                 "activation_bytes": result["activation_bytes"],
             }

@@ -31,7 +31,8 @@ def test_targets_are_inputs_shifted_and_splits_disjoint(data):
     assert torch.equal(x[:, 1:], y[:, :-1])
     vx, _ = data.val_batch(0, 4)
     assert torch.equal(vx, data.val_batch(0, 4)[0])  # fixed
-    assert len(data.val) == int((len(data.train) + len(data.val)) * 0.05)
+    # The validation split is whole files (documents) from the end, near the last 5% of tokens.
+    assert data.split in data.corpus.starts
 
 
 def test_byte_tokenizer_roundtrip():
@@ -45,7 +46,11 @@ def test_bin_source(tmp_path):
     path = tmp_path / "tokens.bin"
     ids.tofile(path)
     d = TokenData(DataConfig(source=str(path), seq_len=16), seed=0)
-    assert torch.equal(torch.cat([d.train, d.val]), torch.from_numpy(ids.astype("int64")))
+    assert d.corpus.tokens == 4096 and d.split == 4096 - int(4096 * 0.05)  # one document
+    x, y = d.batch(0, 4)
+    for row, window in zip(x, d.windows(0, 4), strict=True):
+        expected = ids[window * 16 : window * 16 + 16].astype("int64")
+        assert torch.equal(row, torch.from_numpy(expected))
 
 
 def test_lr_schedule_warmup_cosine_and_linear_scaling():

@@ -1,0 +1,175 @@
+"""A corpus of token ids read through memory maps: no rank holds it, and host memory does not grow
+with it (the page cache holds what is read; a process's own memory holds one batch).
+
+Sources, all seen as one stream of token ids cut into segments (one memory map each):
+- a folder written by `plait data prepare` (`manifest.json`, shards of uint16 / uint32 ids and
+  `documents.npy`, each document's first position in the stream);
+- a `.bin` of uint16 ids (one segment, documents unknown);
+- text: a file, a folder, or "stdlib" (Python's own .py files); each byte is a token and each file
+  a document (one segment each, empty files skipped).
+
+The validation split is whole documents at the end (Megatron splits by documents too): those after
+the document boundary nearest to the last `val_fraction` of the tokens. A source of one document
+(a text file, a `.bin`) splits its last tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+INDEX = "documents.npy"  # int64: each document's first position, then the number of tokens
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class CorpusError(ValueError):
+    """A source that cannot be read as promised; `key` is the setting to change."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key, self.message = key, message
+
+
+def text_files(root: Path) -> list[Path]:
+    """Files under `root` in a fixed order, skipping installed packages and caches."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        files += [Path(dirpath, f) for f in sorted(filenames)]
+    return files
+
+
+def is_prepared(source: str) -> bool:
+    return Path(source, MANIFEST).is_file()
+
+
+def read_manifest(folder: Path) -> dict:
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest["vocab_size"], manifest["dtype"], manifest["shards"]  # noqa: B018 (present)
+    except (OSError, ValueError, KeyError) as e:
+        raise CorpusError("data.source", f"{folder / MANIFEST} is not a plait manifest ({e}); "
+                          "prepare the folder again with `plait data prepare`") from None
+    return manifest
+
+
+def verify_shards(folder: Path, manifest: dict) -> None:
+    """Every shard present, of its recorded size, with its recorded checksum (sha256)."""
+    for shard in manifest["shards"]:
+        path = folder / shard["file"]
+        if not path.is_file():
+            raise CorpusError("data.source", f"shard {path} is missing; prepare {folder} again")
+        size = path.stat().st_size
+        if size != shard["bytes"]:
+            raise CorpusError("data.source", f"shard {path} has {size} bytes, the manifest says "
+                              f"{shard['bytes']} (truncated?); prepare {folder} again")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        if digest.hexdigest() != shard["sha256"]:
+            raise CorpusError("data.source", f"shard {path} fails its checksum (sha256 differs "
+                              f"from the manifest's); prepare {folder} again")
+
+
+@dataclass
+class Corpus:
+    """Token ids as segments of one stream; `starts` are the documents' first positions (with the
+    stream's length last), or None where documents are unknown."""
+
+    segments: list[np.ndarray]
+    starts: np.ndarray | None
+    vocab_size: int  # ids are below it
+    note: str = ""  # a limit the user asked for, said once by whoever opens the corpus first
+
+    def __post_init__(self):
+        self.ends = np.cumsum([len(s) for s in self.segments], dtype=np.int64)
+        self.tokens = int(self.ends[-1]) if len(self.ends) else 0
+
+    def split(self, val_fraction: float) -> int:
+        """The first position of the validation split: the last `val_fraction` of the tokens,
+        moved to the nearest document boundary (whole documents, at least one on each side); by
+        tokens alone where there is one document."""
+        cut = self.tokens - int(self.tokens * val_fraction)
+        docs = 0 if self.starts is None else len(self.starts) - 1
+        if docs < 2:
+            return cut
+        at = int(np.searchsorted(self.starts, cut))  # starts[at - 1] < cut <= starts[at]
+        nearest = min((a for a in (at - 1, at) if 1 <= a < docs),
+                      key=lambda a: abs(int(self.starts[a]) - cut))
+        return int(self.starts[nearest])
+
+    def read(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows of `length` consecutive ids from each start: (len(starts), length) int64; a row may
+        cross segments."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(np.asarray(starts, dtype=np.int64)):
+            at, filled = int(np.searchsorted(self.ends, start, side="right")), 0
+            offset = int(start - (self.ends[at - 1] if at else 0))
+            while filled < length:
+                piece = self.segments[at][offset : offset + length - filled]
+                out[row, filled : filled + len(piece)] = piece
+                filled, at, offset = filled + len(piece), at + 1, 0
+        return out
+
+
+def _limit(segments: list[np.ndarray], max_bytes: int, what: str,
+           total: int | None = None) -> tuple[list, str]:
+    """The segments cut to their first `max_bytes` bytes (of `total`, theirs by default), and the
+    sentence that says so."""
+    total = sum(s.nbytes for s in segments) if total is None else total
+    if not max_bytes or max_bytes >= total:
+        return segments, ""
+    kept, left = [], max_bytes
+    for s in segments:
+        if left < s.itemsize:
+            break
+        kept.append(s[: left // s.itemsize])
+        left -= kept[-1].nbytes
+    return kept, (f"data.max_bytes = {max_bytes:,}: training on the first {max_bytes:,} of "
+                  f"{total:,} bytes of {what}")
+
+
+def _map(path: Path, dtype) -> np.ndarray:
+    """A read-only view of the file's ids, paged in on use (mmap without np.memmap's overhead,
+    which matters for the standard library's 1,800 files)."""
+    with open(path, "rb") as f:
+        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=dtype)
+
+
+def open_corpus(source: str, max_bytes: int = 0) -> Corpus:
+    """The corpus at `source`, memory-mapped; `max_bytes` (0: all) keeps the first bytes only."""
+    path = Path(source)
+    if is_prepared(source):
+        manifest = read_manifest(path)
+        dtype = DTYPES[manifest["dtype"]]
+        segments = [_map(path / s["file"], dtype) for s in manifest["shards"] if s["tokens"]]
+        starts = np.load(path / INDEX, mmap_mode="r") if (path / INDEX).is_file() else None
+        segments, note = _limit(segments, max_bytes, source)
+        if note:  # documents past the cut are gone; the one cut short ends the stream
+            kept = sum(len(s) for s in segments)
+            starts = np.append(starts[starts < kept], kept) if starts is not None else None
+        return Corpus(segments, starts, int(manifest["vocab_size"]), note)
+    if source.endswith(".bin"):
+        segments, note = _limit([_map(path, np.uint16)], max_bytes, source)
+        return Corpus(segments, None, 1 << 16, note)
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = [f for f in text_files(root) if f.suffix == ".py"]
+    else:
+        files = text_files(path) if path.is_dir() else [path]
+    sizes = np.cumsum([f.stat().st_size for f in files])
+    if max_bytes:  # map only the files the limit reaches
+        files = files[: int(np.searchsorted(sizes, max_bytes)) + 1]
+    segments = [_map(f, np.uint8) for f in files if f.stat().st_size]
+    segments, note = _limit(segments, max_bytes, source, total=int(sizes[-1]) if files else 0)
+    starts = np.cumsum([0] + [len(s) for s in segments], dtype=np.int64)
+    return Corpus(segments, starts, 256, note)
