@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     from plait.cli_bench import add_bench  # the bench suites' options and commands
 
     add_bench(sub, _Parser)
+    from plait.cli_data import add_data  # `plait data prepare`
+
+    add_data(sub, _Parser)
     compare = sub.add_parser("compare", help="two runs' losses step by step; exit 1 at the first "
                              "step beyond tolerance")
     compare.add_argument("a", metavar="A.jsonl")

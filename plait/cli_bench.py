@@ -1,5 +1,5 @@
-"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp | memory | plan
-[--nproc N] [--config FILE] [key=value ...]`: the benchmark suites' options and commands
+"""`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp | memory | data
+| plan [--nproc N] [--config FILE] [key=value ...]`: the benchmark suites' options and commands
 (`plait.bench` runs them). Like every command, bad input exits with status 2 and one line
 before any worker starts."""
 
@@ -83,6 +83,17 @@ def add_bench(sub, parser_class) -> None:
                                "through its first step, against the formulas")
     memory.add_argument("overrides", nargs="*", metavar="section.key=value")
     memory.set_defaults(func=cmd_bench_memory)
+    data = suites.add_parser("data", help="plait data prepare's tokens/s per worker; training's "
+                             "memory per rank and data wait on a small and a big corpus")
+    data.add_argument("--nproc", type=int, default=2)
+    data.add_argument("--sizes-mb", default="10,1024",
+                      help="MiB of text to tokenize, then MiB of ids of each bigger corpus")
+    data.add_argument("--workers", default="1,2", help="tokenizing processes, comma-separated")
+    data.add_argument("--steps", type=int, default=20, help="timed steps per corpus")
+    data.add_argument("--dir", default="runs/bench_data", help="where the corpora are written "
+                      "(and deleted after)")
+    data.add_argument("overrides", nargs="*", metavar="section.key=value")
+    data.set_defaults(func=cmd_bench_data)
     plan = suites.add_parser("plan", help="the planner's predictions against runs here (bytes, "
                              "state, activations, step time) and published GPU runs")
     plan.add_argument("--which", default="all", help="measured, published or all")
@@ -148,6 +159,30 @@ def cmd_bench_memory(args: argparse.Namespace) -> None:
     from plait.bench import run_memory
 
     run_memory(configs)
+
+
+DATA_MODEL = ["model.preset=tiny", "model.vocab_size=4096", "train.global_batch=16",
+              "data.seq_len=64"]
+
+
+def _counts(text: str, option: str) -> list[int]:
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise ConfigError(option, f"positive whole numbers, comma-separated; got {text!r}")
+    return counts
+
+
+def cmd_bench_data(args: argparse.Namespace) -> None:
+    sizes, workers = _counts(args.sizes_mb, "--sizes-mb"), _counts(args.workers, "--workers")
+    if args.steps < 2:
+        raise ConfigError("--steps", f"at least 2 (the first is warm-up), got {args.steps}")
+    cfg = load_config(None, [*DATA_MODEL, *args.overrides])
+    from plait.bench.data import run_data
+
+    run_data(cfg, args.nproc, sizes, workers, args.steps, Path(args.dir))
 
 
 def cmd_bench_checkpoint(args: argparse.Namespace) -> None:

@@ -35,29 +35,25 @@ class ByteTokenizer:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 (arithmetic wraps, as it must)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
     """Where each of `index` (values in [0, n)) goes under a permutation of [0, n) chosen by `key`:
     a 4-round Feistel network on the smallest even number of bits that covers n, walked until it
-    lands inside [0, n) (cycle walking, Black and Rogaway 2002). O(1) memory per index: no
-    permutation of the corpus's windows is ever stored."""
+    lands inside [0, n) (cycle walking, Black and Rogaway 2002). Each round mixes one half into
+    the other with a multiplicative hash (the top bits of a 64-bit product, Knuth's). O(1) memory
+    per index: no permutation of the corpus's windows is ever stored."""
     if n < 1:
         raise ValueError("a permutation of nothing")
     half = max(1, (int(n - 1).bit_length() + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
-    keys = _mix(np.arange(4, dtype=np.uint64) + np.uint64((key * 4) & _MASK64))
+    mask, shift, drop = np.uint64((1 << half) - 1), np.uint64(half), np.uint64(64 - half)
+    keys = [np.uint64((key * 0xD1B54A32D192ED03 + r * 0x9E3779B97F4A7C15) & _MASK64)
+            for r in range(1, 5)]
+    odd = np.uint64(0x9E3779B97F4A7C15)
 
     def encrypt(x: np.ndarray) -> np.ndarray:
-        left, right = x >> np.uint64(half), x & mask
+        left, right = x >> shift, x & mask
         for k in keys:
-            left, right = right, left ^ (_mix(right ^ k) & mask)
-        return (left << np.uint64(half)) | right
+            left, right = right, left ^ (((right ^ k) * odd) >> drop)
+        return (left << shift) | right
 
     x = encrypt(np.asarray(index, dtype=np.uint64))
     while (outside := x >= np.uint64(n)).any():

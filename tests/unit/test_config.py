@@ -231,6 +231,13 @@ BAD_INPUT = [
     (["data.source={files}/odd.bin"], "data.source"),
     (["data.source={files}/ids.bin"], "model.vocab_size"),
     (["data.source={files}/ids.bin", "parallel.tp=2", "--nproc", "2"], "model.vocab_size"),
+    # Prepared corpora (plait data prepare): too big a vocabulary, damaged shards, too few windows.
+    (["data.source={files}/bpe"], "model.vocab_size"),  # 300 tokens, the model 256
+    (["data.source={files}/no_shard"], "data.source"),
+    (["data.source={files}/cut_shard"], "data.source"),
+    (["data.source={files}/flipped"], "data.source"),  # fails its checksum
+    (["data.source={files}/prepared", "train.global_batch=128"], "data.source"),  # 43 windows
+    (["data.source={files}/no_manifest_fields"], "data.source"),
     (["--metrics", "{files}/tiny.txt/m.jsonl"], "--metrics"),  # the parent is a file
     (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
     (["--tensorboard", "{files}/tiny.txt"], "--tensorboard"),  # a file
@@ -268,6 +275,18 @@ OTHER_BAD_INPUT = [
     (["convert", "--to", "hf", "{files}/out", "{files}/empty_dir"], "CKPT"),  # no checkpoint
     (["convert", "--to", "hf", "{files}/tiny.txt", "{files}/ck_tiny"], "OUT"),  # a file
     (["convert", "--from", "hf", "{files}/empty_dir", "{files}/out"], "HF_DIR"),
+    (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "bpe:10"], "--tokenizer"),
+    (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/t.json"],
+     "--tokenizer"),
+    (["data", "prepare", "{files}/nothing", "{files}/o", "--tokenizer", "bytes"], "SRC"),
+    (["data", "prepare", "{files}/tiny.txt", "--tokenizer", "bytes"], "OUT"),
+    (["data", "prepare", "{files}/tiny.txt", "{files}/ck_tiny", "--tokenizer", "bytes"], "OUT"),
+    (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "bytes", "--workers",
+      "0"], "--workers"),
+    (["data", "prepare", "{files}/rows.jsonl", "{files}/o", "--tokenizer", "bytes"], "--field"),
+    (["data", "prepare", "{files}/latin1.toml", "{files}/o", "--tokenizer", "bpe:300"], "SRC"),
+    (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/bpe",
+      "--field", "body", "--shard-tokens", "0"], "--shard-tokens"),
 ]
 
 
@@ -285,12 +304,38 @@ def files(tmp_path_factory):
     with open(root / "odd.bin", "ab") as f:
         f.write(b"x")
     (np.arange(100_000) % 300).astype(np.uint16).tofile(root / "ids.bin")  # ids up to 299
+    _prepared_corpora(root)
     ck = root / "ck_tiny" / "step-00000001"  # a checkpoint's marker and metadata: its model
     ck.mkdir(parents=True)
     (ck / "plait.json").write_text(json.dumps({"config": {"model": {"preset": "small"}},
                                               "contents": ["model"]}))
     (ck / "COMPLETE").write_text("")
     return root
+
+
+def _prepared_corpora(root):
+    """A good corpus (bytes: 2,800 ids, 43 windows of 65), one of 300 tokens, damaged copies."""
+    import shutil
+
+    from plait.train.prepare import prepare
+
+    text = root / "text"
+    text.mkdir()
+    for i in range(4):
+        (text / f"{i}.txt").write_text(f"document {i}: " + "plait " * 115)
+    prepare([str(text)], str(root / "prepared"), "bytes", progress=False)
+    prepare([str(text)], str(root / "bpe"), "bpe:300", progress=False)
+    for name in ("no_shard", "cut_shard", "flipped", "no_manifest_fields"):
+        shutil.copytree(root / "prepared", root / name)
+    (root / "no_shard" / "shard-00000.bin").unlink()
+    shard = root / "cut_shard" / "shard-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    shard = root / "flipped" / "shard-00000.bin"
+    ids = bytearray(shard.read_bytes())
+    ids[100] ^= 1
+    shard.write_bytes(bytes(ids))
+    (root / "no_manifest_fields" / "manifest.json").write_text('{"dtype": "uint16"}')
+    (root / "rows.jsonl").write_text('{"body": "a row"}\n')
 
 
 def test_the_table_is_large():

@@ -1,0 +1,44 @@
+"""`plait data prepare SRC... OUT --tokenizer T [--field F] [--workers N]`: a corpus of token ids
+for `data.source = OUT` (`plait/train/prepare.py`). Bad input exits with status 2 and one line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_data(sub, parser_class) -> None:
+    data = sub.add_parser("data", help="prepare a corpus: tokenize text into memory-mapped shards")
+    commands = data.add_subparsers(dest="data_command", required=True, parser_class=parser_class)
+    prepare = commands.add_parser(
+        "prepare", help="tokenize text files, folders, JSONL / Parquet / Arrow tables into OUT")
+    prepare.add_argument("paths", nargs="+", metavar="SRC... OUT",
+                         help="text files or folders (a file is a document), JSONL / Parquet / "
+                         "Arrow files (a row is a document); then the folder to write")
+    prepare.add_argument("--tokenizer", required=True, metavar="T",
+                         help="a tokenizer.json, a Hugging Face model folder holding one, bpe:N "
+                         "(train a byte-level BPE of N tokens on SRC) or bytes")
+    prepare.add_argument("--field", default="text", help="the text's field in table rows")
+    prepare.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    prepare.add_argument("--shard-tokens", type=int, default=1 << 28, metavar="N",
+                         help="ids per shard file (default 2^28)")
+    prepare.set_defaults(func=cmd_data_prepare)
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> None:
+    from plait.config import ConfigError
+    from plait.train.prepare import prepare
+
+    if len(args.paths) < 2:
+        raise ConfigError("OUT", "name the sources, then the folder to write (SRC... OUT)")
+    *sources, out = args.paths
+    done = prepare(sources, out, args.tokenizer, args.field, args.workers,
+                   args.shard_tokens)
+    if done["skipped"]:
+        names = ", ".join(done["skipped"][:3]) + (", ..." if len(done["skipped"]) > 3 else "")
+        print(f"skipped {len(done['skipped'])} file(s) that are not UTF-8 text: {names} (all "
+              f"named in {out}/manifest.json)")
+    print(f"{out}: {done['documents']:,} documents, {done['tokens']:,} tokens ({done['dtype']}, "
+          f"vocabulary {done['vocab_size']:,}) in {len(done['shards'])} shard(s); "
+          f"{done['tokens_per_s']:,.0f} tokens/s on {args.workers} worker(s) "
+          f"({done['tokens_per_s'] / args.workers:,.0f} per worker); "
+          f"train on it with data.source={out}")

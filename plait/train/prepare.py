@@ -1,0 +1,330 @@
+"""`plait data prepare SRC... OUT --tokenizer T`: documents to token ids, written once so that
+training reads them through memory maps (`corpus.py`), as Megatron's indexed datasets and
+nanoGPT's prepare scripts do.
+
+Documents: a text file is one; a row of a JSONL / Parquet / Arrow file is one (its `--field`), read
+by Hugging Face `datasets` as a stream (no cache copy of the corpus). The tokenizer: a
+`tokenizer.json` (Hugging Face `tokenizers`), a model folder holding one, `bpe:N` (a byte-level BPE
+of N tokens trained on SRC), or `bytes` (each byte a token, no end-of-text token). Each document's
+ids are followed by the end-of-text token. Ids go into shards of uint16 (vocabulary <= 65,536) or
+uint32, with `manifest.json` (vocab_size, dtype, documents, tokens, eot, shards with sizes and
+sha256), `documents.npy` (each document's first position, then the total) and `tokenizer.json`.
+The manifest is written last: a folder without one is not a corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from plait.config import ConfigError
+from plait.train.corpus import INDEX, MANIFEST, text_files
+
+TABLES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+CHUNK_BYTES = 1 << 20  # text per task sent to a worker
+SHARD_TOKENS = 1 << 28  # ids per shard file (512 MiB of uint16)
+
+
+@dataclass
+class Tokenizer:
+    """What prepare needs of a tokenizer: its serialized form (None for bytes), the end-of-text
+    id (None for bytes) and the vocabulary size."""
+
+    json: str | None
+    eot: int | None
+    vocab_size: int
+
+
+def documents(sources: list[str], field: str, skipped: list[str] | None = None
+              ) -> Iterator[str | bytes]:
+    """Every document of the sources, in order: table rows' `field`; text files whole, as bytes,
+    or as text when `skipped` is a list, which then collects the files that are not UTF-8
+    (a picture in a folder of text) instead of yielding them."""
+    for source in sources:
+        for f in _files(Path(source)):
+            if f.suffix in TABLES:
+                yield from _rows(f, field)
+            elif f.stat().st_size and skipped is None:
+                yield f.read_bytes()
+            elif f.stat().st_size:
+                try:
+                    yield f.read_bytes().decode("utf-8")
+                except UnicodeDecodeError:
+                    skipped.append(str(f))
+
+
+def _rows(path: Path, field: str) -> Iterator[str]:
+    import datasets  # noqa: PLC0415 (seconds to import; only tables need it)
+
+    datasets.disable_progress_bars()
+    rows = datasets.load_dataset(TABLES[path.suffix], data_files=str(path), split="train",
+                                 streaming=True)
+    for i, row in enumerate(rows):
+        if field not in row:
+            raise ConfigError("--field", f"{path} has no field '{field}' (it has "
+                              f"{', '.join(row)}); name the text's field with --field")
+        if not isinstance(row[field], str):
+            raise ConfigError("--field", f"row {i} of {path}: '{field}' is "
+                              f"{type(row[field]).__name__}, not text")
+        yield row[field]
+
+
+def resolve_tokenizer(spec: str, sources: list[str], field: str) -> Tokenizer:
+    """`spec` as a Tokenizer; `bpe:N` trains one on the sources (tokenizers' BPE trainer)."""
+    from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
+
+    if spec == "bytes":
+        return Tokenizer(None, None, 256)
+    if spec.startswith("bpe:"):
+        tok = _train_bpe(spec, sources, field)
+    else:
+        path = Path(spec)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ConfigError("--tokenizer", f"no {file}; give a tokenizer.json, a Hugging Face "
+                              "model folder holding one, bpe:N or bytes")
+        tok = HfTokenizer.from_file(str(file))
+    eot = _end_of_text(tok, Path(spec))
+    return Tokenizer(tok.to_str(), eot, tok.get_vocab_size(with_added_tokens=True))
+
+
+def _train_bpe(spec: str, sources: list[str], field: str):
+    from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
+    from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    try:
+        size = int(spec[4:])
+    except ValueError:
+        size = 0
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if size <= len(alphabet):
+        raise ConfigError("--tokenizer", f"{spec}: a byte-level BPE needs more than "
+                          f"{len(alphabet)} tokens (its bytes and end-of-text), e.g. bpe:8192")
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=[EOT_NAMES[0]],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(documents(sources, field, skipped=[]), trainer)
+    return tok
+
+
+def _end_of_text(tok, folder: Path) -> int:
+    """The end-of-text id: the model folder's `eos_token`, else a token of a well-known name."""
+    config = folder / "tokenizer_config.json"
+    names = list(EOT_NAMES)
+    if folder.is_dir() and config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token")
+        names.insert(0, eos.get("content") if isinstance(eos, dict) else eos)
+    for name in names:
+        if name and (eot := tok.token_to_id(name)) is not None:
+            return eot
+    raise ConfigError("--tokenizer", f"the tokenizer has none of the end-of-text tokens "
+                      f"{', '.join(EOT_NAMES)}; documents need a separator")
+
+
+_WORKER: dict = {}
+
+
+def _pool(workers: int, tokenizer_json: str | None):
+    """Forked workers (no re-import of torch in each), each encoding on one thread: `--workers`
+    says how many cores tokenize. tokenizers stays quiet about the fork (its threads, used by BPE
+    training in this process, are not used in the children) when the variable is set."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return multiprocessing.get_context("fork").Pool(workers, _start_worker, (tokenizer_json,))
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def _start_worker(tokenizer_json: str | None) -> None:
+    if tokenizer_json is not None:
+        from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
+
+        _WORKER["tok"] = HfTokenizer.from_str(tokenizer_json)
+
+
+def _encode(docs: list[str | bytes], eot: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of the documents, each followed by `eot`: (ids as uint32, each document's length)."""
+    tok = _WORKER.get("tok")
+    if tok is None:  # bytes: a document's bytes are its ids
+        pieces = [np.frombuffer(d if isinstance(d, bytes) else d.encode(), np.uint8) for d in docs]
+    else:
+        pieces = [np.append(np.asarray(e.ids, np.uint32), np.uint32(eot))
+                  for e in tok.encode_batch(docs)]
+    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+    return np.concatenate(pieces).astype(np.uint32) if pieces else np.zeros(0, np.uint32), lengths
+
+
+def _chunks(docs: Iterator[str | bytes]) -> Iterator[list]:
+    chunk, size = [], 0
+    for d in docs:
+        chunk.append(d)
+        size += len(d)
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+class _ShardWriter:
+    """Appends ids to shard files of at most `shard_tokens` ids, hashing as it writes."""
+
+    def __init__(self, out: Path, dtype, shard_tokens: int):
+        self.out, self.dtype, self.limit = out, dtype, shard_tokens
+        self.shards: list[dict] = []
+        self.file = None
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype)
+        while len(ids):
+            if self.file is None or self.shards[-1]["tokens"] == self.limit:
+                self._open()
+            room = self.limit - self.shards[-1]["tokens"]
+            piece, ids = ids[:room], ids[room:]
+            self.file.write(piece.tobytes())
+            self.hash.update(piece.tobytes())
+            self.shards[-1]["tokens"] += len(piece)
+            self.shards[-1]["bytes"] += piece.nbytes
+
+    def _open(self) -> None:
+        self.close()
+        name = f"shard-{len(self.shards):05d}.bin"
+        self.file, self.hash = open(self.out / name, "wb"), hashlib.sha256()  # noqa: SIM115
+        self.shards.append({"file": name, "tokens": 0, "bytes": 0})
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.shards[-1]["sha256"] = self.hash.hexdigest()
+            self.file = None
+
+
+def prepare(sources: list[str], out: str, tokenizer: str, field: str = "text", workers: int = 1,
+            shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> dict:
+    """Tokenize the sources into `out` (see the module's docstring); returns the manifest, with
+    `seconds` and `tokens_per_s` of the tokenization."""
+    check_prepare(sources, out, workers, shard_tokens)
+    folder, existed = Path(out), Path(out).exists()
+    try:
+        return _prepare(sources, folder, tokenizer, field, workers, shard_tokens, progress)
+    except BaseException:
+        if not existed:  # a folder without its manifest is no corpus: leave nothing half-made
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, workers: int,
+             shard_tokens: int, progress: bool) -> dict:
+    tok = resolve_tokenizer(tokenizer, sources, field)
+    folder.mkdir(parents=True, exist_ok=True)
+    if tok.json is not None:
+        (folder / "tokenizer.json").write_text(tok.json)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    writer, lengths = _ShardWriter(folder, dtype, shard_tokens), []
+    files = [f for s in sources for f in _files(Path(s))]
+    total = None if any(f.suffix in TABLES for f in files) else sum(f.stat().st_size for f in files)
+    start = time.perf_counter()
+    with _pool(workers, tok.json) as pool, _Bar(total, progress) as bar:
+        pending: deque = deque()
+        skipped = None if tok.json is None else []  # bytes: every file is a document
+        for chunk in _chunks(documents(sources, field, skipped)):  # <= 2 tasks a worker in flight
+            pending.append((pool.apply_async(_encode, (chunk, tok.eot)), _bytes(chunk)))
+            while len(pending) > 2 * workers or (pending and pending[0][0].ready()):
+                _take(pending, writer, lengths, bar)
+        while pending:
+            _take(pending, writer, lengths, bar)
+    writer.close()
+    seconds = time.perf_counter() - start
+    if not lengths:
+        raise ConfigError("SRC", f"no documents in {', '.join(sources)}"
+                          + (f" ({len(skipped)} file(s) not UTF-8 text)" if skipped else ""))
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    np.save(folder / INDEX, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    manifest = {"format": "plait-tokens/1", "vocab_size": tok.vocab_size,
+                "dtype": np.dtype(dtype).name, "documents": len(lengths),
+                "tokens": int(lengths.sum()), "eot": tok.eot,
+                "tokenizer": "tokenizer.json" if tok.json is not None else tokenizer,
+                "sources": [str(s) for s in sources], "skipped": skipped or [],
+                "shards": writer.shards}
+    (folder / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(folder / (MANIFEST + ".tmp"), folder / MANIFEST)  # last: the folder is now whole
+    return {**manifest, "seconds": seconds, "tokens_per_s": manifest["tokens"] / seconds}
+
+
+def _files(path: Path) -> list[Path]:
+    return text_files(path) if path.is_dir() else [path]
+
+
+def _bytes(chunk: list) -> int:
+    return sum(len(d) for d in chunk)
+
+
+def _take(pending: deque, writer: _ShardWriter, lengths: list, bar) -> None:
+    task, size = pending.popleft()
+    ids, doc_lengths = task.get()
+    writer.write(ids)
+    lengths.append(doc_lengths)
+    bar.advance(size, len(ids))
+
+
+class _Bar:
+    """rich's progress bar over the sources' bytes, with tokens/s (nothing when disabled)."""
+
+    def __init__(self, total: int | None, enabled: bool):  # None: tables, whose size is not text
+        self.enabled, self.total, self.tokens, self.start = enabled, total, 0, time.perf_counter()
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa
+
+            self.bar = Progress(TextColumn("tokenizing"), BarColumn(),
+                                TextColumn("{task.percentage:>3.0f}%  {task.fields[rate]}"),
+                                TimeRemainingColumn())
+            self.bar.start()
+            self.task = self.bar.add_task("", total=self.total, rate="")
+        return self
+
+    def advance(self, size: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.enabled:
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            self.bar.update(self.task, advance=size, rate=f"{rate:,.0f} tokens/s")
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            if exc[0] is None:  # skipped files' bytes were never advanced
+                self.bar.update(self.task, completed=self.total)
+            self.bar.stop()
+
+
+def check_prepare(sources: list[str], out: str, workers: int, shard_tokens: int) -> None:
+    """One line naming the argument, before any work: sources readable, OUT new or empty."""
+    if not sources:
+        raise ConfigError("SRC", "name at least one text file, folder or table to prepare")
+    for s in sources:
+        if not Path(s).exists():
+            raise ConfigError("SRC", f"no such file or folder '{s}'")
+    if workers < 1:
+        raise ConfigError("--workers", f"at least 1, got {workers}")
+    if shard_tokens < 1:
+        raise ConfigError("--shard-tokens", f"at least 1, got {shard_tokens}")
+    folder = Path(out)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError("OUT", f"{out} exists and is not an empty folder; choose a new one")

@@ -1,0 +1,93 @@
+"""`plait data prepare` then `plait train` on it: the README's walk-through as written, a resume
+on another world size mid-epoch, and a corpus of uint32 ids."""
+
+import json
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+from corpora import word_level_tokenizer
+from test_cli import plait_here, read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["model.preset=tiny", "model.vocab_size=2048", "data.seq_len=32", "train.global_batch=32",
+         "train.eval_batches=1", "train.warmup_steps=1"]
+
+
+def walkthrough(runs: Path) -> list[list[str]]:
+    """The README's two commands, with its paths made absolute and runs/ moved to `runs`."""
+    text = (ROOT / "README.md").read_text().split("### Your own corpus")[1]
+    block = text.split("```sh\n")[1].split("```")[0]
+
+    def place(word: str) -> str:
+        key, _, value = word.rpartition("=")
+        if value.startswith("runs/"):
+            value = str(runs / value[len("runs/"):])
+        elif not word.startswith("-") and (ROOT / value).exists() and not key:
+            value = str(ROOT / value)
+        return f"{key}={value}" if key else value
+
+    lines = [shlex.split(line) for line in block.strip().splitlines()]
+    return [[words[0], *map(place, words[1:])] for words in lines]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """The README's corpus (README, docs, plait's source on a BPE of 2,048 tokens), and the run
+    the README shows, cut to 4 steps."""
+    runs = tmp_path_factory.mktemp("runs")
+    prepare, train = walkthrough(runs)
+    assert prepare[:3] == ["plait", "data", "prepare"] and train[:2] == ["plait", "train"]
+    done = plait_here(*prepare[1:])
+    assert done.returncode == 0, done.stderr
+    assert "skipped 2 file(s) that are not UTF-8 text" in done.stdout  # docs/*.png, said
+    run = plait_here(*train[1:], "train.steps=4", "train.eval_batches=1")
+    assert run.returncode == 0, run.stderr
+    return runs
+
+
+def test_the_readme_walkthrough_trains_on_a_bpe_vocabulary(bpe):
+    manifest = json.loads((bpe / "corpus" / "manifest.json").read_text())
+    assert manifest["vocab_size"] == 2048 and manifest["dtype"] == "uint16"
+    metrics = read_metrics(bpe / "bpe.jsonl")
+    # A fresh model's loss is that of a uniform guess over the vocabulary, then it falls.
+    assert metrics[0]["loss"] == pytest.approx(math.log(2048), abs=0.3)
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3  # measured: 7.67 -> 7.09
+    windows = round(32 / metrics[0]["epoch"])  # the default recipe's batch: 32 windows a step
+    assert [m["epoch"] for m in metrics] == pytest.approx([32 * (s + 1) / windows
+                                                           for s in range(4)])
+
+
+def test_a_resume_on_another_world_size_mid_epoch_continues_the_same_batches(bpe, tmp_path):
+    """A corpus cut to 4.4 steps an epoch: steps 0-2 on 1 rank, then steps 3-7 on 4 ranks (the
+    second epoch starts inside them) give the losses of 8 steps on 1 rank, to float32's
+    reduction order (rtol 1e-5, `plait compare`'s default)."""
+    common = [f"data.source={bpe / 'corpus'}", "data.max_bytes=9120", *SMALL, "train.steps=8"]
+    a, b, ck = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "ck"
+    assert plait_here("train", "--nproc", "1", "--metrics", a, *common).returncode == 0
+    first = plait_here("train", "--nproc", "1", "--metrics", b, *common, f"checkpoint.dir={ck}",
+                       "train.stop_after=3")
+    assert first.returncode == 0 and "data.max_bytes = 9,120" in first.stderr
+    assert plait_here("train", "--nproc", "4", "--metrics", b, *common,
+                      f"checkpoint.dir={ck}").returncode == 0
+    whole, resumed = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in resumed] == list(range(8))
+    assert whole[3]["epoch"] < 1 < whole[5]["epoch"] < 2  # the resume is mid-epoch 0
+    assert [m["epoch"] for m in resumed] == [m["epoch"] for m in whole]
+    assert plait_here("compare", a, b).returncode == 0
+
+
+def test_a_corpus_of_uint32_ids_trains(tmp_path):
+    """A word-level vocabulary of 70,001 tokens: ids beyond uint16, stored as uint32, train."""
+    tokenizer = word_level_tokenizer(tmp_path / "tokenizer.json", 70_000)
+    (tmp_path / "doc.txt").write_text(" ".join(f"w{i % 70_000}" for i in range(60_000, 66_000)))
+    done = plait_here("data", "prepare", tmp_path / "doc.txt", tmp_path / "ids", "--tokenizer",
+                      tokenizer)
+    assert done.returncode == 0 and "uint32" in done.stdout
+    metrics = tmp_path / "m.jsonl"
+    run = plait_here("train", "--nproc", "1", "--metrics", metrics, f"data.source={tmp_path}/ids",
+                     "model.preset=tiny", "model.vocab_size=70001", "data.seq_len=16",
+                     "train.global_batch=2", "train.steps=1", "train.eval_batches=1")
+    assert run.returncode == 0, run.stderr
+    assert read_metrics(metrics)[0]["loss"] == pytest.approx(math.log(70_001), abs=0.3)

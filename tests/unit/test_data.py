@@ -1,0 +1,146 @@
+"""Prepared corpora (`plait data prepare`) and epochs: the ids are the tokenizer's own, every
+window is visited once per epoch, batches do not depend on the number of ranks."""
+
+import json
+
+import numpy as np
+import pytest
+from corpora import word_level_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plait.config import DataConfig
+from plait.train.data import TokenData, permute
+from plait.train.prepare import prepare
+
+TEXTS = ["Plait trains one model on many ranks.\n", "Zürich, 東京 and naïve façades — ünïcödé.\n",
+         "def f(x):\n    return x * 2\n" * 20, "short", "a " * 500]
+
+
+@given(n=st.integers(1, 5000), key=st.integers(0, 2**64 - 1))
+@settings(max_examples=60, deadline=None)
+def test_permute_is_a_permutation(n, key):
+    assert np.array_equal(np.sort(permute(np.arange(n), n, key)), np.arange(n))
+
+
+def test_permute_depends_on_the_key():
+    a, b = permute(np.arange(1000), 1000, 1), permute(np.arange(1000), 1000, 2)
+    assert (a != b).mean() > 0.9 and (a != np.arange(1000)).mean() > 0.9
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Text files and the three table formats, each document known."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("sources")
+    (root / "files").mkdir()
+    for i, text in enumerate(TEXTS[:3]):
+        (root / "files" / f"{i}.txt").write_text(text)
+    rows = [{"text": t, "id": i} for i, t in enumerate(TEXTS)]
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = datasets.Dataset.from_list(rows[::-1])
+    table.to_parquet(str(root / "rows.parquet"))
+    import pyarrow as pa
+
+    with pa.ipc.new_stream(str(root / "rows.arrow"), table.data.schema) as writer:
+        writer.write_table(table.data.table)
+    paths = [root / "files", root / "rows.jsonl", root / "rows.parquet", root / "rows.arrow"]
+    documents = TEXTS[:3] + TEXTS + TEXTS[::-1] + TEXTS[::-1]
+    return [str(p) for p in paths], documents
+
+
+def _ids(folder):
+    manifest = json.loads((folder / "manifest.json").read_text())
+    ids = np.concatenate([np.fromfile(folder / s["file"], dtype=manifest["dtype"])
+                          for s in manifest["shards"]])
+    return manifest, ids, np.load(folder / "documents.npy")
+
+
+def test_prepared_ids_are_the_tokenizers_own(sources, tmp_path):
+    """bpe:N trains a byte-level BPE on the sources; each document's ids equal `tokenizers`'
+    encoding of it, then the end-of-text id; decoding gives the text back; 2 workers write the
+    same bytes as 1; shards of 100 ids cut documents anywhere and nothing is lost."""
+    from tokenizers import Tokenizer
+
+    paths, documents = sources
+    one = prepare(paths, str(tmp_path / "one"), "bpe:300", workers=1, shard_tokens=100,
+                  progress=False)
+    tok = Tokenizer.from_file(str(tmp_path / "one" / "tokenizer.json"))
+    manifest, ids, starts = _ids(tmp_path / "one")
+    assert manifest["documents"] == len(documents) == len(starts) - 1
+    assert manifest["tokens"] == len(ids) == starts[-1] and len(manifest["shards"]) > 2
+    assert manifest["dtype"] == "uint16" and manifest["eot"] == tok.token_to_id("<|endoftext|>")
+    for i, text in enumerate(documents):
+        doc = ids[starts[i] : starts[i + 1]].tolist()
+        assert doc == tok.encode(text).ids + [manifest["eot"]]
+        assert tok.decode(doc[:-1]) == text
+    two = prepare(paths, str(tmp_path / "two"), str(tmp_path / "one" / "tokenizer.json"),
+                  workers=2, shard_tokens=100, progress=False)
+    assert [s["sha256"] for s in two["shards"]] == [s["sha256"] for s in one["shards"]]
+
+
+def test_bytes_are_their_own_ids(sources, tmp_path):
+    paths, documents = sources
+    prepare(paths[:1], str(tmp_path / "b"), "bytes", progress=False)
+    manifest, ids, starts = _ids(tmp_path / "b")
+    assert manifest["vocab_size"] == 256 and manifest["eot"] is None
+    assert bytes(ids.astype(np.uint8)) == "".join(documents[:3]).encode()
+    assert not (tmp_path / "b" / "tokenizer.json").exists()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Twelve documents of bytes: 3,540 ids, 110 windows of 32 + 1 in the training split."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "text").mkdir()
+    for i in range(12):
+        (root / "text" / f"{i:02d}.txt").write_text(f"{i:x}" * 295)
+    prepare([str(root / "text")], str(root / "out"), "bytes", progress=False)
+    return str(root / "out")
+
+
+def test_every_window_once_per_epoch(corpus):
+    data = TokenData(DataConfig(source=corpus, seq_len=32, val_fraction=0.05), seed=3)
+    w, batch = data.train_windows, 7  # 7 does not divide the windows: batches straddle epochs
+    seen = np.concatenate([data.windows(step, batch) for step in range(3 * w // batch + 1)])
+    epochs = [seen[e * w : (e + 1) * w] for e in range(3)]
+    for order in epochs:
+        assert np.array_equal(np.sort(order), np.arange(w))
+    assert not np.array_equal(epochs[0], epochs[1])  # each epoch its own order
+    assert data.epochs(3, batch) == pytest.approx(21 / w)
+    # The rows are those windows' ids: window k starts at id 32 k of the training split.
+    x, y = data.batch(5, batch)
+    ids = np.fromfile(f"{corpus}/shard-00000.bin", dtype=np.uint16).astype(np.int64)
+    for row, k in enumerate(data.windows(5, batch)):
+        assert x[row].tolist() == ids[32 * k : 32 * k + 32].tolist()
+        assert y[row].tolist() == ids[32 * k + 1 : 32 * k + 33].tolist()
+
+
+def test_validation_is_whole_documents_after_the_training_split(corpus):
+    data = TokenData(DataConfig(source=corpus, seq_len=32, val_fraction=0.1), seed=0)
+    assert data.split in data.corpus.starts.tolist()  # a document boundary
+    assert data.split == 295 * 11  # 10% of 3,540 ids: the last document (295 ids)
+    assert data.train_windows == (data.split - 1) // 32  # no window reaches validation
+
+
+@pytest.mark.parametrize("ranks,microbatches", [(4, 1), (2, 2)])
+def test_batches_are_the_same_at_any_number_of_ranks(corpus, ranks, microbatches):
+    data = TokenData(DataConfig(source=corpus, seq_len=32), seed=1)
+    for step in (0, 13, 40):  # 40: the fourth epoch
+        whole = data.batch(step, 8)[0].view(microbatches, ranks, -1, 32)
+        parts = [data.batch(step, 8, r, ranks, microbatches)[0] for r in range(ranks)]
+        for r, part in enumerate(parts):
+            assert np.array_equal(part.view(microbatches, -1, 32), whole[:, r])
+
+
+def test_ids_beyond_uint16_are_stored_in_uint32(tmp_path):
+    """A word-level vocabulary of 70,000: ids above 65,535 survive into training batches."""
+    tokenizer = word_level_tokenizer(tmp_path / "tokenizer.json", 70_000)
+    text = tmp_path / "doc.txt"
+    text.write_text(" ".join(f"w{i}" for i in range(69_000, 70_000)))
+    done = prepare([str(text)], str(tmp_path / "out"), str(tokenizer), progress=False)
+    assert done["dtype"] == "uint32" and done["vocab_size"] == 70_001
+    data = TokenData(DataConfig(source=str(tmp_path / "out"), seq_len=16), seed=0)
+    x, _ = data.batch(0, 4)
+    assert x.min() >= 69_000 and x.max() > 65_535
