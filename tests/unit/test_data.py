@@ -144,3 +144,28 @@ def test_ids_beyond_uint16_are_stored_in_uint32(tmp_path):
     data = TokenData(DataConfig(source=str(tmp_path / "out"), seq_len=16), seed=0)
     x, _ = data.batch(0, 4)
     assert x.min() >= 69_000 and x.max() > 65_535
+
+
+def test_a_model_folders_tokenizer_and_its_vocabulary(tmp_path):
+    """`--tokenizer DIR` reads DIR/tokenizer.json and ends documents with DIR's `eos_token`;
+    with `model.hf = DIR`, a corpus beyond the model's vocabulary (256) is refused, naming it."""
+    from hf_models import write_model
+
+    from plait.cli import check_inputs
+    from plait.config import ConfigError, load_config
+
+    folder = write_model(tmp_path / "gpt2", "gpt2")
+    word_level_tokenizer(folder / "tokenizer.json", 300)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["<eos>"] = 301  # a second end-of-text candidate, the one named
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<eos>"}}))
+    (tmp_path / "doc.txt").write_text("w1 w2 w299")
+    done = prepare([str(tmp_path / "doc.txt")], str(tmp_path / "out"), str(folder),
+                   progress=False)
+    assert done["eot"] == 301 and done["vocab_size"] == 302
+    assert _ids(tmp_path / "out")[1].tolist() == [1, 2, 299, 301]
+    cfg = load_config(None, [f"model.hf={folder}", f"data.source={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError, match="302 tokens, the model 256") as e:
+        check_inputs(cfg)
+    assert e.value.field.startswith("model.hf")
