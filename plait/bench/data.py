@@ -161,7 +161,7 @@ def run_data(cfg: Config, nproc: int, sizes_mb: list[int], workers: list[int], s
                 "data wait", "share", "torch wait", "plait / torch", "torch epoch start"):
         table.add_column(col, justify="left" if col == "corpus" else "right")
     for r in train_rows:
-        table.add_row(f"{Path(r['corpus']).name} ({r['kind']})", _mb(r["id_bytes"]),
+        table.add_row(f"{r['tokens'] / 1e6:,.0f}M ids ({r['kind']})", _mb(r["id_bytes"]),
                       f"{r['windows']:,}", _mb(r["anon"]), _mb(r["torch_anon"]),
                       f"{r['step_s'] * 1e3:.1f} ms", f"{r['wait_s'] * 1e3:.2f} ms",
                       f"{r['wait_share']:.1%}", f"{r['torch_wait_s'] * 1e3:.2f} ms",

@@ -15,6 +15,7 @@ the document boundary nearest to the last `val_fraction` of the tokens. A source
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import mmap
@@ -93,6 +94,7 @@ class Corpus:
     def __post_init__(self):
         self.ends = np.cumsum([len(s) for s in self.segments], dtype=np.int64)
         self.tokens = int(self.ends[-1]) if len(self.ends) else 0
+        self._ends = self.ends.tolist()  # bisect on a list: a row's lookup in ~1 us
 
     def split(self, val_fraction: float) -> int:
         """The first position of the validation split: the last `val_fraction` of the tokens,
@@ -111,9 +113,10 @@ class Corpus:
         """Rows of `length` consecutive ids from each start: (len(starts), length) int64; a row may
         cross segments."""
         out = np.empty((len(starts), length), dtype=np.int64)
-        for row, start in enumerate(np.asarray(starts, dtype=np.int64)):
-            at, filled = int(np.searchsorted(self.ends, start, side="right")), 0
-            offset = int(start - (self.ends[at - 1] if at else 0))
+        ends = self._ends
+        for row, start in enumerate(np.asarray(starts, dtype=np.int64).tolist()):
+            at, filled = bisect.bisect_right(ends, start), 0
+            offset = start - (ends[at - 1] if at else 0)
             while filled < length:
                 piece = self.segments[at][offset : offset + length - filled]
                 out[row, filled : filled + len(piece)] = piece

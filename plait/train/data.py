@@ -35,23 +35,29 @@ class ByteTokenizer:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+_ODD = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: Knuth's multiplicative hash
+SMALL = 64  # indices at most this many: Python ints beat numpy's per-call cost
+
+
 def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
     """Where each of `index` (values in [0, n)) goes under a permutation of [0, n) chosen by `key`:
     a 4-round Feistel network on the smallest even number of bits that covers n, walked until it
     lands inside [0, n) (cycle walking, Black and Rogaway 2002). Each round mixes one half into
-    the other with a multiplicative hash (the top bits of a 64-bit product, Knuth's). O(1) memory
-    per index: no permutation of the corpus's windows is ever stored."""
+    the other with a multiplicative hash (the top bits of a 64-bit product). O(1) memory per
+    index: no permutation of the corpus's windows is ever stored. The same arithmetic runs on
+    Python ints for a few indices (a step's batch) and on numpy arrays for many."""
     if n < 1:
         raise ValueError("a permutation of nothing")
     half = max(1, (int(n - 1).bit_length() + 1) // 2)
+    keys = [(key * 0xD1B54A32D192ED03 + r * _ODD) & _MASK64 for r in range(1, 5)]
+    if len(index) <= SMALL:
+        return np.array([_walk(int(i), n, half, keys) for i in index], dtype=np.int64)
     mask, shift, drop = np.uint64((1 << half) - 1), np.uint64(half), np.uint64(64 - half)
-    keys = [np.uint64((key * 0xD1B54A32D192ED03 + r * 0x9E3779B97F4A7C15) & _MASK64)
-            for r in range(1, 5)]
-    odd = np.uint64(0x9E3779B97F4A7C15)
+    odd, keys = np.uint64(_ODD), [np.uint64(k) for k in keys]
 
     def encrypt(x: np.ndarray) -> np.ndarray:
         left, right = x >> shift, x & mask
-        for k in keys:
+        for k in keys:  # uint64 arrays wrap at 2^64, as the Python ints are masked to
             left, right = right, left ^ (((right ^ k) * odd) >> drop)
         return (left << shift) | right
 
@@ -59,6 +65,17 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
     while (outside := x >= np.uint64(n)).any():
         x[outside] = encrypt(x[outside])
     return x.astype(np.int64)
+
+
+def _walk(x: int, n: int, half: int, keys: list[int]) -> int:
+    mask, drop = (1 << half) - 1, 64 - half
+    while True:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ ((((right ^ k) * _ODD) & _MASK64) >> drop)
+        x = (left << half) | right
+        if x < n:
+            return x
 
 
 def _key(seed: int, epoch: int) -> int:
@@ -83,19 +100,24 @@ class TokenData:
                 "data.source", f"{self.corpus.tokens} tokens is too little for seq_len="
                 f"{cfg.seq_len} and a validation split of {cfg.val_fraction}; use more text")
 
-    def _rows(self, first: int, windows: np.ndarray, share) -> tuple[torch.Tensor, ...]:
-        window = torch.from_numpy(self.corpus.read(first + share(windows) * self.seq_len,
+    def _rows(self, first: int, windows: np.ndarray) -> tuple[torch.Tensor, ...]:
+        window = torch.from_numpy(self.corpus.read(first + windows * self.seq_len,
                                                    self.seq_len + 1))
         return window[:, :-1], window[:, 1:]  # inputs, targets: (rows, seq)
 
-    def windows(self, step: int, global_batch: int) -> np.ndarray:
-        """The training windows of `step`'s global batch, in row order."""
-        visit = step * global_batch + np.arange(global_batch, dtype=np.int64)
+    def _train_windows(self, visit: np.ndarray) -> np.ndarray:
+        """The training windows at these positions of the endless sequence of epochs."""
         epoch, index = np.divmod(visit, self.train_windows)
+        if epoch[0] == epoch[-1]:  # the usual case: one epoch
+            return permute(index, self.train_windows, _key(self.seed, int(epoch[0])))
         out = np.empty_like(visit)
         for e in np.unique(epoch).tolist():  # a batch may straddle two epochs
             out[epoch == e] = permute(index[epoch == e], self.train_windows, _key(self.seed, e))
         return out
+
+    def windows(self, step: int, global_batch: int) -> np.ndarray:
+        """The training windows of `step`'s global batch, in row order."""
+        return self._train_windows(step * global_batch + np.arange(global_batch, dtype=np.int64))
 
     def epochs(self, steps: int, global_batch: int) -> float:
         """Epochs completed after `steps` steps: windows visited / windows in the training split."""
@@ -106,18 +128,18 @@ class TokenData:
         """This rank's rows of the global training batch of `step`: (inputs, targets), each
         (global_batch / ranks, seq). With micro-batches, the global batch is cut into that many
         runs of rows and the rank takes its share of each, in order: micro-batch m over all
-        ranks is the global batch's m-th run (what a mixture of experts routes together)."""
-        share = lambda w: _share(w, rank, ranks, microbatches)  # noqa: E731
-        return self._rows(0, self.windows(step, global_batch), share)
+        ranks is the global batch's m-th run (what a mixture of experts routes together). Only
+        this rank's rows are drawn and read."""
+        visit = step * global_batch + np.arange(global_batch, dtype=np.int64)
+        return self._rows(0, self._train_windows(_share(visit, rank, ranks, microbatches)))
 
     def val_batch(self, index: int, global_batch: int, rank: int = 0, ranks: int = 1,
                   microbatches: int = 1):
         """A fixed validation batch (same rows for every run with this data and seed); a split of
         fewer windows than the batch repeats them."""
         visit = index * global_batch + np.arange(global_batch, dtype=np.int64)
-        windows = permute(visit % self.val_windows, self.val_windows, _key(self.seed, -1))
-        share = lambda w: _share(w, rank, ranks, microbatches)  # noqa: E731
-        return self._rows(self.split, windows, share)
+        visit = _share(visit, rank, ranks, microbatches) % self.val_windows
+        return self._rows(self.split, permute(visit, self.val_windows, _key(self.seed, -1)))
 
 
 def _share(rows: np.ndarray, rank: int, ranks: int, microbatches: int) -> np.ndarray:

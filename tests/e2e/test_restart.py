@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_cli import plait, read_metrics
+from test_cli import plait, plait_here, read_metrics
 
 from plait.checkpoint import load_full
 from plait.train.faults import ENV
@@ -25,8 +25,8 @@ def uninterrupted(tmp_path_factory):
     """The run no fault touches: its final checkpoint, metrics, and folder of checkpoints (all
     four kept)."""
     root = tmp_path_factory.mktemp("straight")
-    proc = plait("train", "--nproc", "2", "--metrics", str(root / "m.jsonl"), *RUN,
-                 f"checkpoint.dir={root / 'ck'}", "checkpoint.keep=4")
+    proc = plait_here("train", "--nproc", "2", "--metrics", str(root / "m.jsonl"), *RUN,
+                      f"checkpoint.dir={root / 'ck'}", "checkpoint.keep=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_full(root / "ck" / FINAL), read_metrics(root / "m.jsonl"), root / "ck"
 
@@ -78,16 +78,21 @@ def test_resume_on_half_the_workers_keeps_the_global_batch(tmp_path, uninterrupt
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_resume_too(tmp_path, uninterrupted):
+def test_torchrun_restarts_resume_too(tmp_path, uninterrupted, monkeypatch):
     """torchrun's own --max-restarts: refused up front while its shared store would hang the
-    restart; with the store not shared, the killed job restarts and ends bit-exact."""
+    restart (checked in this process, with a torchrun worker's environment); with the store not
+    shared, the killed job restarts and ends bit-exact."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
+                       "TORCHELASTIC_MAX_RESTARTS": "1",
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(key, value)
+    refused = plait_here("train", *RUN, f"checkpoint.dir={tmp_path / 'ck'}")
+    assert refused.returncode == 2 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in refused.stderr
+    monkeypatch.undo()
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--max-restarts", "1", "-m", "plait", "train", *RUN,
             f"checkpoint.dir={tmp_path / 'ck'}"]
-    env = {**os.environ, ENV: "step:1:5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
-    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
-    assert refused.returncode != 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in refused.stderr
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env = {**os.environ, ENV: "step:1:5", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout + proc.stderr

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.config import DataConfig
-from plait.train.data import TokenData, permute
+from plait.train.data import SMALL, TokenData, permute
 from plait.train.prepare import prepare
 
 TEXTS = ["Plait trains one model on many ranks.\n", "Zürich, 東京 and naïve façades — ünïcödé.\n",
@@ -20,7 +20,9 @@ TEXTS = ["Plait trains one model on many ranks.\n", "Zürich, 東京 and naïve 
 @given(n=st.integers(1, 5000), key=st.integers(0, 2**64 - 1))
 @settings(max_examples=60, deadline=None)
 def test_permute_is_a_permutation(n, key):
-    assert np.array_equal(np.sort(permute(np.arange(n), n, key)), np.arange(n))
+    whole = permute(np.arange(n), n, key)  # numpy's path beyond 64 indices
+    assert np.array_equal(np.sort(whole), np.arange(n))
+    assert np.array_equal(whole[-SMALL:], permute(np.arange(n)[-SMALL:], n, key))  # Python's
 
 
 def test_permute_depends_on_the_key():
