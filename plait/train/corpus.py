@@ -62,8 +62,9 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def verify_shards(folder: Path, manifest: dict) -> None:
-    """Every shard present, of its recorded size, with its recorded checksum (sha256)."""
+def verify_shards(folder: Path, manifest: dict, checksums: bool = True) -> None:
+    """Every shard present, of its recorded size, and with its recorded checksum (sha256, read
+    whole: ~1 GB/s) when `checksums`."""
     for shard in manifest["shards"]:
         path = folder / shard["file"]
         if not path.is_file():
@@ -72,6 +73,8 @@ def verify_shards(folder: Path, manifest: dict) -> None:
         if size != shard["bytes"]:
             raise CorpusError("data.source", f"shard {path} has {size} bytes, the manifest says "
                               f"{shard['bytes']} (truncated?); prepare {folder} again")
+        if not checksums:
+            continue
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             while chunk := f.read(1 << 24):

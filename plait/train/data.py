@@ -147,11 +147,12 @@ def _share(rows: np.ndarray, rank: int, ranks: int, microbatches: int) -> np.nda
 
 
 def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
-                 vocab_key: str = "model.vocab_size") -> str:
-    """Before any worker starts: the source reads (a prepared folder's shards whole and with their
-    checksums), its token ids fit the model's vocabulary (`vocab_key` names where that comes
-    from), and its training split holds one global batch of windows. Returns the note a limit the
-    user asked for makes ("" when none); raises ConfigError naming the key to change."""
+                 vocab_key: str = "model.vocab_size", checksums: bool = True) -> str:
+    """Before any worker starts: the source reads (a prepared folder's shards whole, and with
+    their checksums unless `checksums` is False: under torchrun one worker reads them all),
+    its token ids fit the model's vocabulary (`vocab_key` names where that comes from), and its
+    training split holds one global batch of windows. Returns the note a limit the user asked for
+    makes ("" when none); raises ConfigError naming the key to change."""
     try:
         if is_prepared(cfg.source):
             manifest = read_manifest(Path(cfg.source))
@@ -159,7 +160,7 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
                 raise ConfigError(vocab_key, f"the tokenizer of {cfg.source} has "
                                   f"{manifest['vocab_size']} tokens, the model {vocab_size}; "
                                   f"set {vocab_key} >= {manifest['vocab_size']}")
-            verify_shards(Path(cfg.source), manifest)
+            verify_shards(Path(cfg.source), manifest, checksums)
         elif cfg.source.endswith(".bin"):
             _check_bin(Path(cfg.source), vocab_size, vocab_key)
         data = TokenData(cfg, seed=0)
