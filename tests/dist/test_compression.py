@@ -2,7 +2,8 @@
 the same algorithm on the same per-rank gradients (tests/compression_reference.py).
 
 Each row is a layout (DDP, ZeRO-1/2 at dp 2 and 4, ZeRO-3, pp x dp, with gradient accumulation); in one world it trains
-4 steps with every method in turn, with compression starting at step 1. A probe records, for every
+3 steps with every method in turn, with compression starting at step 1 (two compressed steps: the
+second reduces with what the first held back). A probe records, for every
 buffer each rank reduces, what went in (the rank's gradient / n) and what came out (what the
 optimizer reads). Then, per data-parallel group and in call order (which must be the same on
 every rank: deterministic collectives), the simulation plays the group's ranks, keeping their
@@ -31,7 +32,7 @@ from plait.comm.compression import METHODS
 from plait.checks import validate
 
 START = 1
-BASE = ["train.steps=4", "parallel.bucket_mb=0.05", f"parallel.compression_start={START}",
+BASE = ["train.steps=3", "parallel.bucket_mb=0.05", f"parallel.compression_start={START}",
         "parallel.compression_ratio=0.05", "parallel.compression_rank=2"]
 COMPRESSED = [m for m in METHODS if m != "none"]
 STATELESS = ["fp16", "bf16", "int8"]

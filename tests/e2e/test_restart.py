@@ -16,7 +16,8 @@ from plait.checkpoint import load_full
 from plait.train.faults import ENV
 
 RUN = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000", "train.eval_batches=1",
-       "train.global_batch=8", "train.steps=8", "train.warmup_steps=2", "checkpoint.every=2"]
+       "train.global_batch=8", "train.steps=8", "train.warmup_steps=2", "checkpoint.every=2",
+       "train.peak_tflops=1.0"]
 FINAL = "step-00000008"
 
 
