@@ -15,7 +15,7 @@ from plait.config import (
     ParallelConfig,
     microbatches,
 )
-from plait.mesh import AXES, ParallelDims
+from plait.mesh import AXES, ParallelDims, ranks_per_node
 from plait.model.args import ModelArgs
 from plait.model.moe import ROUTERS
 from plait.parallel.context_parallel import METHODS as CP_METHODS
@@ -47,6 +47,7 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     _check_context(cfg, dims, args)
     _check_moe(cfg, dims, args)
     _check_parallel(cfg.parallel, cfg.train.precision)
+    _check_nodes(cfg.parallel, dims)
     _check_compression(cfg.parallel, dims)
     check_train(cfg.train, dims)
     check_data(cfg.data, args)
@@ -60,6 +61,7 @@ def validate_parallel(par: ParallelConfig, world_size: int,
     user's); the resolved mesh degrees."""
     dims = _check_hybrid(par, _resolve_dims(par, world_size))
     _check_parallel(par, precision)
+    _check_nodes(par, dims)
     _check_compression(par, dims)
     return dims
 
@@ -145,10 +147,32 @@ def _check_parallel(par: ParallelConfig, precision: str) -> None:
         raise ConfigError("parallel.timeout_s", f"must be > 0 seconds, got {par.timeout_s}")
     if par.bucket_mb <= 0:
         raise ConfigError("parallel.bucket_mb", f"must be > 0, got {par.bucket_mb}")
-    if par.allreduce not in ("backend", "ring", "naive"):
-        raise ConfigError(
-            "parallel.allreduce", f"'backend', 'ring' or 'naive', got '{par.allreduce}'"
-        )
+    if par.allreduce not in ("backend", "ring", "naive", "hierarchical"):
+        raise ConfigError("parallel.allreduce", "'backend', 'ring', 'naive' or 'hierarchical', "
+                          f"got '{par.allreduce}'")
+    if par.ranks_per_node < 0:
+        raise ConfigError("parallel.ranks_per_node",
+                          f"must be >= 0 (0: the launcher's), got {par.ranks_per_node}")
+
+
+def _check_nodes(par: ParallelConfig, dims: ParallelDims) -> None:
+    """Nodes of whole tensor-parallel groups; the hierarchical all-reduce's conditions."""
+    node = ranks_per_node(par.ranks_per_node, dims.world_size)
+    key = "parallel.ranks_per_node"
+    if dims.world_size % node:
+        raise ConfigError(key, f"{node} ranks per node must divide the world size "
+                          f"{dims.world_size}")
+    if par.allreduce != "hierarchical":
+        return
+    if par.zero or dims.cp > 1 or dims.ep > 1:
+        raise ConfigError("parallel.allreduce", "'hierarchical' reduces DDP's gradients over dp "
+                          "(zero = 0, cp = ep = 1); ZeRO's hierarchy is hybrid sharding "
+                          "(parallel.dp_shard)")
+    inner = dims.cp * dims.ep * dims.tp
+    if node % inner or dims.dp % (node // inner):
+        raise ConfigError(key, f"'hierarchical' needs nodes of whole tensor-parallel groups "
+                          f"whose dp ranks divide dp={dims.dp}: {node} ranks per node with "
+                          f"tp={dims.tp} does not")
 
 
 def _check_compression(par: ParallelConfig, dims: ParallelDims) -> None:

@@ -72,7 +72,9 @@ class ParallelConfig:
     pp_virtual: int = 2  # model chunks per stage under the interleaved schedule
     pp_split: list[int] = field(default_factory=list)  # layers per chunk; empty = balanced
     bucket_mb: float = 25.0  # gradient bucket size
-    allreduce: str = "backend"  # "backend" | "ring" | "naive"
+    allreduce: str = "backend"  # "backend" | "ring" | "naive" | "hierarchical"
+    ranks_per_node: int = 0  # processes per node (hierarchical all-reduce, --dry-run's nodes); 0:
+    # the launcher's LOCAL_WORLD_SIZE (torchrun's --nproc-per-node), else the whole world
     compression: str = "none"  # of the dp gradient reduction: plait/comm/compression/ METHODS
     compression_ratio: float = 0.01  # topk: fraction of each tensor's elements sent
     compression_rank: int = 4  # powersgd: rank of the approximation

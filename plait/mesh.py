@@ -18,6 +18,7 @@ run on a `meta` model in one process (`plait train --dry-run`).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -156,3 +157,15 @@ def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis]:
     replicate, _ = dist.new_subgroups_by_enumeration(replicate_lists)
     return (Axis("dp_shard", shard, dp_index % K, K),
             Axis("dp_replicate", replicate, dp_index // K, dims.dp // K))
+
+
+def ranks_per_node(configured: int, world_size: int) -> int:
+    """Processes per node: `parallel.ranks_per_node`, else the launcher's LOCAL_WORLD_SIZE
+    (torchrun's and plait's set it), else the whole world (one node)."""
+    return configured or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def dp_per_node(dims: ParallelDims, node: int) -> int:
+    """The ranks of a dp group on one node: a node of `node` consecutive ranks holds node / (cp x
+    ep x tp) consecutive dp coordinates (the axes inside dp are innermost)."""
+    return max(1, node // (dims.cp * dims.ep * dims.tp))

@@ -1,4 +1,4 @@
-"""Three all-reduce algorithms with one result (the element-wise sum over the group):
+"""Four all-reduce algorithms with one result (the element-wise sum over the group):
 
 - `backend`: the process group's own (gloo's or NCCL's), asynchronous.
 - `ring`: the bandwidth-optimal ring of Patarasuk & Yuan (2009), written over send/recv. The tensor
@@ -7,6 +7,13 @@
   D / n bytes: 2 (n - 1) / n * D, whatever n is.
 - `naive`: everything to the root, summed there, and sent back. The root sends (n - 1) * D, which
   grows with n: the bottleneck the ring removes.
+- `hierarchical`: the group seen as N nodes of G ranks (`NodeGroups`): a reduce-scatter inside
+  each node leaves each of its ranks with the node's sum of one 1/G slice, an all-reduce of that
+  slice across the nodes (the N ranks at the same place on each node) makes it global, and an
+  all-gather inside the node puts the slices together (the 2-D / hierarchical all-reduce of
+  Jia et al. 2018 and NCCL's trees across nodes). Per rank: 2 (G - 1) / G * D on the node's own
+  links and 2 (N - 1) / N * D / G across nodes, where a flat ring's rank at a node's edge sends
+  2 (NG - 1) / NG * D across: 1/G of it, as the G ranks of a node share the slices.
 
 Ring and naive are made of accounted sends, so the ledger shows what each really moved. They run
 synchronously (each step waits for the last), so unlike `backend` they do not overlap backward.
@@ -15,18 +22,29 @@ synchronously (each step waits for the last), so unlike `backend` they do not ov
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from plait.comm.collectives import Pending, all_reduce, recv, send
+from plait.comm.collectives import Pending, all_gather, all_reduce, recv, reduce_scatter, send
 
 
 class AllReduceAlgorithm(enum.Enum):
     BACKEND = "backend"
     RING = "ring"
     NAIVE = "naive"
+    HIERARCHICAL = "hierarchical"
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """A group seen as nodes: `local`, this rank and the others of the group on its node (G
+    ranks); `across`, the ranks at this rank's place on every node (N ranks)."""
+
+    local: ProcessGroup
+    across: ProcessGroup
 
 
 def _exchange(out: torch.Tensor, to_right: torch.Tensor, right: int, left: int, group) -> None:
@@ -76,11 +94,31 @@ def naive_all_reduce(flat: torch.Tensor, group: ProcessGroup) -> None:
         recv(flat, 0, group)
 
 
+def hierarchical_all_reduce(flat: torch.Tensor, nodes: NodeGroups) -> None:
+    """In place. `flat` is 1-D; it is padded to a multiple of G elements for the slices."""
+    G = dist.get_world_size(nodes.local)
+    padded = flat if flat.numel() % G == 0 else torch.cat(
+        [flat, flat.new_zeros(G - flat.numel() % G)])
+    mine = torch.empty(padded.numel() // G, dtype=flat.dtype, device=flat.device)  # (D / G,)
+    reduce_scatter(mine, padded, nodes.local)  # the node's sum of slice `local`
+    all_reduce(mine, nodes.across)  # every node's: the group's sum of the slice
+    all_gather(padded, mine, nodes.local)
+    if padded is not flat:
+        flat.copy_(padded[: flat.numel()])
+
+
 def all_reduce_by(
-    algorithm: AllReduceAlgorithm, flat: torch.Tensor, group: ProcessGroup
+    algorithm: AllReduceAlgorithm, flat: torch.Tensor, group: ProcessGroup,
+    nodes: NodeGroups | None = None,
 ) -> Pending:
-    """Sum `flat` over `group` in place with `algorithm`; wait on the result before reading it."""
+    """Sum `flat` over `group` in place with `algorithm` (hierarchical: over `group`'s `nodes`);
+    wait on the result before reading it."""
     if algorithm is AllReduceAlgorithm.BACKEND:
         return all_reduce(flat, group, async_op=True)
+    if algorithm is AllReduceAlgorithm.HIERARCHICAL:
+        if nodes is None:
+            raise ValueError("the hierarchical all-reduce needs the group's NodeGroups")
+        hierarchical_all_reduce(flat, nodes)
+        return Pending(None)
     (ring_all_reduce if algorithm is AllReduceAlgorithm.RING else naive_all_reduce)(flat, group)
     return Pending(None)

@@ -31,11 +31,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from plait.comm import all_reduce, broadcast
-from plait.comm.allreduce import AllReduceAlgorithm
+from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups
 from plait.comm.compression import build_compression
 from plait.comm.trace import TRACER
 from plait.config import ParallelConfig
-from plait.mesh import AXES, Axis, ParallelDims, batch_axis, hsdp_groups
+from plait.mesh import (
+    AXES,
+    Axis,
+    ParallelDims,
+    batch_axis,
+    dp_per_node,
+    hsdp_groups,
+    ranks_per_node,
+)
 from plait.model.materialize import Filler, Source, is_meta, materialize
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -310,9 +318,15 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
     compression = build_compression(cfg.compression, cfg.compression_ratio,
                                     cfg.compression_rank, cfg.compression_start)
     if cfg.zero == 0:
+        nodes = None
+        if cfg.allreduce == "hierarchical":  # dp's ranks on each node, and across the nodes
+            dims = ParallelDims(**{a: mesh[a].size() for a in AXES})
+            node = dp_per_node(dims, ranks_per_node(cfg.ranks_per_node, dims.world_size))
+            local, across = hsdp_groups(dataclasses.replace(dims, dp_shard=node))
+            nodes = NodeGroups(local.group, across.group)
         return DataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
                             algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
-                            overrides={n: a.group for n, a in overrides.items()})
+                            overrides={n: a.group for n, a in overrides.items()}, nodes=nodes)
     shard, replicate = dp, None
     if cfg.dp_shard and cfg.dp_shard < dp.size:
         dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)

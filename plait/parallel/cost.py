@@ -40,7 +40,7 @@ from fractions import Fraction
 from plait.comm import Op, bus_bytes
 from plait.comm.compression import members_numel
 from plait.config import Config, microbatches
-from plait.mesh import ParallelDims
+from plait.mesh import ParallelDims, dp_per_node, ranks_per_node
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import moe_layers
 from plait.parallel.loss_scaling import HALF
@@ -183,9 +183,17 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
         entry = buffers.setdefault((group, op, n), [0, 0])
         entry[0], entry[1] = entry[0] + times, entry[1] + times * nbytes
 
+    node = dp_per_node(dims, ranks_per_node(par.ranks_per_node, dims.world_size)) \
+        if par.allreduce == "hierarchical" and not method else 0
     if par.zero == 0:
         for group, K, segments in flat_buffers(cfg, dims, record):
             numel = members_numel(segments)
+            if node:  # within the node, across the nodes (1/node of it), within (allreduce.py)
+                padded = padded_numel(numel, node)
+                add("dp_node", Op.REDUCE_SCATTER, node, 4 * padded)
+                add("dp_nodes", Op.ALL_REDUCE, K // node, 4 * padded // node)
+                add("dp_node", Op.ALL_GATHER, node, 4 * padded)
+                continue
             reduction = (method.messages(segments, numel, K, sharded=False) if method
                          else [(Op.ALL_REDUCE, 4 * numel)])
             for op, nbytes in reduction:

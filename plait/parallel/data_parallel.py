@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from plait.comm import Pending, all_reduce, broadcast
-from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
+from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups, all_reduce_by
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression
 from plait.parallel.flat import FlatParam
@@ -204,9 +204,11 @@ class DataParallel(SyncedReplicas):
         algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND,
         compression: Compression | None = None,
         overrides: dict[str, ProcessGroup] | None = None,
+        nodes: NodeGroups | None = None,
     ):
         super().__init__()
         self.module, self.group, self.algorithm = module, group, algorithm
+        self.nodes = nodes  # the hierarchical all-reduce's view of `group`
         self.compression = compression
         self.size = dist.get_world_size(group)  # the divisor: every rank's loss is a mean
         _broadcast_replicas(module, group, overrides)
@@ -249,7 +251,7 @@ class DataParallel(SyncedReplicas):
             pending = self.compression.method.all_reduce(bucket.key, bucket.grad,
                                                          bucket.segments, bucket.group)
         else:
-            pending = all_reduce_by(self.algorithm, bucket.grad, bucket.group)
+            pending = all_reduce_by(self.algorithm, bucket.grad, bucket.group, self.nodes)
         self._in_flight.append((bucket, pending))
 
     @torch.no_grad()

@@ -15,7 +15,7 @@ the last float32 bits (~1e-7 relative):
 import pytest
 import torch
 from harness import run_world
-from training import assert_params_close, tiny_config, train_here
+from training import assert_params_close, run_steps, tiny_config, train_here
 
 from plait.comm import Op
 
@@ -33,18 +33,24 @@ def expected_traffic(algorithm, n, rank, grad_bytes, buckets):
     if algorithm == "ring":  # 2 (n - 1) sends of D / n per bucket
         steps = 2 * (n - 1) * buckets
         return 2 * (n - 1) * grad_bytes / n, {Op.SEND: steps, Op.RECV: steps}
+    if algorithm == "hierarchical":  # 2 nodes of n / 2: within, across (1/2 of it), within
+        G, N = n // 2, 2  # the tiny model's buckets hold even numbers of elements: no padding
+        moved = 2 * (G - 1) * grad_bytes / G + 2 * (N - 1) * grad_bytes / G / N
+        return moved, {Op.REDUCE_SCATTER: buckets, Op.ALL_REDUCE: buckets,
+                       Op.ALL_GATHER: buckets}
     if rank == 0:  # naive: the root receives n - 1 buckets and sends the sum n - 1 times
         return (n - 1) * grad_bytes, {Op.SEND: (n - 1) * buckets, Op.RECV: (n - 1) * buckets}
     return grad_bytes, {Op.SEND: buckets, Op.RECV: buckets}
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("microbatches", [1, 2], ids=["no-accumulation", "accumulation"])
-@pytest.mark.parametrize("algorithm", ["backend", "ring", "naive"])
+@pytest.mark.parametrize("n,microbatches,algorithm", [
+    *[(n, mb, a) for n in (2, 4) for mb in (1, 2) for a in ("backend", "ring", "naive")],
+    (4, 2, "hierarchical"),  # 2 nodes of 2 (parallel.ranks_per_node)
+])
 def test_dp_matches_single_process(reference, n, microbatches, algorithm):
     # 64 KiB buckets: the tiny model's ~490 KiB of gradients travel in several of them.
     cfg = tiny_config(f"parallel.microbatches={microbatches}", f"parallel.allreduce='{algorithm}'",
-                      "parallel.bucket_mb=0.0625")
+                      "parallel.bucket_mb=0.0625", f"parallel.ranks_per_node={max(1, n // 2)}")
     ref_losses, ref_val, ref_params, _, grad_bytes, ref_grads = reference[microbatches]
     results = run_world(train_here, n, cfg)
     for losses, val, params, (moved, calls, buckets, rank), _, grads in results:
@@ -72,3 +78,15 @@ def test_accumulation_equals_one_big_batch(reference):
 def test_loss_falls():
     losses = run_world(train_here, 2, tiny_config("train.steps=30", "train.warmup_steps=3"))[0][0]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_hierarchical_bytes_follow_the_formula():
+    """`plait.parallel.cost` prices the hierarchical all-reduce as it runs: a step's calls and
+    bytes per op equal the formula's (reduce-scatter and all-gather within the 2 nodes of 2,
+    the slices' all-reduce across them), and a single node has no across part."""
+    for node in (2, 4):
+        cfg = tiny_config("parallel.allreduce='hierarchical'", "parallel.bucket_mb=0.0625",
+                          f"parallel.ranks_per_node={node}")
+        for r in run_world(run_steps, 4, cfg, 2):
+            assert r["ledger"] == r["traffic"]
+            assert (Op.ALL_REDUCE in r["ledger"][0]) == (node == 2)

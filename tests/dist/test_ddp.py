@@ -9,7 +9,7 @@ from training import assert_params_close
 from torch import nn
 
 from plait.comm import LEDGER, Op
-from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
+from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups, all_reduce_by
 from plait.model import PRESETS, build_model
 from plait.parallel import DataParallel
 
@@ -129,10 +129,11 @@ def test_allreduce_algorithms_agree(n, numel):
     def body():
         rank = dist.get_rank()
         values = torch.arange(numel, dtype=torch.float32) * (rank + 1) + rank
+        nodes = node_groups(n, 2 if n % 2 == 0 else n)  # 3 ranks: one node
         out = {}
         for algorithm in AllReduceAlgorithm:
             t = values.clone()
-            all_reduce_by(algorithm, t, dist.group.WORLD).wait()
+            all_reduce_by(algorithm, t, dist.group.WORLD, nodes).wait()
             out[algorithm] = t
         return out
 
@@ -142,24 +143,39 @@ def test_allreduce_algorithms_agree(n, numel):
             assert torch.equal(t, expected), algorithm
 
 
+def node_groups(n: int, G: int) -> NodeGroups:
+    """The world's n ranks as n / G nodes of G consecutive ranks."""
+    local, _ = dist.new_subgroups_by_enumeration([list(range(i, i + G)) for i in range(0, n, G)])
+    across, _ = dist.new_subgroups_by_enumeration([list(range(i, n, G)) for i in range(G)])
+    return NodeGroups(local, across)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_allreduce_algorithm_traffic(n):
     """The difference the field talks about: naive funnels (n-1)·D through the root, the ring
-    moves 2(n-1)/n·D on every rank."""
+    moves 2(n-1)/n·D on every rank. Hierarchical over N = n/2 nodes of G = 2: 2(G-1)/G·D within
+    the node (reduce-scatter, all-gather) and 2(N-1)/N·D/G across nodes (the all-reduce of a
+    slice), where the ring's rank at a node's edge sends all its 2(n-1)/n·D across."""
     D = 4 * 4096
 
     def body():
+        nodes = node_groups(n, 2)
         moved = {}
         for algorithm in AllReduceAlgorithm:
             LEDGER.reset()
-            all_reduce_by(algorithm, torch.ones(4096), dist.group.WORLD).wait()
-            moved[algorithm] = LEDGER.bytes
+            all_reduce_by(algorithm, torch.ones(4096), dist.group.WORLD, nodes).wait()
+            moved[algorithm] = LEDGER.bytes if algorithm is not AllReduceAlgorithm.HIERARCHICAL \
+                else dict(LEDGER.bytes_by_op)
         return dist.get_rank(), moved
 
+    G, N = 2, n // 2
     for rank, moved in run_world(body, n):
         assert moved[AllReduceAlgorithm.RING] == 2 * (n - 1) * D / n
         assert moved[AllReduceAlgorithm.BACKEND] == 2 * (n - 1) * D / n
         assert moved[AllReduceAlgorithm.NAIVE] == ((n - 1) * D if rank == 0 else D)
+        within = {Op.REDUCE_SCATTER: (G - 1) * D / G, Op.ALL_GATHER: (G - 1) * D / G}
+        across = {Op.ALL_REDUCE: 2 * (N - 1) * D / G / N} if N > 1 else {}
+        assert moved[AllReduceAlgorithm.HIERARCHICAL] == {**within, **across}
 
 
 @pytest.mark.parametrize("engine", ["bucketed", "naive"])

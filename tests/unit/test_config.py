@@ -218,6 +218,12 @@ BAD_INPUT = [
       "parallel.reduce_dtype=bf16"], "parallel.compression"),
     (["parallel.compression=topk", "parallel.zero=2", "train.precision=fp16",
       "parallel.reduce_dtype=fp16"], "parallel.compression"),
+    (["parallel.allreduce=hierarchical", "parallel.zero=1", "--nproc", "2"],
+     "parallel.allreduce"),  # ZeRO's hierarchy is hybrid sharding
+    (["parallel.ranks_per_node=3", "--nproc", "4"], "parallel.ranks_per_node"),
+    (["parallel.ranks_per_node=-1"], "parallel.ranks_per_node"),
+    (["parallel.allreduce=hierarchical", "parallel.tp=2", "parallel.ranks_per_node=1",
+      "--nproc", "2"], "parallel.ranks_per_node"),  # a node must hold whole tp groups
     (["train=3"], "train=3"),  # not section.key=value
     (["model.preset=tiny", "data.seq_len=65"], "data.seq_len"),  # beyond max_seq_len 64
     # Files: the recipe, the data, the metrics path (created by the `files` fixture).
