@@ -19,7 +19,7 @@ demo: $(BIN)/plait
 	$(BIN)/plait train --nproc 4 --metrics runs/demo/metrics.jsonl
 
 test: $(BIN)/plait
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(BIN)/plait
 	$(BIN)/ruff check .

@@ -183,7 +183,12 @@ def cmd_train(args: argparse.Namespace) -> None:
                               "keys, which hang the restart (pytorch#135712): run torchrun with "
                               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
         cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
-        validate(cfg, int(os.environ["WORLD_SIZE"]))
+        dims = validate(cfg, int(os.environ["WORLD_SIZE"]))
+        from plait.mesh import TP_ACROSS, across_nodes, ranks_per_node
+
+        node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)
+        if "tp" in across_nodes(dims, node) and speaks():
+            print(f"plait: warning: {TP_ACROSS}", file=sys.stderr)
         out = outputs(args)
         if not speaks():  # every worker writes its trace, rank 0 alone the rest
             out = dataclasses.replace(out, metrics=None, tensorboard=None)

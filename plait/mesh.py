@@ -169,3 +169,21 @@ def dp_per_node(dims: ParallelDims, node: int) -> int:
     """The ranks of a dp group on one node: a node of `node` consecutive ranks holds node / (cp x
     ep x tp) consecutive dp coordinates (the axes inside dp are innermost)."""
     return max(1, node // (dims.cp * dims.ep * dims.tp))
+
+
+def across_nodes(dims: ParallelDims, node: int) -> list[str]:
+    """The axes (degree > 1) whose groups span nodes of `node` consecutive ranks."""
+    return [a for a in AXES if getattr(dims, a) > 1 and any(
+        len({r // node for r in dims.group_ranks(a, rank)}) > 1 for rank in range(dims.world_size))]
+
+
+def node_layout(dims: ParallelDims, node: int) -> str:
+    """Each degree > 1, innermost first, and whether its groups stay inside nodes of `node`
+    consecutive ranks or span them: "tp2 inside nodes x dp2 across"."""
+    spans = across_nodes(dims, node)
+    return " x ".join(f"{a}{getattr(dims, a)} {'across' if a in spans else 'inside nodes'}"
+                      for a in reversed(AXES) if getattr(dims, a) > 1) or "one rank"
+
+
+TP_ACROSS = ("tensor parallelism spans nodes: every block's activations cross the inter-node "
+             "link twice per pass; keep tp within a node (tp <= ranks per node)")

@@ -14,7 +14,16 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.config import Config, microbatches
-from plait.mesh import AXES, Axis, ParallelDims, batch_axis
+from plait.mesh import (
+    AXES,
+    TP_ACROSS,
+    Axis,
+    ParallelDims,
+    across_nodes,
+    batch_axis,
+    node_layout,
+    ranks_per_node,
+)
 from plait.model import build_configured
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
@@ -66,6 +75,15 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
                       "no formula" if r["activations"] is None else _mib(r["activations"]),
                       _mib(r["startup"]))
     console.print(state)
+    node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)
+    nodes = dims.world_size // node
+    console.print(f"{nodes} node(s) of {node} ranks (parallel.ranks_per_node, else the launcher's "
+                  "LOCAL_WORLD_SIZE; a node's processes get consecutive ranks): "
+                  + ", ".join(f"node {i}: ranks {i * node}-{(i + 1) * node - 1}"
+                              for i in range(min(nodes, 4))) + (", ..." if nodes > 4 else "")
+                  + f"; {node_layout(dims, node)}")
+    if "tp" in across_nodes(dims, node):
+        console.print(f"warning: {TP_ACROSS}")
     comm = Table(title="collectives of one training step, per rank and group "
                        "(bytes by the ring convention)")
     for col in ("rank", "group", "collective", "count", "MiB"):

@@ -1,6 +1,8 @@
 import itertools
 
-from plait.mesh import AXES, ParallelDims
+import pytest
+
+from plait.mesh import AXES, ParallelDims, node_layout
 
 
 def test_coords_roundtrip_and_tp_innermost():
@@ -26,3 +28,15 @@ def test_group_ranks_partition_the_world():
     assert dims.group_ranks("tp", 5) == [4, 5]
     assert dims.group_ranks("dp", 5) == [5, 7]
     assert dims.group_ranks("pp", 5) == [1, 5]
+
+
+@pytest.mark.parametrize("dims,node,layout", [
+    (ParallelDims(dp=2, tp=2), 2, "tp2 inside nodes x dp2 across"),
+    (ParallelDims(dp=2, tp=2), 1, "tp2 across x dp2 across"),
+    (ParallelDims(dp=2, tp=2), 4, "tp2 inside nodes x dp2 inside nodes"),
+    (ParallelDims(pp=2, dp=2, tp=2), 4, "tp2 inside nodes x dp2 inside nodes x pp2 across"),
+    (ParallelDims(pp=2, dp=4, tp=2), 4, "tp2 inside nodes x dp4 across x pp2 across"),
+])
+def test_which_axes_stay_inside_a_node(dims, node, layout):
+    """A node holds consecutive ranks; tp, innermost, stays inside while it fits."""
+    assert node_layout(dims, node) == layout
