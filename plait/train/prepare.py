@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from plait.config import ConfigError
+from plait.train import tokenize_worker
 from plait.train.corpus import INDEX, MANIFEST, text_files
 
 TABLES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -134,41 +135,12 @@ def _end_of_text(tok, folder: Path) -> int:
                       f"{', '.join(EOT_NAMES)}; documents need a separator")
 
 
-_WORKER: dict = {}
-
-
 def _pool(workers: int, tokenizer_json: str | None):
-    """Forked workers (no re-import of torch in each), each encoding on one thread: `--workers`
-    says how many cores tokenize. tokenizers stays quiet about the fork (its threads, used by BPE
-    training in this process, are not used in the children) when the variable is set."""
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        return multiprocessing.get_context("fork").Pool(workers, _start_worker, (tokenizer_json,))
-    finally:
-        if before is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
-
-
-def _start_worker(tokenizer_json: str | None) -> None:
-    if tokenizer_json is not None:
-        from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
-
-        _WORKER["tok"] = HfTokenizer.from_str(tokenizer_json)
-
-
-def _encode(docs: list[str | bytes], eot: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of the documents, each followed by `eot`: (ids as uint32, each document's length)."""
-    tok = _WORKER.get("tok")
-    if tok is None:  # bytes: a document's bytes are its ids
-        pieces = [np.frombuffer(d if isinstance(d, bytes) else d.encode(), np.uint8) for d in docs]
-    else:
-        pieces = [np.append(np.asarray(e.ids, np.uint32), np.uint32(eot))
-                  for e in tok.encode_batch(docs)]
-    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
-    return np.concatenate(pieces).astype(np.uint32) if pieces else np.zeros(0, np.uint32), lengths
+    """Worker processes forked from a fresh single-threaded server (`forkserver`), not from this
+    process, whose threads (tokenizers' after training a BPE, torch's, a test's) may hold locks
+    at the fork: forked from here, a worker hung once, in the test suite."""
+    return multiprocessing.get_context("forkserver").Pool(workers, tokenize_worker.start,
+                                                          (tokenizer_json,))
 
 
 def _chunks(docs: Iterator[str | bytes]) -> Iterator[list]:
@@ -240,12 +212,14 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
     writer, lengths = _ShardWriter(folder, dtype, shard_tokens), []
     files = [f for s in sources for f in _files(Path(s))]
     total = None if any(f.suffix in TABLES for f in files) else sum(f.stat().st_size for f in files)
-    start = time.perf_counter()
     with _pool(workers, tok.json) as pool, _Bar(total, progress) as bar:
+        pool.starmap(tokenize_worker.encode, [([], None)] * workers)  # started: time from here
+        start = bar.start = time.perf_counter()
         pending: deque = deque()
         skipped = None if tok.json is None else []  # bytes: every file is a document
         for chunk in _chunks(documents(sources, field, skipped)):  # <= 2 tasks a worker in flight
-            pending.append((pool.apply_async(_encode, (chunk, tok.eot)), _bytes(chunk)))
+            task = pool.apply_async(tokenize_worker.encode, (chunk, tok.eot))
+            pending.append((task, _bytes(chunk)))
             while len(pending) > 2 * workers or (pending and pending[0][0].ready()):
                 _take(pending, writer, lengths, bar)
         while pending:
