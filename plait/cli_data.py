@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from plait.train.corpus import SHARD_TOKENS
+
 
 def add_data(sub, parser_class) -> None:
     data = sub.add_parser("data", help="prepare a corpus: tokenize text into memory-mapped shards")
@@ -19,8 +21,8 @@ def add_data(sub, parser_class) -> None:
                          "(train a byte-level BPE of N tokens on SRC) or bytes")
     prepare.add_argument("--field", default="text", help="the text's field in table rows")
     prepare.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    prepare.add_argument("--shard-tokens", type=int, default=1 << 28, metavar="N",
-                         help="ids per shard file (default 2^28)")
+    prepare.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, metavar="N",
+                         help=f"ids per shard file (default {SHARD_TOKENS:,})")
     prepare.set_defaults(func=cmd_data_prepare)
 
 

@@ -10,7 +10,6 @@ whose per-epoch permutation is held in full by every rank.
 from __future__ import annotations
 
 import statistics
-import sysconfig
 import time
 from pathlib import Path
 
@@ -22,9 +21,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from plait.bench.step import start_worker
 from plait.config import Config
-from plait.train.corpus import text_files
+from plait.train.corpus import stdlib_files
 from plait.train.data import TokenData
-from plait.train.host_memory import _status
+from plait.train.host_memory import anonymous_bytes
 from plait.train.prepare import prepare
 from plait.train.trainer import Trainer
 
@@ -32,8 +31,8 @@ from plait.train.trainer import Trainer
 def stdlib_text(max_bytes: int) -> list[str]:
     """The first .py files of Python's standard library that add up to about `max_bytes`."""
     files, total = [], 0
-    for f in text_files(Path(sysconfig.get_paths()["stdlib"])):
-        if f.suffix == ".py" and total < max_bytes:
+    for f in stdlib_files():
+        if total < max_bytes:
             files.append(str(f))
             total += f.stat().st_size
     return files
@@ -75,10 +74,6 @@ class Windows(Dataset):
         return torch.from_numpy(self.data.corpus.read(np.array([i * seq]), seq + 1)[0])
 
 
-def _anon() -> int:
-    return _status("RssAnon")
-
-
 @record
 def bench_data(cfg: Config, steps: int) -> list[dict] | None:
     dims, mesh = start_worker(cfg)
@@ -90,7 +85,7 @@ def bench_data(cfg: Config, steps: int) -> list[dict] | None:
         result = trainer.train_step(step)
         times.append(time.perf_counter() - start)
         waits.append(result["data_wait_s"])
-    plait_anon = _anon()
+    plait_anon = anonymous_bytes()
     # torch's recipe on the same windows: a new epoch's iterator draws and holds a permutation
     # of every window (DistributedSampler.__iter__), then each batch reads its rows.
     sampler = DistributedSampler(Windows(trainer.data), n, rank, shuffle=True,
@@ -106,7 +101,7 @@ def bench_data(cfg: Config, steps: int) -> list[dict] | None:
         start = time.perf_counter()
         next(rows)
         torch_waits.append(time.perf_counter() - start)
-    row = {"rank": rank, "anon": plait_anon, "torch_anon": _anon(),
+    row = {"rank": rank, "anon": plait_anon, "torch_anon": anonymous_bytes(),
            "step_s": statistics.median(times[1:]), "wait_s": statistics.median(waits[1:]),
            "torch_wait_s": statistics.median(torch_waits), "torch_epoch_start_s": epoch_start,
            "tokens": trainer.data.corpus.tokens, "windows": trainer.data.train_windows}

@@ -29,6 +29,7 @@ import numpy as np
 MANIFEST = "manifest.json"
 INDEX = "documents.npy"  # int64: each document's first position, then the number of tokens
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+SHARD_TOKENS = 1 << 28  # ids per shard file that `plait data prepare` writes (512 MiB of uint16)
 
 
 class CorpusError(ValueError):
@@ -46,6 +47,16 @@ def text_files(root: Path) -> list[Path]:
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
         files += [Path(dirpath, f) for f in sorted(filenames)]
     return files
+
+
+def files_of(path: Path) -> list[Path]:
+    """A folder's files (`text_files`), or the file itself."""
+    return text_files(path) if path.is_dir() else [path]
+
+
+def stdlib_files() -> list[Path]:
+    """Python's own standard library: its .py files, in a fixed order (`data.source = stdlib`)."""
+    return [f for f in text_files(Path(sysconfig.get_paths()["stdlib"])) if f.suffix == ".py"]
 
 
 def is_prepared(source: str) -> bool:
@@ -167,11 +178,7 @@ def open_corpus(source: str, max_bytes: int = 0) -> Corpus:
     if source.endswith(".bin"):
         segments, note = _limit([_map(path, np.uint16)], max_bytes, source)
         return Corpus(segments, None, 1 << 16, note)
-    if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = [f for f in text_files(root) if f.suffix == ".py"]
-    else:
-        files = text_files(path) if path.is_dir() else [path]
+    files = stdlib_files() if source == "stdlib" else files_of(path)
     sizes = np.cumsum([f.stat().st_size for f in files])
     if max_bytes:  # map only the files the limit reaches
         files = files[: int(np.searchsorted(sizes, max_bytes)) + 1]

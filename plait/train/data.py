@@ -117,7 +117,7 @@ class TokenData:
 
     def windows(self, step: int, global_batch: int) -> np.ndarray:
         """The training windows of `step`'s global batch, in row order."""
-        return self._train_windows(step * global_batch + np.arange(global_batch, dtype=np.int64))
+        return self._train_windows(_positions(step, global_batch))
 
     def epochs(self, steps: int, global_batch: int) -> float:
         """Epochs completed after `steps` steps: windows visited / windows in the training split."""
@@ -130,16 +130,21 @@ class TokenData:
         runs of rows and the rank takes its share of each, in order: micro-batch m over all
         ranks is the global batch's m-th run (what a mixture of experts routes together). Only
         this rank's rows are drawn and read."""
-        visit = step * global_batch + np.arange(global_batch, dtype=np.int64)
+        visit = _positions(step, global_batch)
         return self._rows(0, self._train_windows(_share(visit, rank, ranks, microbatches)))
 
     def val_batch(self, index: int, global_batch: int, rank: int = 0, ranks: int = 1,
                   microbatches: int = 1):
         """A fixed validation batch (same rows for every run with this data and seed); a split of
         fewer windows than the batch repeats them."""
-        visit = index * global_batch + np.arange(global_batch, dtype=np.int64)
+        visit = _positions(index, global_batch)
         visit = _share(visit, rank, ranks, microbatches) % self.val_windows
         return self._rows(self.split, permute(visit, self.val_windows, _key(self.seed, -1)))
+
+
+def _positions(index: int, global_batch: int) -> np.ndarray:
+    """Batch `index`'s places in the endless sequence of windows: B index ... B index + B - 1."""
+    return index * global_batch + np.arange(global_batch, dtype=np.int64)
 
 
 def _share(rows: np.ndarray, rank: int, ranks: int, microbatches: int) -> np.ndarray:

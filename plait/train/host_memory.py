@@ -53,6 +53,11 @@ def resident_bytes() -> int:
     return _status("VmRSS")
 
 
+def anonymous_bytes() -> int:
+    """This process's own resident memory (RssAnon): not the page cache of files it maps."""
+    return _status("RssAnon")
+
+
 def peak_resident_bytes() -> int:
     """This process's peak resident memory (VmHWM) since it started or `reset_peak`."""
     return _status("VmHWM")

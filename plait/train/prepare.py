@@ -29,12 +29,11 @@ import numpy as np
 
 from plait.config import ConfigError
 from plait.train import tokenize_worker
-from plait.train.corpus import INDEX, MANIFEST, text_files
+from plait.train.corpus import INDEX, MANIFEST, SHARD_TOKENS, files_of
 
 TABLES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 CHUNK_BYTES = 1 << 20  # text per task sent to a worker
-SHARD_TOKENS = 1 << 28  # ids per shard file (512 MiB of uint16)
 
 
 @dataclass
@@ -53,7 +52,7 @@ def documents(sources: list[str], field: str, skipped: list[str] | None = None
     or as text when `skipped` is a list, which then collects the files that are not UTF-8
     (a picture in a folder of text) instead of yielding them."""
     for source in sources:
-        for f in _files(Path(source)):
+        for f in files_of(Path(source)):
             if f.suffix in TABLES:
                 yield from _rows(f, field)
             elif f.stat().st_size and skipped is None:
@@ -210,7 +209,7 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
         (folder / "tokenizer.json").write_text(tok.json)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     writer, lengths = _ShardWriter(folder, dtype, shard_tokens), []
-    files = [f for s in sources for f in _files(Path(s))]
+    files = [f for s in sources for f in files_of(Path(s))]
     total = None if any(f.suffix in TABLES for f in files) else sum(f.stat().st_size for f in files)
     with _pool(workers, tok.json) as pool, _Bar(total, progress) as bar:
         pool.starmap(tokenize_worker.encode, [([], None)] * workers)  # started: time from here
@@ -229,7 +228,7 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
     if not lengths:
         raise ConfigError("SRC", f"no documents in {', '.join(sources)}"
                           + (f" ({len(skipped)} file(s) not UTF-8 text)" if skipped else ""))
-    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    lengths = np.concatenate(lengths)
     np.save(folder / INDEX, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     manifest = {"format": "plait-tokens/1", "vocab_size": tok.vocab_size,
                 "dtype": np.dtype(dtype).name, "documents": len(lengths),
@@ -240,10 +239,6 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
     (folder / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(folder / (MANIFEST + ".tmp"), folder / MANIFEST)  # last: the folder is now whole
     return {**manifest, "seconds": seconds, "tokens_per_s": manifest["tokens"] / seconds}
-
-
-def _files(path: Path) -> list[Path]:
-    return text_files(path) if path.is_dir() else [path]
 
 
 def _bytes(chunk: list) -> int:
