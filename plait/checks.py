@@ -15,7 +15,7 @@ from plait.config import (
     ParallelConfig,
     microbatches,
 )
-from plait.mesh import AXES, ParallelDims, ranks_per_node
+from plait.mesh import AXES, ParallelDims, dp_per_node, ranks_per_node
 from plait.model.args import ModelArgs
 from plait.model.moe import ROUTERS
 from plait.parallel.context_parallel import METHODS as CP_METHODS
@@ -168,8 +168,7 @@ def _check_nodes(par: ParallelConfig, dims: ParallelDims) -> None:
         raise ConfigError("parallel.allreduce", "'hierarchical' reduces DDP's gradients over dp "
                           "(zero = 0, cp = ep = 1); ZeRO's hierarchy is hybrid sharding "
                           "(parallel.dp_shard)")
-    inner = dims.cp * dims.ep * dims.tp
-    if node % inner or dims.dp % (node // inner):
+    if node % (dims.cp * dims.ep * dims.tp) or dims.dp % dp_per_node(dims, node):
         raise ConfigError(key, f"'hierarchical' needs nodes of whole tensor-parallel groups "
                           f"whose dp ranks divide dp={dims.dp}: {node} ranks per node with "
                           f"tp={dims.tp} does not")
