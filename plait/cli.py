@@ -1,4 +1,5 @@
-"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR] ...`
+"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR]
+[--nnodes N --rdzv-endpoint HOST:PORT] ...`
 `plait run [--nproc N] [--preload MODULE] script.py [args ...]` (a user's script: `plait.init()`)
 `plait bench comm | step | pp | compression | scaling | checkpoint | moe ...` (`cli_bench.py`)
 `plait plan --gpus N [--gpu h100] [...]`, `plait compare A.jsonl B.jsonl [--rtol R]`,
@@ -44,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="restart the workers up to N times when one fails, resuming from "
                        "the newest checkpoint in checkpoint.dir (torchrun: its own flag)")
+    train.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of a multi-node job: this "
+                       "node's part is torchrun's, with a c10d rendezvous at --rdzv-endpoint")
+    train.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="the multi-node job's rendezvous, on one of its nodes")
+    train.add_argument("--local-addr", metavar="ADDRESS", help="this node's address for the "
+                       "others (torchrun's; where nodes share a host name)")
     train.add_argument("--verify", action="store_true",
                        help="one step of this layout against one process from the same weights "
                        "and batch: the largest gradient differences per parameter group; exit 1 "
@@ -200,12 +207,17 @@ def cmd_train(args: argparse.Namespace) -> None:
             _verdict(verdict, speaks())
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
+    nodes = _nodes(args)
+    if nodes and args.nproc is None:
+        raise ConfigError("--nproc", "a multi-node job needs --nproc, the workers per node")
     if args.max_restarts and not cfg.checkpoint.dir:
         print("plait: note: --max-restarts without checkpoint.dir: a restarted job begins again "
               "at step 0", file=sys.stderr)
-    cfg = fit_to_world(cfg, nproc)
-    dims = validate(cfg, nproc)
+    cfg = fit_to_world(cfg, nproc * (nodes or 1))
+    dims = validate(cfg, nproc * (nodes or 1))
     check_inputs(cfg, None if args.dry_run else outputs(args))
+    if nodes and not args.dry_run:
+        _exec_torchrun(args, nproc)
     if args.dry_run:
         from plait.train.dry_run import print_dry_run
 
@@ -225,6 +237,50 @@ def cmd_train(args: argparse.Namespace) -> None:
         sys.exit(1)
     if args.verify:
         _verdict(results[0], True)
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    """The most nodes --nnodes allows (0: a one-node job), --rdzv-endpoint checked with it."""
+    if not args.nnodes and not args.rdzv_endpoint:
+        return 0
+    low, _, high = (args.nnodes or "").partition(":")
+    if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
+        raise ConfigError("--nnodes", f"N or MIN:MAX nodes (2, 1:2), got {args.nnodes!r}")
+    host, _, port = (args.rdzv_endpoint or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("--rdzv-endpoint", f"HOST:PORT of the rendezvous (on one of the job's "
+                          f"nodes), got {args.rdzv_endpoint!r}")
+    return int(high or low)
+
+
+def _exec_torchrun(args: argparse.Namespace, nproc: int) -> None:
+    """Become this node's torchrun (the job checked): `plait train` on its workers, a c10d
+    rendezvous hosted by the node whose address the endpoint names (torchrun's own test compares
+    host names, which nodes can share: plait binds the address to see whether it is this
+    machine's)."""
+    import socket
+
+    host = args.rdzv_endpoint.rpartition(":")[0]
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, 0))
+            is_host = "true"
+        except OSError:
+            is_host = "false"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", args.nnodes,
+            "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", args.rdzv_endpoint, "--rdzv-conf", f"is_host={is_host}",
+            "--max-restarts", str(args.max_restarts),
+            *(["--local-addr", args.local_addr] if args.local_addr else []),
+            "-m", "plait", "train"]
+    for flag, value in (("--config", args.config), ("--metrics", args.metrics),
+                        ("--tensorboard", args.tensorboard), ("--trace", args.trace)):
+        argv += [flag, str(value)] if value is not None else []
+    argv += ["--trace-steps", str(args.trace_steps)] if args.trace else []
+    argv += ["--verify"] if args.verify else []
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see the check above
+    sys.stdout.flush()
+    os.execve(sys.executable, [*argv, *args.overrides], env)
 
 
 def _verdict(verdict, say: bool) -> None:

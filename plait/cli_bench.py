@@ -1,7 +1,7 @@
 """`plait bench comm | step | pp | compression | scaling | checkpoint | moe | cp | memory | data
-| plan [--nproc N] [--config FILE] [key=value ...]`: the benchmark suites' options and commands
-(`plait.bench` runs them). Like every command, bad input exits with status 2 and one line
-before any worker starts."""
+| plan | topology [--nproc N] [--config FILE] [key=value ...]`: the benchmark suites' options and
+commands (`plait.bench` runs them). Like every command, bad input exits with status 2 and one
+line before any worker starts."""
 
 from __future__ import annotations
 
@@ -99,6 +99,15 @@ def add_bench(sub, parser_class) -> None:
     plan.add_argument("--which", default="all", help="measured, published or all")
     plan.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     plan.set_defaults(func=cmd_bench_plan)
+    topo = suites.add_parser("topology", help="2 emulated nodes x 2 (root): tp, dp, HSDP and pp "
+                             "inside vs across nodes at two link rates, predicted vs measured")
+    topo.add_argument("--steps", type=int, default=8, help="timed steps per layout and rate")
+    topo.add_argument("--ratios", default="18,75",
+                      help="loopback's bandwidth over the inter-node link's, comma-separated")
+    topo.add_argument("--json", action="store_true", help="print the rows as JSON instead")
+    topo.add_argument("--out", default="runs/bench_topology/topology.json",
+                      help="where the links' samples and fits and the rows are written")
+    topo.set_defaults(func=cmd_bench_topology)
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> None:
@@ -261,3 +270,22 @@ def cmd_bench_plan(args: argparse.Namespace) -> None:
     from plait.bench.plan import run_plan_bench
 
     run_plan_bench(args.steps, args.which)
+
+
+def cmd_bench_topology(args: argparse.Namespace) -> None:
+    import json
+
+    from plait.nodes import available
+
+    ratios = _counts(args.ratios, "--ratios")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"at least 1 timed step, got {args.steps}")
+    check_output_path(args.out, "--out")
+    why = available()
+    if why:
+        raise ConfigError("bench topology", f"emulated nodes cannot be made here: {why}")
+    from plait.bench.topology import run_topology
+
+    found = run_topology(args.steps, ratios, quiet=args.json, out=args.out)
+    if args.json:
+        print(json.dumps(found["rows"], indent=1))

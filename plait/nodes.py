@@ -107,9 +107,15 @@ class EmulatedNodes:
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
             _ip("-n", ns, "link", "set", IFNAME, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            if self.rate_mbit:
-                self._shape(["ip", "netns", "exec", ns], IFNAME)  # leaving the node
-                self._shape([], host_end)  # arriving at it
+        if self.rate_mbit:
+            self.set_rate(self.rate_mbit)
+
+    def set_rate(self, rate_mbit: float) -> None:
+        """Shape every node's link to `rate_mbit` from now on."""
+        self.rate_mbit = rate_mbit
+        for i in range(self.nodes):
+            self._shape(["ip", "netns", "exec", self.namespace(i)], IFNAME)  # leaving the node
+            self._shape([], f"{self.prefix}h{i}")  # arriving at it
 
     def _shape(self, prefix: list[str], dev: str) -> None:
         """A token bucket: `rate_mbit`, a burst of 1 ms of it (at least 64 KiB: a jumbo frame
@@ -129,14 +135,18 @@ class EmulatedNodes:
         return proc
 
     def torchrun(self, node: int, nproc: int, args: list[str], port: int = 29500,
-                 env: dict | None = None, **kwargs) -> subprocess.Popen:
-        """torchrun for node `node` of a job on every node, its c10d store on node 0. (The
+                 env: dict | None = None, nnodes: str = "", launcher: tuple[str, ...] = (),
+                 rdzv_conf: str = "", **kwargs) -> subprocess.Popen:
+        """torchrun for node `node` of a job on every node (`nnodes`: torchrun's, "MIN:MAX" for
+        an elastic job; `launcher`: more of its options, `--max-restarts 1`; `rdzv_conf`: more of
+        its rendezvous settings, "last_call_timeout=1"), its c10d store on node 0. (The
         rendezvous, not `node`, decides which ranks a node's processes get: consecutive ones.)"""
+        conf = ",".join(c for c in (f"is_host={'true' if node == 0 else 'false'}", rdzv_conf) if c)
         return self.start(node, [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.nodes),
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes or str(self.nodes),
             "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{self.address(0)}:{port}", "--rdzv-id", self.prefix,
-            "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
+            "--rdzv-conf", conf, *launcher,
             # The nodes share one host name; without its address a node would tell the others
             # to find the job's store at "localhost".
             "--local-addr", self.address(node), *args], env, **kwargs)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from plait.checks import validate
 from plait.comm import Op
 from plait.config import Config, ConfigError, microbatches
-from plait.mesh import AXES, Axis, ParallelDims, batch_axis
+from plait.mesh import AXES, Axis, ParallelDims, batch_axis, dp_per_node
 from plait.model import ModelArgs, build_configured
 from plait.parallel import cost, place
 from plait.parallel.activations import activation_bytes
@@ -58,6 +58,7 @@ class Plan:
     mfu: float
     bubble: float
     comm_bytes: float  # rank 0, per step
+    comm_s: float = 0.0  # the slowest stage's communication not hidden by compute, per step
     startup_bytes: int = 0  # the worst stage's device bytes while it builds its part
     host_memory_bytes: int = 0  # per node: what offload keeps in host memory
     warnings: list[str] = field(default_factory=list)
@@ -119,25 +120,33 @@ def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int
     return record
 
 
-def _group_shape(dims: ParallelDims, group: str) -> tuple[int, int]:
-    """(stride, size) on the row-major mesh of a group the traffic names."""
+def _group_shape(dims: ParallelDims, group: str, node: int = 1) -> tuple[int, int]:
+    """(stride, size) on the row-major mesh of a group the traffic names; `node`: the dp ranks
+    on one node, which the hierarchical all-reduce's groups ("dp_node", "dp_nodes") split dp by."""
     stride = {a: 1 for a in AXES}
     for inner, outer in zip(AXES[::-1], AXES[::-1][1:], strict=False):
         stride[outer] = stride[inner] * getattr(dims, inner)
     K = dims.shard
     return {"dp_shard": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K),
+            "dp_node": (stride["dp"], node), "dp_nodes": (stride["dp"] * node, dims.dp // node),
             "batch": (stride["ep"], dims.batch)}.get(  # dp x cp x ep: one run of stride tp
         group, (stride.get(group, 1), getattr(dims, group, 1)))
 
 
-def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster) -> dict[str, float]:
-    """Seconds per group: each call's latency steps plus its bytes over the group's link."""
+def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster,
+                  node: int = 1) -> dict[str, float]:
+    """Seconds per group: each call's latency steps plus its bytes over the group's link. gloo
+    reduce-scatters by all-reducing (twice the steps and bytes; `plait bench topology` measured
+    it so)."""
     out = {}
     for group, ops in traffic.groups.items():
-        stride, size = _group_shape(dims, group)
+        stride, size = _group_shape(dims, group, node)
         bandwidth, alpha = cluster.link(stride, size)
-        out[group] = sum(calls * (STEPS.get(op, 1) * (size - 1) * alpha)
-                         + float(moved) / bandwidth for op, (calls, moved) in ops.items())
+        out[group] = 0.0
+        for op, (calls, moved) in ops.items():
+            if op == Op.REDUCE_SCATTER and cluster.device.gloo:
+                op, moved = Op.ALL_REDUCE, 2 * moved
+            out[group] += calls * STEPS.get(op, 1) * (size - 1) * alpha + float(moved) / bandwidth
     return out
 
 
@@ -165,7 +174,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     virtual = par.pp_virtual if schedule == "interleaved" else 1
     bubble = bubble_formula(schedule, dims.pp, M, virtual) if dims.pp > 1 else 0.0
     sizes = _sizes(args, dims.pp * virtual, tuple(par.pp_split), cfg.model.hf)
-    priced, per_stage, step = {}, [], 0.0
+    priced, per_stage, step, comm_s = {}, [], 0.0, 0.0
     for stage, (chunks, kind) in enumerate(_stages(args, dims.pp, sizes)):
         if kind not in priced:
             record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage,
@@ -176,18 +185,21 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
             share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
             compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
                        + dev.microbatch_overhead_s * M * share)
-            comm = _comm_seconds(traffic, dims, cluster)
+            node = dp_per_node(dims, par.ranks_per_node or cluster.per_node)
+            comm = _comm_seconds(traffic, dims, cluster, node)
             data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
             hidden = 0.0 if not dev.overlap else compute if par.zero == 3 else compute * 2 / 3
             exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
             state = cost.state_bytes(cfg, dims, record)
             offloaded, host_s, hidden_host_s = _offload(state, cfg, dims, cluster)
             data += hidden_host_s  # parameter slices copied in before their gathers
-            time = (compute + exposed) / (1 - bubble) + max(0.0, data - hidden) + host_s
+            waited = exposed / (1 - bubble) + max(0.0, data - hidden)
+            time = compute / (1 - bubble) + waited + host_s
             priced[kind] = (state, traffic, model_flops, time, offloaded,
-                            cost.startup_bytes(cfg, dims, record))
-        state, traffic, model_flops, time, offloaded, startup = priced[kind]
-        step = max(step, time)
+                            cost.startup_bytes(cfg, dims, record), waited)
+        state, traffic, model_flops, time, offloaded, startup, waited = priced[kind]
+        if time > step:
+            step, comm_s = time, waited
         per_stage.append((state, activation_bytes(cfg, dims, chunks), traffic, model_flops,
                           offloaded, startup))
     state, act, traffic, *_ = per_stage[0]
@@ -207,7 +219,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
                 memory_bytes=memory, peak_memory_bytes=max(peak, startup), step_time_s=step,
                 tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
-                comm_bytes=float(traffic.total), startup_bytes=startup,
+                comm_bytes=float(traffic.total), comm_s=comm_s, startup_bytes=startup,
                 host_memory_bytes=host, fits=fits)
 
 

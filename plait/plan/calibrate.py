@@ -81,4 +81,4 @@ def calibrated_device(found: dict, ranks: int):
         intra_alpha_s=link["alpha_s"], inter_alpha_s=link["alpha_s"],
         efficiency=found["efficiency"] * share, step_overhead_s=found["step_overhead_s"] / share,
         microbatch_overhead_s=found["microbatch_overhead_s"] / share,
-        overlap=ranks < found["cores"])
+        overlap=ranks < found["cores"], gloo=True)

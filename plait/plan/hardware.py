@@ -54,6 +54,10 @@ class Device:
     host_memory_bytes: float = 256 * GB  # per node
     host_gbps: float = 100.0  # host memory bandwidth per node (the CPU's optimizer step)
     bf16: bool = True  # has bf16 tensor cores (`peak_flops` is then the bf16 and fp16 peak)
+    # One inter-node link per node (`inter_gbps` is then the node's), shared by the groups that
+    # cross it at once: emulated nodes (`plait bench topology`). A GPU cluster has a NIC per GPU.
+    node_link: bool = False
+    gloo: bool = False  # collectives by gloo (the CPU), whose reduce-scatter is an all-reduce
 
 
 DEVICES = {
@@ -92,7 +96,7 @@ def cpu_device(ranks: int = 1) -> Device:
         return calibrated_device(found, ranks)
     return Device("cpu (not calibrated: plait plan --calibrate)", measure_cpu_flops(),
                   host_memory_per_rank(ranks), 1.0, 1.0, intra_alpha_s=1e-3,
-                  inter_alpha_s=1e-3, efficiency=1.0)
+                  inter_alpha_s=1e-3, efficiency=1.0, gloo=True)
 
 
 def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None,
@@ -128,8 +132,12 @@ class Cluster:
         return span <= self.gpus_per_node and self.gpus_per_node % span == 0
 
     def link(self, stride: int, size: int) -> tuple[float, float]:
-        """(bytes/s each way, alpha) of such a group's slowest link."""
+        """(bytes/s each way, alpha) of such a group's slowest link. Over one link per node, the
+        groups of an axis crossing a node at once share it: min(stride, G) of them (a group of
+        stride s < G keeps G / s consecutive members per node, so s groups enter and leave it;
+        of stride >= G, each of the node's G ranks is in a group of its own)."""
         d = self.device
         if self.within_node(stride, size):
             return d.intra_gbps * GB, d.intra_alpha_s
-        return d.inter_gbps * GB, d.inter_alpha_s
+        sharing = min(stride, self.per_node) if d.node_link else 1
+        return d.inter_gbps * GB / sharing, d.inter_alpha_s

@@ -267,3 +267,43 @@ def test_fp16_is_priced_as_bf16_and_bf16_on_a_v100_is_flagged():
         [(p.degrees, p.memory_bytes, p.step_time_s) for p in fp16]
     assert any("no bf16 tensor cores" in w for w in bf16[0].warnings)
     assert not any("bf16" in w for w in fp16[0].warnings)
+
+
+def test_one_link_per_node_is_shared_by_the_groups_crossing_it():
+    """On nodes of 4 with one inter-node link each (`node_link`, emulated nodes), the groups of an
+    axis crossing a node at once share it: stride 1 (tp8: one ring, entering and leaving each node
+    once), stride 2 (2 rings), stride 4 and 8 (each of the node's 4 ranks in its own group); a
+    GPU cluster's NIC per GPU is never shared; inside a node nothing changes."""
+    shared = Cluster(16, 4, dataclasses.replace(TOY, node_link=True))
+    per_gpu = Cluster(16, 4, TOY)
+    GB = 1e9
+    assert [shared.link(s, n)[0] for s, n in ((1, 8), (2, 4), (4, 2), (8, 2))] == \
+        [1 * GB, GB / 2, GB / 4, GB / 4]
+    assert {per_gpu.link(s, n)[0] for s, n in ((1, 8), (2, 4), (4, 2), (8, 2))} == {GB}
+    assert shared.link(1, 4) == per_gpu.link(1, 4) == (10 * GB, TOY.intra_alpha_s)
+
+
+def test_the_hierarchical_all_reduce_is_priced_per_link():
+    """dp8 on 2 nodes of 4, DDP's all-reduce hierarchical: its groups are priced on their own
+    links, the node's 4 dp ranks (stride 1) on the intra-node one, the 2 nodes' (stride 4) on the
+    inter-node one, each call by the alpha-beta model; over the slow link it moves 1/7 of the flat
+    ring's bus bytes (2 (n-1)/n of D/4 at n = 2, against of D at n = 8)."""
+    from plait.plan import _comm_seconds, _group_shape
+
+    cluster, priced = Cluster(8, 4, TOY), {}
+    for allreduce in ("ring", "hierarchical"):
+        cfg = tiny_config(f"parallel.allreduce='{allreduce}'", "parallel.ranks_per_node=4")
+        dims = validate(cfg, 8)
+        traffic = describe_rank(cfg, dims, 0)["traffic"]
+        priced[allreduce] = traffic.groups, _comm_seconds(traffic, dims, cluster, node=4)
+    assert _group_shape(dims, "dp_node", 4) == (1, 4) and cluster.within_node(1, 4)
+    assert _group_shape(dims, "dp_nodes", 4) == (4, 2) and not cluster.within_node(4, 2)
+    (flat, _), (groups, seconds) = priced["ring"], priced["hierarchical"]
+    assert set(seconds) == {"dp_node", "dp_nodes"}
+    (calls, across), = groups["dp_nodes"].values()  # one all-reduce per bucket
+    assert seconds["dp_nodes"] == pytest.approx(calls * 2 * TOY.inter_alpha_s + across / 1e9)
+    inside = sum(calls * 3 * TOY.intra_alpha_s + moved / 10e9  # n - 1 steps each half
+                 for calls, moved in groups["dp_node"].values())
+    assert seconds["dp_node"] == pytest.approx(inside)
+    (_, ring), = flat["dp"].values()
+    assert across * 7 == pytest.approx(ring, rel=0.01)  # buckets padded to a multiple of 4
