@@ -213,6 +213,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.max_restarts and not cfg.checkpoint.dir:
         print("plait: note: --max-restarts without checkpoint.dir: a restarted job begins again "
               "at step 0", file=sys.stderr)
+    if nodes and not cfg.parallel.ranks_per_node:  # what the checks and --dry-run see
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                    ranks_per_node=nproc))
     cfg = fit_to_world(cfg, nproc * (nodes or 1))
     dims = validate(cfg, nproc * (nodes or 1))
     check_inputs(cfg, None if args.dry_run else outputs(args))
