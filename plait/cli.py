@@ -244,7 +244,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _nodes(args: argparse.Namespace) -> int:
     """The most nodes --nnodes allows (0: a one-node job), --rdzv-endpoint checked with it."""
-    if not args.nnodes and not args.rdzv_endpoint:
+    if not (args.nnodes or args.rdzv_endpoint or args.local_addr):
         return 0
     low, _, high = (args.nnodes or "").partition(":")
     if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):

@@ -191,7 +191,7 @@ def measured_rows(steps: int) -> list[dict]:
     for _, n, cfg in configs:
         validate(cfg, n)  # every row checked before any worker starts
     rows = []
-    for name, n, cfg in each(configs, "bench plan: configurations"):
+    for name, n, cfg in each(configs, "bench plan: configurations", label=lambda c: c[0]):
         measured = launch(n, measure_run, cfg, steps)[0]
         rows.append({"name": name, "ranks": n, "measured": measured,
                      "predicted": predicted(cfg, n, cpu_device(n))})

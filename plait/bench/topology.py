@@ -167,11 +167,12 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
     from plait.bench.calibrate import calibrate
     from plait.nodes import EmulatedNodes
     from plait.plan.calibrate import load
+    from plait.train.progress import each
 
     console = Console(width=150)
     if load() is None:
-        console.print("bench topology: this machine is not calibrated; plait plan --calibrate "
-                      "first")
+        print("bench topology: this machine is not calibrated; plait plan --calibrate first",
+              file=sys.stderr)
         calibrate()
     for _, overrides in LAYOUTS:
         predict(overrides, cluster_of({"alpha_s": 0, "beta_Bps": 1e9},
@@ -188,7 +189,8 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
             found = measure_links(nodes, work, port)
             calibrations[ratio] = {**found, "intra": intra, "rate_mbit": rate_mbit}
             cluster = cluster_of(intra, found["inter"])
-            for name, overrides in LAYOUTS:
+            for name, overrides in each(LAYOUTS, f"bench topology: loopback / {ratio}",
+                                        label=lambda layout: layout[0]):
                 port += 1
                 measured = measure_layout(nodes, overrides, work, port, steps)
                 plan = predict(overrides, cluster)

@@ -25,7 +25,9 @@ The CPU side of optimizer offload (the AdamW update on the host) is priced as me
 bytes per parameter (read and write the fp32 master and two moments, read the gradient) at 100
 GB/s of host memory bandwidth per node, shared by its GPUs (an assumption, not a measurement).
 `cpu` is this machine: one rank per core, its measured fp32 matmul rate, gloo on
-loopback, as `plait plan --calibrate` measured it (`plait.plan.calibrate`).
+loopback, as `plait plan --calibrate` measured it (`plait.plan.calibrate`); gloo's reduce-scatter
+is an all-reduce (`plait bench topology` measured it so), and is priced as one. Emulated nodes
+(`plait bench topology`) have one inter-node link per node, shared by the groups crossing it.
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ def maybe_fail(point: str, step: int) -> None:
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     where, rank, at = spec.split(":")
-    if int(at) != step or where != point and not (where == "node" and point == "step"):
+    if ("step" if where == "node" else where) != point or int(at) != step:
         return
-    if where == "node" and int(rank) == int(os.environ.get("LOCAL_RANK", "0")):
-        os.kill(os.getppid(), signal.SIGKILL)  # the agent: nothing restarts this node
-        os.kill(os.getpid(), signal.SIGKILL)
-    if where == point and int(rank) == dist.get_rank():
+    if where == "node":
+        if int(rank) == int(os.environ.get("LOCAL_RANK", "0")):
+            os.kill(os.getppid(), signal.SIGKILL)  # the agent: nothing restarts this node
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif int(rank) == dist.get_rank():
         os.kill(os.getpid(), signal.SIGKILL)

@@ -17,9 +17,10 @@ from rich.progress import Progress as RichProgress
 from rich.table import Table
 
 
-def each(items: list, what: str, enabled: bool = True):
+def each(items: list, what: str, enabled: bool = True, label=str):
     """Yield the items of a long command (a bench suite's runs) under a progress bar on a
-    terminal, a line per item otherwise; silent when not enabled (ranks other than 0)."""
+    terminal, a line per item otherwise (`label(item)` names it); silent when not enabled
+    (ranks other than 0)."""
     console = Console(stderr=True)
     if not enabled:
         yield from items
@@ -29,12 +30,12 @@ def each(items: list, what: str, enabled: bool = True):
                           console=console, transient=True) as bar:
             task = bar.add_task("", total=len(items))
             for item in items:
-                bar.update(task, description=str(item))
+                bar.update(task, description=label(item))
                 yield item
                 bar.advance(task)
     else:
         for i, item in enumerate(items, 1):
-            console.print(f"{what} {i}/{len(items)}: {item}", highlight=False)
+            console.print(f"{what} {i}/{len(items)}: {label(item)}", highlight=False)
             yield item
 
 

@@ -59,6 +59,7 @@ BAD_INPUT = [
     (["--nnodes", "2", "--nproc", "1"], "--rdzv-endpoint"),
     (["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "h"], "--rdzv-endpoint"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "--nproc"),
+    (["--local-addr", "10.0.0.2", "--nproc", "1"], "--nnodes"),
     (["--nnodes", "2", "--nproc", "2", "--rdzv-endpoint", "h:1", "parallel.tp=8"], "parallel"),
     (["parallel.dp=2", "--nproc", "4"], "parallel"),
     (["parallel.tp=3", "parallel.dp=1", "--nproc", "3"], "parallel.tp"),
