@@ -93,7 +93,8 @@ def measure_run(cfg, steps: int) -> dict | None:
     dist.destroy_process_group()
     if rank:
         return None
-    return {"state": sum(state.values()), "comm": ledger["bytes"],
+    held = sum(v for k, v in state.items() if k != "peak")  # "peak": during the step
+    return {"state": held, "comm": ledger["bytes"],
             "activations": result["activation_bytes"],
             "step_s": statistics.median(slowest.tolist())}
 

@@ -600,6 +600,21 @@ def test_report_draws_a_run_and_says_what_it_left_out(traced_run, tmp_path):
     assert not (tmp_path / "report" / "comm.png").exists()
 
 
+def test_bench_plan_measures_what_a_plan_predicts():
+    """`plait bench plan`'s measurement of one row (ZeRO-1 dp2, the tiny model): rank 0's model
+    state at the end of the step, bytes communicated and activations equal the plan's, as its
+    table reports them ("peak", the state's high point during the step, is not part of it)."""
+    from plait.bench.plan import measure_run, predicted
+    from plait.config import load_config
+    from plait.plan.hardware import DEVICES
+
+    cfg = load_config(None, [*TINY, "parallel.zero=1"])
+    measured = launch(2, measure_run, cfg, 1)[0]
+    plan = predicted(cfg, 2, DEVICES["h100"])
+    assert {k: measured[k] for k in ("state", "comm", "activations")} == \
+        {k: plan[k] for k in ("state", "comm", "activations")}
+
+
 def test_bench_scaling_tables_speedup_and_efficiency(tmp_path):
     png = tmp_path / "speedup.png"
     proc = plait_here("bench", "scaling", "--nproc", "1,2", "--weak", "--steps", "1", "--png",
