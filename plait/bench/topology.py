@@ -19,6 +19,7 @@ configuration on that cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -44,17 +45,17 @@ BASE = ["model.preset='small'", "model.n_heads=4", "model.n_kv_heads=4",
         "train.global_batch=8", "data.seq_len=128",
         "train.eval_batches=1", "train.warmup_steps=1", "train.peak_tflops=1.0"]
 WARMUP = 2  # steps left out of the medians
-# (name, overrides): ranks fill nodes in order and tp is the mesh's innermost axis, so on nodes
-# of 2, tp2 stays inside them and tp4 spans both.
+# (what else the layout says, overrides). Ranks fill nodes in order and tp is the mesh's innermost
+# axis, so on nodes of 2, tp2 stays inside them and tp4 spans both; a row's `layout` is the
+# mesh's own account of it (`mesh.node_layout`: "tp2 inside nodes x dp2 across").
 LAYOUTS = [
-    ("tp2 inside nodes x dp2 across", ["parallel.tp=2"]),
-    ("tp4 across nodes", ["parallel.tp=4"]),
-    ("dp4, ring across nodes", ["parallel.allreduce='ring'"]),
-    ("dp4, hierarchical all-reduce", ["parallel.allreduce='hierarchical'"]),
-    ("ZeRO-3 dp4 across nodes", ["parallel.zero=3"]),
-    ("HSDP: ZeRO-3 inside nodes, replicas across", ["parallel.zero=3", "parallel.dp_shard=2"]),
-    ("pp2 across nodes x tp2 inside", ["parallel.pp=2", "parallel.tp=2",
-                                        "parallel.microbatches=4"]),
+    ("", ["parallel.tp=2"]),
+    ("", ["parallel.tp=4"]),
+    ("ring all-reduce", ["parallel.allreduce='ring'"]),
+    ("hierarchical all-reduce", ["parallel.allreduce='hierarchical'"]),
+    ("ZeRO-3", ["parallel.zero=3"]),
+    ("HSDP: ZeRO-3 shards inside nodes", ["parallel.zero=3", "parallel.dp_shard=2"]),
+    ("4 micro-batches", ["parallel.pp=2", "parallel.tp=2", "parallel.microbatches=4"]),
 ]
 # The calibration's groups (world ranks, node-major), each kind's at the same time. Inside a node
 # both nodes at once, as in a step: the "nodes" share this machine's cores, and a loopback
@@ -138,8 +139,6 @@ def measure_layout(nodes, overrides: list[str], work: Path, port: int, steps: in
 def cluster_of(intra: dict, inter: dict):
     """The planner's model of the emulated cluster: this machine's calibrated compute shared by
     its 4 ranks, the links as measured, one inter-node link per node."""
-    import dataclasses
-
     from plait.plan.hardware import Cluster, cpu_device
 
     world = NODES * PER_NODE
@@ -150,13 +149,19 @@ def cluster_of(intra: dict, inter: dict):
     return Cluster(world, PER_NODE, device)
 
 
-def predict(overrides: list[str], cluster) -> dict:
+def configured(overrides: list[str]):
+    """(the configuration of a layout on the cluster, its degrees) (ConfigError if refused)."""
     from plait.checks import validate
     from plait.config import load_config
-    from plait.plan import estimate
 
     cfg = load_config(None, [*BASE, *overrides, f"parallel.ranks_per_node={PER_NODE}"])
-    plan = estimate(cfg, validate(cfg, cluster.gpus), cluster)
+    return cfg, validate(cfg, NODES * PER_NODE)
+
+
+def predict(overrides: list[str], cluster) -> dict:
+    from plait.plan import estimate
+
+    plan = estimate(*configured(overrides), cluster)
     return {"step_s": plan.step_time_s, "comm_s": plan.comm_s}
 
 
@@ -165,18 +170,18 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
     tables (unless `quiet`), writes {"links": ..., "rows": [...]} to `out` (JSON) and returns
     it."""
     from plait.bench.calibrate import calibrate
+    from plait.mesh import node_layout
     from plait.nodes import EmulatedNodes
     from plait.plan.calibrate import load
     from plait.train.progress import each
 
-    console = Console(width=150)
+    console = Console(width=170)
     if load() is None:
         print("bench topology: this machine is not calibrated; plait plan --calibrate first",
               file=sys.stderr)
         calibrate()
-    for _, overrides in LAYOUTS:
-        predict(overrides, cluster_of({"alpha_s": 0, "beta_Bps": 1e9},
-                                      {"alpha_s": 0, "beta_Bps": 1e9}))  # checked up front
+    names = [(node_layout(configured(overrides)[1], PER_NODE), variant)  # checked up front
+             for variant, overrides in LAYOUTS]
     rows, calibrations, port = [], {}, 29600
     with tempfile.TemporaryDirectory(prefix="plait-topology-") as tmp, \
             EmulatedNodes(NODES) as nodes:
@@ -189,12 +194,15 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
             found = measure_links(nodes, work, port)
             calibrations[ratio] = {**found, "intra": intra, "rate_mbit": rate_mbit}
             cluster = cluster_of(intra, found["inter"])
-            for name, overrides in each(LAYOUTS, f"bench topology: loopback / {ratio}",
-                                        label=lambda layout: layout[0]):
+            runs = list(zip(names, LAYOUTS, strict=True))
+            for (layout, variant), (_, overrides) in each(
+                    runs, f"bench topology: loopback / {ratio}",
+                    label=lambda run: ", ".join(n for n in run[0] if n)):
                 port += 1
                 measured = measure_layout(nodes, overrides, work, port, steps)
                 plan = predict(overrides, cluster)
-                rows.append({"layout": name, "ratio": ratio, "rate_mbit": rate_mbit,
+                rows.append({"layout": layout, "variant": variant, "ratio": ratio,
+                             "rate_mbit": rate_mbit,
                              "link_gbps": found["inter"]["beta_Bps"] / 1e9,
                              "predicted_s": plan["step_s"], "measured_s": measured["step_s"],
                              "predicted_comm_s": plan["comm_s"],
@@ -233,7 +241,8 @@ def print_rows(console: Console, rows: list[dict]) -> None:
                          else "right")
     for r in rows:
         error = r["predicted_s"] / r["measured_s"] - 1
-        table.add_row(f"loopback / {r['ratio']} ({r['link_gbps'] * 1e3:,.0f} MB/s)", r["layout"],
+        layout = r["layout"] + (f" ({r['variant']})" if r["variant"] else "")
+        table.add_row(f"loopback / {r['ratio']} ({r['link_gbps'] * 1e3:,.0f} MB/s)", layout,
                       f"{r['predicted_s'] * 1e3:,.0f}", f"{r['measured_s'] * 1e3:,.0f}",
                       f"{error:+.0%}", f"{r['predicted_comm_s'] * 1e3:,.0f}",
                       f"{r['measured_comm_s'] * 1e3:,.0f}")
