@@ -64,11 +64,11 @@ LINK_GROUPS = {"intra": [[0, 1], [2, 3]], "inter": [[0, 2]],
                "inter, both pairs at once": [[0, 2], [1, 3]]}
 
 
-def links(out: str, min_seconds: float = 0.2) -> None:
-    """Under torchrun on the nodes: each of LINK_GROUPS' all-reduces timed on its members, every
-    size started together on every group of the kind (a world barrier, then as many calls as
-    fill about `min_seconds`, agreed by all), the slowest member's seconds per call; rank 0's
-    results written to `out` as JSON {kind: [(bytes, seconds), ...]}."""
+def links(out: str, kinds: list[str], min_seconds: float = 0.2) -> None:
+    """Under torchrun on the nodes: the all-reduces of `kinds` of LINK_GROUPS timed on their
+    members, every size started together on every group of the kind (a world barrier, then as
+    many calls as fill about `min_seconds`, agreed by all), the slowest member's seconds per
+    call; rank 0's results written to `out` as JSON {kind: [(bytes, seconds), ...]}."""
     from plait.comm import all_reduce
 
     torch.set_num_threads(1)
@@ -84,7 +84,8 @@ def links(out: str, min_seconds: float = 0.2) -> None:
         dist.all_reduce(per_call, op=dist.ReduceOp.MAX)  # the world's slowest member
         return per_call
 
-    for kind, groups in LINK_GROUPS.items():
+    for kind in kinds:
+        groups = LINK_GROUPS[kind]
         handles = [dist.new_group(g) for g in groups]  # every rank creates every group
         mine = next((h for g, h in zip(groups, handles, strict=True) if rank in g), None)
         samples = []
@@ -117,10 +118,11 @@ def _job(nodes, args: list[str], logs: Path, port: int, timeout: float = 600) ->
             raise RuntimeError(f"bench topology: node {i} exited {code}:\n{tail}")
 
 
-def measure_links(nodes, work: Path, port: int) -> dict[str, dict]:
-    """Each link kind's fitted alpha (s) and beta (bytes/s), and its samples."""
+def measure_links(nodes, work: Path, port: int, kinds: list[str]) -> dict[str, dict]:
+    """Each of these link kinds' fitted alpha (s) and beta (bytes/s), and its samples."""
     out = work / f"links-{port}.json"
-    _job(nodes, ["-m", "plait.bench.topology", "links", str(out)], work, port)
+    chosen = ",".join(str(list(LINK_GROUPS).index(kind)) for kind in kinds)
+    _job(nodes, ["-m", "plait.bench.topology", "links", str(out), chosen], work, port)
     return {kind: dict(zip(("alpha_s", "beta_Bps"), fit_alpha_beta(2, samples), strict=True),
                        samples=samples)
             for kind, samples in json.loads(out.read_text()).items()}
@@ -186,12 +188,12 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
     with tempfile.TemporaryDirectory(prefix="plait-topology-") as tmp, \
             EmulatedNodes(NODES) as nodes:
         work = Path(tmp)
-        intra = measure_links(nodes, work, port)["intra"]
+        intra = measure_links(nodes, work, port, ["intra"])["intra"]  # before any shaping
         for ratio in ratios:
             rate_mbit = round(intra["beta_Bps"] * 8 / 1e6 / ratio, 1)
             nodes.set_rate(rate_mbit)
             port += 1
-            found = measure_links(nodes, work, port)
+            found = measure_links(nodes, work, port, [k for k in LINK_GROUPS if k != "intra"])
             calibrations[ratio] = {**found, "intra": intra, "rate_mbit": rate_mbit}
             cluster = cluster_of(intra, found["inter"])
             runs = list(zip(names, LAYOUTS, strict=True))
@@ -251,6 +253,7 @@ def print_rows(console: Console, rows: list[dict]) -> None:
 
 if __name__ == "__main__":  # under torchrun, on the emulated nodes
     if sys.argv[1:2] == ["links"]:
-        links(sys.argv[2])
+        links(sys.argv[2], [list(LINK_GROUPS)[int(i)] for i in sys.argv[3].split(",")])
     else:
-        sys.exit(f"usage: python -m plait.bench.topology links OUT.json, not {sys.argv[1:]}")
+        sys.exit(f"usage: python -m plait.bench.topology links OUT.json KINDS (indices of "
+                 f"LINK_GROUPS, comma-separated), not {sys.argv[1:]}")
