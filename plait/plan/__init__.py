@@ -175,6 +175,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     bubble = bubble_formula(schedule, dims.pp, M, virtual) if dims.pp > 1 else 0.0
     sizes = _sizes(args, dims.pp * virtual, tuple(par.pp_split), cfg.model.hf)
     priced, per_stage, step, comm_s = {}, [], 0.0, 0.0
+    node = dp_per_node(dims, par.ranks_per_node or cluster.per_node)  # hierarchical's groups
     for stage, (chunks, kind) in enumerate(_stages(args, dims.pp, sizes)):
         if kind not in priced:
             record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage,
@@ -185,7 +186,6 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
             share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
             compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
                        + dev.microbatch_overhead_s * M * share)
-            node = dp_per_node(dims, par.ranks_per_node or cluster.per_node)
             comm = _comm_seconds(traffic, dims, cluster, node)
             data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
             hidden = 0.0 if not dev.overlap else compute if par.zero == 3 else compute * 2 / 3
