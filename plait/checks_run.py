@@ -120,6 +120,7 @@ def check_checkpoint(cfg: Config) -> None:
     # Imported here: torch.distributed.checkpoint takes seconds to import, which every command
     # that validates a configuration would pay (`plait plan`, `--dry-run`, the launcher).
     from plait.checkpoint import find, read_meta
+    from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
 
     source = find(ck.resume, ck.dir)  # a path given as `resume` is looked in alone
     if ck.resume not in ("auto", "never") and source is None:
@@ -127,6 +128,11 @@ def check_checkpoint(cfg: Config) -> None:
                           "checkpoint folder (with COMPLETE) or a folder of them, 'auto' or "
                           "'never'")
     if source is not None:
+        try:
+            read_metadata(source)
+        except UnsafeCheckpoint as e:
+            raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, "
+                              "or set checkpoint.resume='never'") from None
         saved = read_meta(source)["config"]["model"]
         held = model_section(saved)
         ours = _weights_signature(cfg.model.args())

@@ -401,7 +401,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
         from plait.checkpoint import read_meta
+        from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
         from plait.config import model_section
+
+        try:
+            read_metadata(source)
+        except UnsafeCheckpoint as e:
+            raise ConfigError("CKPT", f"{e}; convert a checkpoint you trust") from None
 
         saved = dict(read_meta(source)["config"]["model"])
         if "hf" in saved and not (Path(saved["hf"]) / "config.json").is_file():

@@ -16,7 +16,9 @@ A checkpoint is a folder `step-NNNNNNNN` (the number of optimizer steps done) ho
   checkpoint the newest complete one.
 
 The data position needs no state: a step's batch is a function of the step (`train/data.py`).
-Loading never unpickles code: DCP reads tensors, and `plait.json` is JSON.
+Loading runs nothing a checkpoint holds: DCP's `.metadata` is unpickled against an allow-list of
+the classes it is made of (`metadata.py`), tensors by `torch.load(weights_only=True)`, and
+`plait.json` is JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 
 from plait.checkpoint.compression import compression_state
 from plait.checkpoint.layout import Boxes, LoadPlanner, boxes_of
+from plait.checkpoint.metadata import CheckpointReader, read_metadata
 
 MARKER = "COMPLETE"
 META = "plait.json"
@@ -155,7 +158,8 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
         if par.scaler is not None and "train.loss_scale" not in sizes:
             # A checkpoint of an fp32 or bf16 run: fp16 starts its scale afresh.
             sd = {k: v for k, v in sd.items() if k not in par.scaler.state_tensors()}
-    dcp.load(sd, checkpoint_id=str(path), planner=LoadPlanner(), process_group=group)
+    dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadPlanner(),
+             process_group=group)
     if full:
         for state in optimizer.state.values():
             state["step"].copy_(sd["optim.step"])
@@ -180,18 +184,19 @@ def one_process():
 
 def saved_sizes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """The size of every tensor a checkpoint holds, by key."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     return {k: tuple(v.size) for k, v in saved.items() if hasattr(v, "size")}
 
 
 def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The whole tensors whose keys start with `prefix`, read in this process alone (no process
     group): what `plait convert` and the tests read a checkpoint with."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items()
           if k.startswith(prefix)}
     with one_process():
-        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+        dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadPlanner(),
+                 no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}
 
 

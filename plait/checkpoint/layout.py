@@ -143,3 +143,8 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
+
+    def load_bytes(self, read_item, value) -> None:
+        # DCP's default would torch.load(weights_only=False) them: plait saves tensors only.
+        raise ValueError(f"checkpoint entry '{read_item.dest_index.fqn}' is a pickled object, "
+                         "which plait never saves; refusing to load it")

@@ -1,0 +1,112 @@
+"""A checkpoint runs nothing it holds: DCP's `.metadata` is a pickle, and a crafted one (here,
+a real checkpoint's metadata with a payload that touches a marker file when unpickled) is refused
+on every path that reads a checkpoint — the launcher's resume check, `plait convert --to hf`,
+`load_full`, and the reader the workers' `load` hands DCP — with no marker written. Plain
+`pickle.load`, DCP's own reader, would write it (asserted first, so the payload is live)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from plait import cli
+from plait.checkpoint import finish, load_full, meta, one_process
+from plait.checkpoint.metadata import CheckpointReader, UnsafeCheckpoint, read_metadata
+from plait.config import load_config
+
+MODEL = ["model.preset=tiny", "model.n_layers=1", "model.vocab_size=256", "data.seq_len=32"]
+
+
+class _Touch:
+    """Unpickled, it creates `path` (what a hostile file could do with any command)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def _checkpoint(path):
+    cfg = load_config(None, MODEL)
+    sd = {"model.w": torch.randn(3, 4), "train.step": torch.tensor(0)}
+    with one_process():
+        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    finish(path, meta(cfg, 0, 1, contents=("model",)))
+    return path
+
+
+def _plant(path, marker):
+    """Replace the checkpoint's metadata by itself carrying the payload (it still loads)."""
+    metadata = read_metadata(path)
+    metadata.storage_meta.checkpoint_id = _Touch(marker)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.fixture
+def crafted(tmp_path):
+    path, marker = _checkpoint(tmp_path / "step-00000000"), tmp_path / "marker"
+    _plant(path, marker)
+    with open(path / ".metadata", "rb") as f:  # the payload is live: DCP's own way runs it
+        pickle.load(f)
+    assert marker.exists()
+    marker.unlink()
+    return path, marker
+
+
+def test_a_real_checkpoint_reads(tmp_path):
+    path = _checkpoint(tmp_path / "ck")
+    assert set(load_full(path)) == {"w"}
+    assert tuple(read_metadata(path).state_dict_metadata["model.w"].size) == (3, 4)
+
+
+def test_resume_refuses_crafted_metadata_before_launch(crafted, capsys):
+    path, marker = crafted
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--dry-run", f"checkpoint.resume={path}", *MODEL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1
+    assert "checkpoint.resume" in err[0] and "posix.system" in err[0] and str(path) in err[0]
+    assert not marker.exists()
+
+
+def test_convert_refuses_crafted_metadata(crafted, tmp_path, capsys):
+    path, marker = crafted
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["convert", "--to", "hf", str(tmp_path / "hf"), str(path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("plait: error: CKPT")
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_the_workers_reader_refuses_crafted_metadata(crafted):
+    path, marker = crafted
+    with pytest.raises(UnsafeCheckpoint, match="refusing"):
+        load_full(path)
+    sd = {"model.w": torch.empty(3, 4)}
+    with pytest.raises(CheckpointException) as raised, one_process():  # `checkpoint.load`'s way
+        dcp.load(sd, storage_reader=CheckpointReader(str(path)), no_dist=True)
+    assert "names posix.system" in str(raised.value)  # DCP wraps each rank's error
+    assert not marker.exists()
+
+
+def test_pickled_entries_and_garbage_are_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path = _checkpoint(tmp_path / "ck")
+    metadata = read_metadata(path)
+    metadata.state_dict_metadata["train.step"] = BytesStorageMetadata()
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpoint, match="BytesStorageMetadata"):
+        read_metadata(path)
+    (path / ".metadata").write_bytes(b"\x80\x05garbage")
+    with pytest.raises(UnsafeCheckpoint, match="is not a checkpoint's metadata"):
+        read_metadata(path)
+    (path / ".metadata").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(UnsafeCheckpoint, match="not DCP's Metadata"):
+        read_metadata(path)
