@@ -131,8 +131,11 @@ class Prepared:
         loss = self.global_mean(loss_sum)
         overflow = self.loss_scaler is not None and math.isfinite(loss)
         if not math.isfinite(norm) and not overflow:
-            raise FloatingPointError(f"step {self._steps}: the gradient norm is {norm}; "
-                                     "nothing was updated (lower the learning rate?)")
+            why = "before any update: the model's forward, its loss or the batch made it" \
+                if self._steps == 0 else \
+                "(a learning rate too high, or the model, loss or batch)"
+            raise FloatingPointError(f"step {self._steps}: the gradient norm is {norm}; nothing "
+                                     f"was updated; {why}")
         self._steps += 1
         return loss
 

@@ -8,8 +8,11 @@ A model family's plan names its blocks, and every parallelism reads them there. 
   number at least this many (torch's `size_based_auto_wrap_policy`).
 
 Chosen modules never nest: a module inside a chosen one is part of it. The root module itself is
-never chosen; under ZeRO-3 what is left over (the stem, the classifier) forms one more unit,
-gathered for the whole forward.
+never chosen, nor a container that is never called (one with no `forward` of its own:
+`ModuleList`, `ModuleDict`; torch's size policy excludes them too): a unit is gathered when its
+module runs, and a container's parameters are used by other modules' forwards. Under ZeRO-3 what
+is left over (the stem, the classifier, and parameters that several chosen modules share) forms
+one more unit, gathered for the whole forward.
 """
 
 from __future__ import annotations
@@ -34,13 +37,18 @@ def wrapped_modules(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     chosen: list[nn.Module] = []
     if policy.classes:
         for _, module in root.named_modules():
-            if module is not root and isinstance(module, policy.classes) and \
-                    not any(_inside(module, c) for c in chosen):
+            if module is not root and isinstance(module, policy.classes) and callable_(module) \
+                    and not any(_inside(module, c) for c in chosen):
                 chosen.append(module)
     if policy.min_params > 0:
         _by_size(root, policy.min_params, chosen, top=True)
     order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
     return sorted(chosen, key=lambda m: order[id(m)])
+
+
+def callable_(module: nn.Module) -> bool:
+    """Whether the module has a forward of its own (containers do not: they are never called)."""
+    return type(module).forward is not nn.Module.forward
 
 
 def _inside(module: nn.Module, outer: nn.Module) -> bool:
@@ -55,7 +63,7 @@ def _by_size(module: nn.Module, threshold: int, chosen: list[nn.Module], top: bo
     left = sum(p.numel() for p in module.parameters(recurse=False))
     for child in module.children():
         left += _by_size(child, threshold, chosen, top=False)
-    if not top and left >= threshold:
+    if not top and left >= threshold and callable_(module):
         chosen.append(module)
         return 0
     return left

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from plait.comm import Pending, all_gather
+from plait.parallel.batch import tensors_in
 from plait.comm.compression import Compression
 from plait.mesh import Axis
 from plait.model.materialize import swap_parameters
@@ -71,8 +72,8 @@ def first_unit_spans(chunk: nn.Module, wrap: WrapPolicy | None = None) -> bool:
 def _cut(chunk: nn.Module, wrap: WrapPolicy | None) -> tuple[list[list[nn.Module]], bool]:
     if not has_plan(chunk):
         chosen = wrapped_modules(chunk, wrap or WrapPolicy())
-        held = {id(p) for m in chosen for p in m.parameters()}
-        rest = any(id(p) not in held for p in chunk.parameters())
+        owners = _owners(chunk, chosen)
+        rest = any(owners[id(p)] is None for p in chunk.parameters())
         return ([[chunk]] if rest else []) + [[m] for m in chosen], rest and bool(chosen)
     blocks = chunk.get_submodule(plan_of(chunk).blocks)
     before, after, seen = [], [], False
@@ -90,13 +91,44 @@ def _cut(chunk: nn.Module, wrap: WrapPolicy | None) -> tuple[list[list[nn.Module
         ([after] if after else []), False
 
 
+def _owners(chunk: nn.Module, chosen: list[nn.Module]) -> dict[int, nn.Module | None]:
+    """The chosen module each parameter of `chunk` belongs to (by id), or None: left over, or
+    shared, reached by its names (`named_parameters(remove_duplicate=False)`) through more than
+    one chosen module or through one and the rest of the tree (tied weights, a module used in
+    two places)."""
+    at = {name: m for name, m in chunk.named_modules(remove_duplicate=False)
+          if any(m is c for c in chosen)}
+    seen: dict[int, set] = {}
+    module_of: dict[int, nn.Module] = {}
+    for name, p in chunk.named_parameters(remove_duplicate=False):
+        parts = name.split(".")
+        owner = next((at[".".join(parts[:k])] for k in range(len(parts) - 1, 0, -1)
+                      if ".".join(parts[:k]) in at), None)
+        seen.setdefault(id(p), set()).add(id(owner) if owner is not None else None)
+        if owner is not None:
+            module_of[id(owner)] = owner
+    return {k: module_of[next(iter(o))] if len(o) == 1 and None not in o else None
+            for k, o in seen.items()}
+
+
 def unit_params(units: list[list[nn.Module]]) -> list[list[nn.Parameter]]:
     """Each unit's parameters: its modules', less those of a later unit (the leftover unit
-    `[chunk]` contains the chosen modules), each parameter once."""
-    out, taken = [], set()
-    for modules in reversed(units):
+    `[chunk]` contains the chosen modules), each parameter once. A parameter shared between a
+    chosen module and another part of the tree (`_owners`) belongs to the leftover unit, which
+    stays gathered while any of them runs: in a sharer's unit it would be freed while another
+    reads it."""
+    leftover = len(units) > 1 and len(units[0]) == 1 and \
+        all(any(m is n for n in units[0][0].modules()) for u in units[1:] for m in u)
+    shared: set[int] = set()
+    if leftover:
+        owners = _owners(units[0][0], [u[0] for u in units[1:]])
+        shared = {k for k, owner in owners.items() if owner is None}
+    out, taken = [], set(shared)
+    for index in reversed(range(len(units))):
+        if index == 0:
+            taken -= shared
         mine = []
-        for m in modules:
+        for m in units[index]:
             for p in m.parameters():
                 if id(p) not in taken:
                     taken.add(id(p))
@@ -156,6 +188,7 @@ class Unit:
         self.gathered = not any(f.replaced for f in self.flats)
         self.pending: list[Pending] = []  # all-gathers in flight
         self.reduced = False  # this step's gradients are on their way to the slices
+        self.ran = False  # its module's forward ran this step (it was gathered for it)
 
 
 class Zero3DataParallel(ShardedEngine):
@@ -253,6 +286,7 @@ class Zero3DataParallel(ShardedEngine):
         unit = self.units[index]
 
         def hook(module, args):
+            unit.ran = True
             self._wait(unit)
             following = self._neighbour(index, +1)
             if following is not None and not recomputing():  # the backward runs the other way
@@ -268,8 +302,9 @@ class Zero3DataParallel(ShardedEngine):
                 return
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(unit)
-            if output.requires_grad:  # before this unit's backward: gather it again
-                output.register_hook(self._pre_backward(index))
+            for t in tensors_in(output):  # before this unit's backward: gather it again
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward(index))
 
         return hook
 
@@ -289,6 +324,13 @@ class Zero3DataParallel(ShardedEngine):
 
     def _on_grad(self, unit: Unit, flat: FlatParam, position: int):
         def on_gradient(p: nn.Parameter) -> None:
+            if not (unit.ran and unit.gathered):
+                raise RuntimeError(
+                    f"ZeRO-3: {flat.names[position]} got a gradient, but its unit "
+                    f"({type(unit.modules[0]).__name__}) {'is not gathered' if unit.ran else 'never ran'}"
+                    ": the parameter is used outside its module's forward (a unit is gathered "
+                    "only while its module runs); choose a wrap policy whose units contain the "
+                    "modules that use it")
             if self._sync:
                 if flat.grad is None:  # the unit's first gradient: stage all of its flats
                     for f in unit.flats:
@@ -323,7 +365,7 @@ class Zero3DataParallel(ShardedEngine):
             )
         self._hand_over()
         for unit in self.units:
-            unit.reduced = False
+            unit.reduced = unit.ran = False
         self._step_done()
 
     def finish_step(self) -> None:
