@@ -40,12 +40,12 @@ import torch
 from torch import nn
 
 from plait.comm import Pending, all_gather
-from plait.parallel.batch import tensors_in
 from plait.comm.compression import Compression
 from plait.mesh import Axis
 from plait.model.materialize import swap_parameters
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import recomputing
+from plait.parallel.batch import tensors_in
 from plait.parallel.data_parallel import sync_classes
 from plait.parallel.flat import FlatParam
 from plait.parallel.state import nbytes, optimizer_state_bytes
@@ -325,12 +325,12 @@ class Zero3DataParallel(ShardedEngine):
     def _on_grad(self, unit: Unit, flat: FlatParam, position: int):
         def on_gradient(p: nn.Parameter) -> None:
             if not (unit.ran and unit.gathered):
+                state = "is not gathered" if unit.ran else "never ran"
                 raise RuntimeError(
                     f"ZeRO-3: {flat.names[position]} got a gradient, but its unit "
-                    f"({type(unit.modules[0]).__name__}) {'is not gathered' if unit.ran else 'never ran'}"
-                    ": the parameter is used outside its module's forward (a unit is gathered "
-                    "only while its module runs); choose a wrap policy whose units contain the "
-                    "modules that use it")
+                    f"({type(unit.modules[0]).__name__}) {state}: the parameter is used outside "
+                    "its module's forward (a unit is gathered only while its module runs); "
+                    "choose a wrap policy whose units contain the modules that use it")
             if self._sync:
                 if flat.grad is None:  # the unit's first gradient: stage all of its flats
                     for f in unit.flats:
