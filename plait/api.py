@@ -28,7 +28,7 @@ import dataclasses
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import ParallelConfig
 from plait.mesh import build_mesh, rows_share
 from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
+from plait.parallel.batch import Call, split_rows
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.wrap import WrapPolicy
 from plait.train.verify import Verdict, verify_step
@@ -86,10 +87,11 @@ class Prepared:
     evaluate (one pipeline stage), `save()` / `load()` for sharded checkpoints."""
 
     def __init__(self, parallelized: Parallelized, microbatches: int, config: ParallelConfig,
-                 loss_fn: Callable, reference: nn.Module | None = None):
+                 loss_fn: Callable, reference: nn.Module | None = None, own_loss: bool = False):
         self.parallelized, self.microbatches, self.config = parallelized, microbatches, config
         self.rows_rank, self.rows = rows_share(parallelized.axes)
         self.loss_fn, self.reference = loss_fn, reference
+        self.own_loss = own_loss  # no loss_fn given: in the batch form, the model's own loss
         self._steps = 0
 
     @property
@@ -115,19 +117,36 @@ class Prepared:
             out.append(self.parallelized.context.shard(t.chunk(self.rows)[self.rows_rank]))
         return tuple(out) if len(out) > 1 else out[0]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor,
-             optimizer: torch.optim.Optimizer, grad_clip: float = 0.0) -> float:
-        """One optimizer step on this rank's rows (`local`): forward and backward over the
-        micro-batches, gradients averaged (or reduce-scattered), clipped to `grad_clip` (0:
-        not), the optimizer's step. Returns the loss, averaged over all ranks. A non-finite
-        gradient norm raises (nothing is updated), except under fp16, where it is an overflow:
-        the step is skipped and the loss scale backs off (`loss_scaler`), unless the loss itself
-        is not finite. The module's mode is the caller's, as in PyTorch (`job.model.train()` /
-        `.eval()`)."""
+    def step(self, *args, grad_clip: float = 0.0) -> float:
+        """One optimizer step, in either form:
+
+        - `job.step(batch, optimizer)`: `batch` is the global batch as the model takes it, the
+          same on every rank: a tensor (`model(batch)`), a tuple (`model(*batch[:-1])` and
+          `loss_fn(output, batch[-1])` given a `loss_fn`, else `model(*batch)`) or a dict
+          (`model(**batch)`, and `loss_fn(output, batch)` given one). Every tensor's rows (dim
+          0) are split over the data-parallel ranks and the micro-batches. With no `loss_fn` the
+          model computes its own loss: a scalar output, `.loss` (transformers, given `labels`) or
+          a "loss" entry; under tp a vocabulary-split head then all-gathers its logits for it.
+        - `job.step(inputs, targets, optimizer)`: this rank's rows (`local`), `loss_fn(outputs,
+          targets)` (the default: cross-entropy over (b, s, V) logits).
+
+        Forward and backward over the micro-batches, gradients averaged (or reduce-scattered),
+        clipped to `grad_clip` (0: not), the optimizer's step. Returns the loss, averaged over
+        all ranks. A non-finite gradient norm raises (nothing is updated), except under fp16,
+        where it is an overflow: the step is skipped and the loss scale backs off
+        (`loss_scaler`), unless the loss itself is not finite. The module's mode is the
+        caller's, as in PyTorch (`job.model.train()` / `.eval()`)."""
+        if len(args) == 2 and isinstance(args[1], torch.optim.Optimizer):
+            optimizer, microbatches = args[1], self._batch(args[0])
+        elif len(args) in (3, 4) and isinstance(args[2], torch.optim.Optimizer):
+            inputs, targets, optimizer, *clip = args
+            grad_clip = clip[0] if clip else grad_clip
+            microbatches = self._split(inputs, targets)
+        else:
+            raise TypeError("step(batch, optimizer) or step(inputs, targets, optimizer)")
         self.parallelized.module.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, norm = self.parallelized.step(self._split(inputs, targets), optimizer,
-                                                grad_clip)
+        loss_sum, norm = self.parallelized.step(microbatches, optimizer, grad_clip)
         loss = self.global_mean(loss_sum)
         overflow = self.loss_scaler is not None and math.isfinite(loss)
         if not math.isfinite(norm) and not overflow:
@@ -138,6 +157,30 @@ class Prepared:
                                      f"was updated; {why}")
         self._steps += 1
         return loss
+
+    def _batch(self, batch) -> list[tuple[Call, object]]:
+        """This rank's micro-batches of a global batch as the model takes it: (the call, the
+        target: None where the model computes its own loss)."""
+        if self.parallelized.axes["pp"].size > 1 or self.parallelized.context.size > 1:
+            raise ValueError("a batch as the model takes it runs without pipeline or context "
+                             "parallelism (pp = cp = 1); pass (inputs, targets) tensors")
+        local = split_rows(batch, self.rows, "batch")[self.rows_rank]
+        out = []
+        for piece in split_rows(local, self.microbatches, "batch per rank"):
+            if isinstance(piece, torch.Tensor):
+                out.append((Call((piece,)), None if self.own_loss else piece))
+            elif isinstance(piece, Mapping):
+                out.append((Call((), dict(piece)), None if self.own_loss else piece))
+            elif isinstance(piece, (tuple, list)):
+                out.append((Call(tuple(piece)), None) if self.own_loss
+                           else (Call(tuple(piece[:-1])), piece[-1]))
+            else:
+                raise TypeError(f"a batch is a tensor, a tuple or a dict, not "
+                                f"{type(batch).__name__}")
+        if isinstance(batch, torch.Tensor) and not self.own_loss:
+            raise ValueError("a batch of one tensor has no targets for loss_fn; pass (inputs, "
+                             "targets), or let the model compute its loss (loss_fn=None)")
+        return out
 
     @property
     def loss_scaler(self) -> LossScaler | None:
@@ -257,4 +300,5 @@ def prepare(
                                options=options, scaler=loss_scaler)
     # The reference's loss: the user's, or cross-entropy over whole logits (the layout's may be
     # the vocabulary-parallel one).
-    return Prepared(parallelized, M, parallel, loss_fn or cross_entropy, reference)
+    return Prepared(parallelized, M, parallel, loss_fn or cross_entropy, reference,
+                    own_loss=loss_fn is None)

@@ -97,6 +97,30 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return _gather_seq(grad, ctx.group), None
 
 
+class GatherFromTensorParallel(torch.autograd.Function):
+    """A column-parallel layer's output made whole (Megatron's gather_output). Forward:
+    all-gather the ranks' shards along the last dim. Backward: this rank's slice of the gradient
+    (every rank computed the same loss from the whole tensor, so no sum is needed)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.width = group, x.shape[-1]
+        n = dist.get_world_size(group)
+        local = x.movedim(-1, 0).contiguous()  # (V / T, ...): gathering along dim 0
+        out = local.new_empty((n * local.shape[0], *local.shape[1:]))
+        all_gather(out, local, group)
+        return out.movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad.narrow(-1, rank * ctx.width, ctx.width), None
+
+
+def gather_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return GatherFromTensorParallel.apply(x, group)
+
+
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return CopyToTensorParallel.apply(x, group)
 

@@ -39,7 +39,7 @@ _LLAMA_LIKE = dict(
     blocks="layers",
     first=("embed_tokens",),
     last=("norm", "lm_head"),
-    shared=("rotary_emb", "positions"),
+    shared=("rotary_emb", "positions", "loss_function"),
     hidden_size="hidden_size",
     vocab_size="vocab_size",
     tp_splits={
@@ -173,7 +173,11 @@ class HFCausalLM(nn.Module):
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTENTION, attention)
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # plait's entry takes SDPA's masks
         hf.config._attn_implementation = ATTENTION
+        self.loss_function = hf.loss_function  # the family's own (transformers' LOSS_MAPPING)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
@@ -190,12 +194,36 @@ class HFCausalLM(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        extra = self.block_args(h, tokens.shape[1])
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None):
+        """(b, s) token ids -> (b, s, vocab) logits; as transformers' model is called, with a
+        padding `attention_mask` (b, s) (transformers' `create_causal_mask` makes it the
+        layers' mask; all ones is no mask) and `labels` (b, s): then `CausalLMOutput` with the
+        family's own loss (transformers' `loss_function`: shifted, -100 ignored)."""
+        # Written against the pieces a one-chunk pipeline holds too (it runs this forward on
+        # itself for a batch with a mask or labels): the class's functions, the plan's modules.
+        h = HFCausalLM.embed(self, input_ids)
+        extra = HFCausalLM.block_args(self, h, input_ids.shape[1])
+        if attention_mask is not None:
+            from transformers.masking_utils import create_causal_mask
+
+            # Shaped by the whole sequence (h holds a shard of it under sequence parallelism).
+            whole = h.new_empty(*input_ids.shape, 1)
+            extra["attention_mask"] = create_causal_mask(
+                config=self.args, inputs_embeds=whole, attention_mask=attention_mask, cache=None,
+                position_ids=extra["position_ids"])
         for layer in self.layers.values():
             h = layer(h, **extra)
-        return self.head(h)
+        logits = HFCausalLM.head(self, h)
+        return logits if labels is None else _with_loss(self, logits, labels)
+
+
+def _with_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor):
+    from transformers.modeling_outputs import CausalLMOutput
+
+    loss = model.loss_function(logits=logits, labels=labels,
+                               vocab_size=model.args.vocab_size)
+    return CausalLMOutput(loss=loss, logits=logits)
 
 
 class PlainCausalLM(nn.Module):
@@ -206,8 +234,12 @@ class PlainCausalLM(nn.Module):
         super().__init__()
         self.hf, self.args = hf, hf.config
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None):
+        """(b, s) token ids -> logits; with `labels`, transformers' output (its own loss)."""
+        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                      use_cache=False)
+        return out.logits if labels is None else out
 
 
 def hf_name(name: str, planned: bool) -> str:

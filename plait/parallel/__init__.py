@@ -117,6 +117,7 @@ class Parallelized:
         self.pipeline.loss_scale = scale
         for layer in self.moe:
             layer.loss_scale = scale
+        self._whole_logits(any(target is None for _, target in microbatches))
         loss_sum = self.pipeline.run(microbatches)
         with TRACER.span("finish gradients"):
             self.finish_gradients()
@@ -140,6 +141,15 @@ class Parallelized:
             optimizer.step()
             self.finish_step()
         return loss_sum, norm
+
+    def _whole_logits(self, on: bool) -> None:
+        """Whether a vocabulary-split head all-gathers its logits: for a model that computes its
+        own loss (micro-batches without targets) rather than plait's vocabulary-parallel one."""
+        for chunk in self.module.values():
+            name = plan_of(chunk).vocab_head if has_plan(chunk) else None
+            head = getattr(chunk, name, None) if name else None
+            if hasattr(head, "whole_logits"):
+                head.whole_logits = on
 
     @torch.no_grad()
     def sync_buffers(self) -> None:

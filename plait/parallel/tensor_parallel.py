@@ -16,7 +16,9 @@ communicated. Every replicated parameter (the norms) then sees a shard of the to
 weight gradient is a partial sum and is all-reduced over `tp` as it arrives; so is a parameter
 the plan lists in `tp_partial_grads` (a mixture of experts' router), with or without SP.
 
-The embedding and the output head are split by vocabulary (`vocab_parallel`).
+The embedding and the output head are split by vocabulary (`vocab_parallel`); the head's logits
+stay split for plait's vocabulary-parallel cross-entropy, and are all-gathered (`whole_logits`)
+for a model that computes its own loss from them (a transformers model given `labels`).
 
 `apply_tp` works on the whole model or on one pipeline chunk (whatever of the embedding, blocks
 and head it holds), and writes the `tp` axis of each parameter into the placement record.
@@ -33,6 +35,7 @@ from plait.comm import all_reduced
 from plait.comm.autograd import (
     copy_to_tp,
     gather_from_sp,
+    gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
@@ -151,6 +154,11 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
                 head = getattr(chunk, name)
                 _split_linear(head, 0, rank, size)
                 head.register_forward_pre_hook(lambda mod, a: (enter(a[0], group),))
+                # A model that computes its own loss reads whole logits: set while it does
+                # (`Parallelized.step`, for micro-batches without targets).
+                head.whole_logits = False
+                head.register_forward_hook(
+                    lambda mod, a, out: gather_from_tp(out, group) if mod.whole_logits else None)
         if tied:  # both split by vocabulary rows alike: they share this rank's rows again
             getattr(chunk, plan.vocab_head).weight = getattr(chunk, plan.vocab_embedding).weight
         if sequence_parallel:

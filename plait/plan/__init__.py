@@ -405,8 +405,9 @@ def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list
 def reasons(p: Plan, cluster: Cluster) -> list[str]:
     """Why plan p, in the field's words."""
     d = p.degrees
-    out = [f"fits in {p.peak_memory_bytes / 1e9:.1f} of {cluster.device.memory_bytes / 1e9:.0f} "
-           f"GB per GPU with " + (f"ZeRO-{d['zero']}" if d["zero"] else "plain data parallelism")
+    out = [f"{'fits in' if p.fits else 'needs'} {p.peak_memory_bytes / 1e9:.1f} of "
+           f"{cluster.device.memory_bytes / 1e9:.0f} GB per GPU with "
+           + (f"ZeRO-{d['zero']}" if d["zero"] else "plain data parallelism")
            + (f", activation checkpointing {d['activation_checkpointing']}"
               if d["activation_checkpointing"] != "none" else "")]
     if d["offload"] != "none":

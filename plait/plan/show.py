@@ -21,6 +21,10 @@ PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "para
             "train.activation_checkpointing": "activation_checkpointing"}
 
 
+# A layout's degrees: pinned all, the layout is the user's, priced even when it does not fit.
+DEGREES = {"tp", "pp", "cp", "ep", "zero"}
+
+
 def pinned(cfg: Config, overrides: list[str]) -> dict:
     """The degrees the user's overrides fix (the others are searched)."""
     out = {}
@@ -35,8 +39,8 @@ def pinned(cfg: Config, overrides: list[str]) -> dict:
 def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
     """The ranked plans. Refuses (status 2, one line) when none is valid, or when none fits
     and the degrees leave a choice, naming the cause and the smallest change that would fit;
-    a single layout (every degree pinned) is returned even when it does not fit (the caller
-    prints it with its warning and exits 1)."""
+    a layout whose degrees are all pinned (`DEGREES`) is returned even when it does not fit,
+    the leanest of its variants (the caller prints it with its warning and exits 1)."""
     plans = rank_plans(cfg, cluster, fixed)
     model = cfg.model.hf or cfg.model.preset
     if not plans:
@@ -45,6 +49,10 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
                           f"with these settings ({pins}); change --gpus or the pinned degrees")
     if plans[0].fits or len(plans) == 1:
         return plans
+    if DEGREES <= fixed.keys():
+        # Every degree pinned: the layout is the user's; of its variants (recomputation,
+        # micro-batches, offload) the leanest is priced and shown, with "does not fit".
+        return [min(plans, key=lambda p: p.peak_memory_bytes)]
     need = min(p.peak_memory_bytes for p in plans) / 1e9
     usable = HEADROOM * cluster.device.memory_bytes
     lean = min(plans, key=lambda p: _state_on_device(p))

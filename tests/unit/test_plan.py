@@ -224,11 +224,31 @@ def test_a_pinned_plan_that_does_not_fit_is_still_priced():
     plans = choose(cfg, Cluster(64, 8, DEVICES["h100"]), pins)
     assert len(plans) == 1 and not plans[0].fits
     assert any(w.startswith("does not fit: 12") for w in plans[0].warnings)
+    # The degrees alone pinned (recomputation, micro-batches, offload left to search): the
+    # leanest variant, priced, not the refusal.
+    degrees = {k: pins[k] for k in ("tp", "pp", "cp", "ep", "zero")}
+    plans = choose(cfg, Cluster(64, 8, DEVICES["h100"]), degrees)
+    assert len(plans) == 1 and not plans[0].fits and plans[0].degrees["zero"] == 0
+    assert any(w.startswith("does not fit") for w in plans[0].warnings)
     big = load_config(None, ["model.preset='70b'", "train.global_batch=8", "data.seq_len=512",
                              "train.precision=bf16"])
     with pytest.raises(ConfigError) as refused:
         choose(big, Cluster(8, 8, DEVICES["h100"]), {"zero": 2, "tp": 1, "offload": "none"})
     assert "its model state alone needs" in str(refused.value), refused.value
+
+
+def test_the_issues_pinned_command_is_shown_with_status_1(capsys):
+    """`plait plan` with the ZeRO paper's stage-0 degrees pinned on the command line: the plan is
+    printed with "does not fit", status 1 (it was refused with status 2)."""
+    from plait import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plan", "--gpus", "64", "model.preset=7b", "model.n_layers=36",
+                  "model.vocab_size=26147", "train.global_batch=64", "data.seq_len=1024",
+                  "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.cp=1",
+                  "parallel.ep=1"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 1 and "does not fit: 120.8 GB per GPU of 80 GB" in out
 
 
 def test_four_24gb_gpus_train_7b_only_with_offload():

@@ -1,7 +1,9 @@
 """One executor for every schedule: it runs this stage's list of actions in order.
 
-    F(c, m): input = micro-batch tokens (chunk 0) or the activation received from chunk c - 1's
-             stage; output sent on to chunk c + 1's stage, or the loss computed (last chunk).
+    F(c, m): input = micro-batch tokens (chunk 0; or a `Call`, a batch as the model takes it,
+             with one stage) or the activation received from chunk c - 1's stage; output sent
+             on to chunk c + 1's stage, or the loss computed (last chunk): `loss_fn(output,
+             target)`, or with no target the model's own (`batch.model_loss`).
     B(c, m): gradient received from chunk c + 1's stage (or the loss itself on the last chunk);
              backward; the input's gradient sent to chunk c - 1's stage. Under a split backward,
              B computes the input gradient only and keeps the graph for W.
@@ -29,6 +31,7 @@ from torch.distributed import ProcessGroup
 
 from plait.comm import Pending, recv, send
 from plait.comm.trace import PIPELINE, TRACER
+from plait.parallel.batch import Call, model_loss, to_device
 from plait.parallel.pipeline.schedules import Kind, Schedule
 
 
@@ -88,9 +91,11 @@ class PipelineExecutor:
         for a in s.actions[stage]:
             key = (a.chunk, a.microbatch)
             if a.kind is Kind.F:
-                if a.chunk == 0:
-                    x = microbatches[a.microbatch][0].to(self.device)
-                    start = time.perf_counter()
+                first = microbatches[a.microbatch][0]
+                if isinstance(first, Call):  # a batch as the model takes it (one stage)
+                    x = first
+                elif a.chunk == 0:
+                    x = first.to(self.device)
                 else:
                     act = self.activation
                     rows, seq = microbatches[a.microbatch][0].shape  # tokens (a plan's model)
@@ -101,9 +106,12 @@ class PipelineExecutor:
                     x.requires_grad_()
                 start = time.perf_counter()  # busy from here: waiting for the message is idle
                 with self.compute():
-                    out = self.chunks[a.chunk](x)
+                    out = x(self.chunks[a.chunk], self.device) if isinstance(x, Call) \
+                        else self.chunks[a.chunk](x)
                 if a.chunk == s.chunks - 1:
-                    out = self.loss_fn(out, microbatches[a.microbatch][1].to(self.device)) / M
+                    target = microbatches[a.microbatch][1]
+                    out = (model_loss(out) if target is None
+                           else self.loss_fn(out, to_device(target, self.device))) / M
                     loss_sum += out.item()
                     if self.loss_scale != 1.0:  # fp16: backward from the scaled loss
                         out = out * self.loss_scale

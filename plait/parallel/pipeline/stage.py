@@ -10,7 +10,6 @@ up.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from plait.model.plan import plan_of
@@ -67,7 +66,13 @@ class PipelineChunk(nn.Module):
         # by apply_tp); positions span the whole sequence (of this cp rank's shard).
         self.seq_shards = 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args, **kwargs):
+        if len(args) != 1 or kwargs:  # a batch as the model takes it: the model's own forward
+            if not (self.first and self.last):
+                raise ValueError("a pipeline chunk takes hidden states alone; a batch with more "
+                                 "than the tokens runs with pp = 1")
+            return self.code.forward(self, *args, **kwargs)
+        x = args[0]
         seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
         h = self.code.embed(self, x) if self.first else x
         extra = self.code.block_args(self, h, seq)  # positional (a tuple) or by keyword
