@@ -1,8 +1,9 @@
 """plait: a distributed training engine for PyTorch.
 
 The Python API (`plait/api.py`; README "Use plait from Python"): `init`, `prepare`, `print0`,
-`finish`, with `ParallelConfig`, `WrapPolicy`, `ModelPlan`, `LossScaler` (fp16) and `load_hf` (a
-Hugging Face folder).
+`finish`, `estimate` (a layout's bytes, FLOPs and collectives per rank before launch:
+`plait/predict/module.py`), with `ParallelConfig`, `WrapPolicy`, `ModelPlan`, `LossScaler`
+(fp16) and `load_hf` (a Hugging Face folder).
 They are imported when first used, so that `import plait.cli` stays light.
 """
 
@@ -23,6 +24,7 @@ _EXPORTS = {
     "LossScaler": "plait.parallel.loss_scaling",
     "ModelPlan": "plait.model.plan",
     "load_hf": "plait.model.hf",
+    "estimate": "plait.predict.module",
 }
 
 __all__ = list(_EXPORTS)

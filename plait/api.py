@@ -28,7 +28,7 @@ import dataclasses
 import math
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,7 +44,7 @@ from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import ParallelConfig
 from plait.mesh import build_mesh, rows_share
 from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
-from plait.parallel.batch import Call, split_rows
+from plait.parallel.batch import Call, as_microbatches
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.wrap import WrapPolicy
 from plait.train.verify import Verdict, verify_step
@@ -164,23 +164,8 @@ class Prepared:
         if self.parallelized.axes["pp"].size > 1 or self.parallelized.context.size > 1:
             raise ValueError("a batch as the model takes it runs without pipeline or context "
                              "parallelism (pp = cp = 1); pass (inputs, targets) tensors")
-        local = split_rows(batch, self.rows, "batch")[self.rows_rank]
-        out = []
-        for piece in split_rows(local, self.microbatches, "batch per rank"):
-            if isinstance(piece, torch.Tensor):
-                out.append((Call((piece,)), None if self.own_loss else piece))
-            elif isinstance(piece, Mapping):
-                out.append((Call((), dict(piece)), None if self.own_loss else piece))
-            elif isinstance(piece, (tuple, list)):
-                out.append((Call(tuple(piece)), None) if self.own_loss
-                           else (Call(tuple(piece[:-1])), piece[-1]))
-            else:
-                raise TypeError(f"a batch is a tensor, a tuple or a dict, not "
-                                f"{type(batch).__name__}")
-        if isinstance(batch, torch.Tensor) and not self.own_loss:
-            raise ValueError("a batch of one tensor has no targets for loss_fn; pass (inputs, "
-                             "targets), or let the model compute its loss (loss_fn=None)")
-        return out
+        return as_microbatches(batch, self.rows_rank, self.rows, self.microbatches,
+                               self.own_loss)
 
     @property
     def loss_scaler(self) -> LossScaler | None:

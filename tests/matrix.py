@@ -10,8 +10,8 @@ from training import assert_params_close
 
 from plait.checks import validate
 from plait.comm import Op
-from plait.parallel import cost
 from plait.parallel.loss_scaling import HALF
+from plait.predict import cost
 from plait.train.dry_run import describe_rank
 
 STEPS = 4
@@ -43,7 +43,7 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
     dims = validate(cfg, len(results))
     for r in results:
         # Exact accounting: the last step's collectives and the model state after it equal the
-        # formulas of plait.parallel.cost, and so does what `plait train --dry-run` predicts for
+        # formulas of plait.predict.cost, and so does what `plait train --dry-run` predicts for
         # this rank from one process, without a process group.
         dry = describe_rank(cfg, dims, r["rank"])
         if dims.ep > 1:  # the token all-to-alls follow the routing: the bytes the rows each
@@ -62,7 +62,7 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
         assert r["state"] == r["state_formula"], f"rank {r['rank']}"
         assert dry["state"] == r["state"]
         # The activations kept for backward (the step's peak, counted by storage) equal their
-        # formula, plait.parallel.activations, exactly (under ep they follow the routing:
+        # formula, plait.predict.activations, exactly (under ep they follow the routing:
         # test_expert_parallel asserts them).
         assert dims.ep > 1 or dry["activations"] == r["activation_bytes"], f"rank {r['rank']}"
         assert r["activations_left"] == 0, f"rank {r['rank']}"

@@ -13,7 +13,7 @@ from plait.checks import validate
 from plait.comm import LEDGER
 from plait.config import load_config
 from plait.mesh import build_mesh
-from plait.parallel import cost
+from plait.predict import cost
 from plait.train.trainer import Trainer
 
 STEPS = 5

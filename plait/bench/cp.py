@@ -2,7 +2,7 @@
 by ring attention and by Ulysses. Per variant: the median step time after warm-up, the time
 blocked in the cp collectives (shifts of key/value blocks, or all-to-alls) and their bytes, and
 the activation bytes kept for backward on rank 0, measured and from the formula
-(`plait.parallel.activations`), which falls as 1/C for the sequence-sharded work.
+(`plait.predict.activations`), which falls as 1/C for the sequence-sharded work.
 
 PyTorch's own context parallelism (`torch.distributed.tensor.experimental.context_parallel`) runs
 on CUDA only: on a CPU there is no peer to run against, so the reference is the single rank.
@@ -21,8 +21,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from plait.bench.step import start_worker
 from plait.comm import LEDGER, Op
 from plait.config import Config
-from plait.parallel.activations import activation_bytes
-from plait.parallel.cost import chunk_layouts
+from plait.predict.activations import activation_bytes
+from plait.predict.cost import chunk_layouts
 from plait.train.trainer import Trainer
 
 

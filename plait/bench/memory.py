@@ -19,7 +19,7 @@ from plait.bench.step import start_worker
 from plait.config import Config
 from plait.model import count_params
 from plait.model.llama import build_model
-from plait.parallel import cost
+from plait.predict import cost
 from plait.train.host_memory import (
     peak_resident_bytes,
     reset_peak,

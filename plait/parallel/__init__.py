@@ -107,20 +107,8 @@ class Parallelized:
         Returns (the sum of this rank's micro-batch losses, each divided by their number; the
         global norm of the unscaled gradient); when the norm is not finite nothing is updated,
         the loss scale (fp16) backs off, and the caller decides what else that means."""
-        self.engine.begin_step()
-        self.sync_buffers()
-        # fp16: each rank's loss is multiplied by the scale divided by the number of ranks whose
-        # gradients the engine averages, so that its activations' gradients are as large as one
-        # process's over the whole batch: the scale overflows where one process's would.
         before = self.scaler.scale if self.scaler is not None else 1.0
-        scale = before / self.axes["batch"].size if self.scaler is not None else 1.0
-        self.pipeline.loss_scale = scale
-        for layer in self.moe:
-            layer.loss_scale = scale
-        self._whole_logits(any(target is None for _, target in microbatches))
-        loss_sum = self.pipeline.run(microbatches)
-        with TRACER.span("finish gradients"):
-            self.finish_gradients()
+        loss_sum, scale = self.run_schedule(microbatches)
         # The global norm, every step: for clipping, and because a NaN or infinite loss or
         # gradient anywhere shows in it, the same on every rank (it is reduced over the axes
         # whose ranks hold different gradients; replicas hold equal ones). Gradients are still
@@ -141,6 +129,34 @@ class Parallelized:
             optimizer.step()
             self.finish_step()
         return loss_sum, norm
+
+    def run_schedule(self, microbatches: list[tuple]) -> tuple[float, float]:
+        """The forward and backward part of `step`: buffers synced, the schedule over this rank's
+        micro-batches, gradients finished (reduced, or reduce-scattered). Returns (the sum of
+        the micro-batch losses, each divided by their number; the factor the loss was scaled
+        by). `plait.predict.trace` runs this alone, on fake tensors."""
+        self.engine.begin_step()
+        self.sync_buffers()
+        # fp16: each rank's loss is multiplied by the scale divided by the number of ranks whose
+        # gradients the engine averages, so that its activations' gradients are as large as one
+        # process's over the whole batch: the scale overflows where one process's would.
+        scale = self.scaler.scale / self.axes["batch"].size if self.scaler is not None else 1.0
+        self.pipeline.loss_scale = scale
+        for layer in self.moe:
+            layer.loss_scale = scale
+        self._whole_logits(any(target is None for _, target in microbatches))
+        loss_sum = self.pipeline.run(microbatches)
+        with TRACER.span("finish gradients"):
+            self.finish_gradients()
+        return loss_sum, scale
+
+    def split(self, inputs: torch.Tensor, targets: torch.Tensor,
+              microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's rows of token windows (inputs, targets: (rows, seq)) as the schedule takes
+        them: its part of each sequence (cp), cut into `microbatches` runs of rows."""
+        inputs, targets = self.context.shard(inputs), self.context.shard(targets)
+        rows = len(inputs) // microbatches
+        return list(zip(inputs.split(rows), targets.split(rows), strict=True))
 
     def _whole_logits(self, on: bool) -> None:
         """Whether a vocabulary-split head all-gathers its logits: for a model that computes its

@@ -86,3 +86,28 @@ def model_loss(output) -> torch.Tensor:
                          "scalar, `.loss` or a 'loss' entry); give the batch what the model needs "
                          "to compute one (e.g. labels), or pass a loss_fn")
     return loss
+
+
+def as_microbatches(batch, rank: int, ranks: int, microbatches: int,
+                    own_loss: bool) -> list[tuple[Call, object]]:
+    """Rank `rank`'s micro-batches (of `ranks` that split the rows) of a global batch as the
+    model takes it: (the call, the target: None where the model computes its own loss). A
+    tensor is the model's input; a tuple its arguments, the last one the target given a loss
+    function; a dict its keyword arguments, and the target whole given one."""
+    local = split_rows(batch, ranks, "batch")[rank]
+    out = []
+    for piece in split_rows(local, microbatches, "batch per rank"):
+        if isinstance(piece, torch.Tensor):
+            out.append((Call((piece,)), None if own_loss else piece))
+        elif isinstance(piece, Mapping):
+            out.append((Call((), dict(piece)), None if own_loss else piece))
+        elif isinstance(piece, (tuple, list)):
+            out.append((Call(tuple(piece)), None) if own_loss
+                       else (Call(tuple(piece[:-1])), piece[-1]))
+        else:
+            raise TypeError(f"a batch is a tensor, a tuple or a dict, not "
+                            f"{type(batch).__name__}")
+    if isinstance(batch, torch.Tensor) and not own_loss:
+        raise ValueError("a batch of one tensor has no targets for loss_fn; pass (inputs, "
+                         "targets), or let the model compute its loss (loss_fn=None)")
+    return out

@@ -100,7 +100,7 @@ class ShardedEngine(SyncedReplicas):
         """Start the reduce-scatters of a bucket (ZeRO-1/2) or a unit's flats (ZeRO-3), after
         settling those still in flight: at most one group's staging buffers are reducing while
         the next fills, so the gradient held during backward is the slices plus two groups'
-        staging, not the whole model's (`parallel.cost.state_bytes`: "peak")."""
+        staging, not the whole model's (`predict.cost.state_bytes`: "peak")."""
         self._settle()
         self._inflight = [(f, self._reduce_grad(f)) for f in flats]
         self._note_peak()

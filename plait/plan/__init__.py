@@ -4,9 +4,11 @@ Every candidate layout (tp, pp, dp, ZeRO stage, hybrid sharding, micro-batches, 
 checkpointing, sequence parallelism) that `validate` accepts is priced per pipeline stage with the
 engine's own formulas, run on a `meta` model in one process as `--dry-run` does:
 
-    model state    `parallel.cost.state_bytes`        (asserted equal to real runs)
-    collectives    `parallel.cost.step_traffic`       (asserted equal to real runs)
-    activations    `parallel.activations`             (asserted equal to real runs)
+    model state    `predict.cost.state_bytes`        (asserted equal to real runs)
+    collectives    `predict.cost.step_traffic`       (asserted equal to real runs)
+    activations    `predict.activations`             (asserted equal to real runs)
+                   a Hugging Face model's: its stage's step traced on fake tensors
+                   (`plait.predict.trace`, its own operations), FLOPs too
 
 so a plan's `memory_bytes` and `comm_bytes` are, for a configuration that runs, that run's
 `model_state_bytes`, `activation_bytes` and `comm_bytes` on rank 0. Time is a model: matmul FLOPs
@@ -32,12 +34,14 @@ from plait.comm import Op
 from plait.config import Config, ConfigError, microbatches
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, dp_per_node
 from plait.model import ModelArgs, build_configured
-from plait.parallel import cost, place
-from plait.parallel.activations import activation_bytes
-from plait.parallel.cost import ChunkLayout, routed_traffic
+from plait.parallel import place
 from plait.parallel.pipeline.simulator import bubble_formula
 from plait.parallel.pipeline.stage import chunk_sizes
 from plait.plan.hardware import Cluster
+from plait.predict import cost
+from plait.predict.activations import activation_bytes
+from plait.predict.cost import ChunkLayout, routed_traffic
+from plait.predict.trace import Untraceable, trace_class
 
 HEADROOM = 0.9  # of device memory a plan may use
 # Message steps of a ring collective on n ranks, in units of n - 1 (send: one step).
@@ -150,8 +154,53 @@ def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster,
     return out
 
 
-def _flops(cfg: Config, dims: ParallelDims, record, chunks) -> tuple[float, float]:
+def stage_seconds(flops: float, traffic, zero: int, dims: ParallelDims, cluster: Cluster,
+                  passes: float = 1.0, node: int = 1, bubble: float = 0.0,
+                  host: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+    """(step seconds, communication seconds not hidden) of a rank that executes `flops` and
+    moves `traffic` (a `cost.Traffic`) in a step: the matmuls at the device's peak times its
+    efficiency, plus its overheads per step and per pass of a micro-batch through the whole
+    model (`passes`); tensor-, pipeline-, context- and expert-parallel traffic on the critical
+    path, data-parallel traffic hidden behind the backward (ZeRO-3: the whole step) as far as it
+    lasts; a pipeline's `bubble` stretching the pipelined part; `host`: offload's seconds on the
+    critical path and those that hide like data-parallel traffic."""
+    dev = cluster.device
+    compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
+               + dev.microbatch_overhead_s * passes)
+    comm = _comm_seconds(traffic, dims, cluster, node)
+    data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
+    data += host[1]  # parameter slices copied in before their gathers
+    hidden = 0.0 if not dev.overlap else compute if zero == 3 else compute * 2 / 3
+    exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
+    waited = exposed / (1 - bubble) + max(0.0, data - hidden)
+    return compute / (1 - bubble) + waited + host[0], waited
+
+
+def _traced(cfg: Config, dims: ParallelDims, stage: int):
+    """A Hugging Face model's step on the first rank of `stage`, traced on fake tensors (its own
+    operations: `plait.predict.trace`); None where it cannot be (then plait's Llama formulas of
+    the same shape price it, and the plan says so)."""
+    if not cfg.model.hf:
+        return None
+    try:
+        return trace_class(cfg, dims, dims.rank(pp=stage))
+    except Untraceable:
+        return None
+
+
+def _activations(cfg: Config, dims: ParallelDims, chunks, stage: int) -> int:
+    traced = _traced(cfg, dims, stage)
+    return traced.activation_bytes if traced else activation_bytes(cfg, dims, chunks)
+
+
+def _flops(cfg: Config, dims: ParallelDims, record, chunks,
+           stage: int = 0) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs incl. recomputation) of one step on this stage's rank."""
+    traced = _traced(cfg, dims, stage)
+    if traced is not None:  # the model's own, and without recomputation for the model FLOPs
+        plain = traced if cfg.train.activation_checkpointing == "none" else \
+            _traced(with_degrees(cfg, activation_checkpointing="none"), dims, stage)
+        return float(plain.flops), float(traced.flops)
     args = cfg.model.args()
     tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
     layers = sum(c.layers for c in chunks)
@@ -182,25 +231,18 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
                              par.sequence_parallel, cfg.model.hf)
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
-            model_flops, flops = _flops(cfg, dims, record, chunks)
+            model_flops, flops = _flops(cfg, dims, record, chunks, stage)
             share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
-            compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
-                       + dev.microbatch_overhead_s * M * share)
-            comm = _comm_seconds(traffic, dims, cluster, node)
-            data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
-            hidden = 0.0 if not dev.overlap else compute if par.zero == 3 else compute * 2 / 3
-            exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
             state = cost.state_bytes(cfg, dims, record)
             offloaded, host_s, hidden_host_s = _offload(state, cfg, dims, cluster)
-            data += hidden_host_s  # parameter slices copied in before their gathers
-            waited = exposed / (1 - bubble) + max(0.0, data - hidden)
-            time = compute / (1 - bubble) + waited + host_s
+            time, waited = stage_seconds(flops, traffic, par.zero, dims, cluster, M * share,
+                                         node, bubble, (host_s, hidden_host_s))
             priced[kind] = (state, traffic, model_flops, time, offloaded,
                             cost.startup_bytes(cfg, dims, record), waited)
         state, traffic, model_flops, time, offloaded, startup, waited = priced[kind]
         if time > step:
             step, comm_s = time, waited
-        per_stage.append((state, activation_bytes(cfg, dims, chunks), traffic, model_flops,
+        per_stage.append((state, _activations(cfg, dims, chunks, stage), traffic, model_flops,
                           offloaded, startup))
     state, act, traffic, *_ = per_stage[0]
     memory = {**{k: state[k] for k in ("params", "grads", "optimizer", "peak")},
@@ -366,10 +408,10 @@ def _rank(p: Plan) -> tuple:
 def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
     """The anti-patterns of the field, as they apply to plan p (of cfg on dims)."""
     d, out, dev = p.degrees, [], cluster.device
-    if cfg.model.hf:
-        out.append(f"{cfg.model.hf}: model state and collectives are the transformers model's; "
-                   "its activations and FLOPs are priced as plait's Llama block of the same "
-                   "shape (no formula for another module's)")
+    if cfg.model.hf and _traced(cfg, dims, 0) is None:
+        out.append(f"{cfg.model.hf}: its step reads values a fake tensor does not hold (a "
+                   "router's), so its activations and FLOPs are priced as plait's Llama block "
+                   "of the same shape, routed evenly")
     if cfg.train.precision == "bf16" and not dev.bf16:
         out.append(f"{dev.name} has no bf16 tensor cores: bf16 runs far below the "
                    f"{dev.peak_flops / 1e12:g} TFLOP/s priced here; use train.precision='fp16' "

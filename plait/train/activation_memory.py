@@ -50,9 +50,11 @@ class SavedActivations:
             return _Held(self, None, t)
         t = t.detach()
         storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0:  # empty
+        if storage.nbytes() == 0:  # empty
             return _Held(self, None, t)
+        # The storage's own identity (its StorageImpl), not its data pointer: the same for a
+        # real tensor, and defined for a fake one (`plait.predict.trace` counts those).
+        key = storage._cdata
         entry = self._live.get(key)
         if entry is None:
             self._live[key] = [1, storage.nbytes()]

@@ -3,9 +3,10 @@ starting a process.
 
 For each rank coordinate, the straight line of `parallelize` runs on a `meta` model with dry axes
 (`plait.parallel.place`: the same transforms, no communication), and the formulas of
-`plait.parallel.cost`, which the composition matrix asserts equal to real runs, give the
+`plait.predict.cost`, which the composition matrix asserts equal to real runs, give the
 model-state bytes and the collectives of one training step, per group;
-`plait.parallel.activations` the peak bytes kept for backward.
+the rank's step run on fake tensors (`plait.predict.trace`) the peak bytes kept for backward and
+its FLOPs, measured on the model itself, whichever it is.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from plait.mesh import (
     ranks_per_node,
 )
 from plait.model import build_configured
-from plait.parallel import cost, place
-from plait.parallel.activations import activation_bytes
+from plait.parallel import place
+from plait.predict import cost
+from plait.predict.activations import activation_bytes
+from plait.predict.trace import Untraceable, trace_class
 
 
 def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
@@ -36,10 +39,14 @@ def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
     model = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
     chunks, _, record = place(model, axes, cfg.parallel, microbatches(cfg.parallel, dims),
                               cfg.train.activation_checkpointing)
-    # The activation formulas are plait's Llama's block, operation by operation; another
-    # module's are not known (None: said, not guessed).
     layouts = cost.chunk_layouts(chunks)
-    activations = None if cfg.model.hf else activation_bytes(cfg, dims, layouts)
+    try:
+        traced = trace_class(cfg, dims, rank)
+        activations, flops, untraced = traced.activation_bytes, traced.flops, None
+    except Untraceable as e:  # said; a formula only where plait's own Llama has one
+        activations = None if cfg.model.hf else activation_bytes(cfg, dims, layouts)
+        flops, untraced = None, str(e) + ("" if cfg.model.hf else
+                                          "; activations by plait's Llama formula")
     return {
         "rank": rank,
         "coords": coords,
@@ -49,6 +56,8 @@ def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
         "state": cost.state_bytes(cfg, dims, record),
         "startup": cost.startup_bytes(cfg, dims, record),
         "activations": activations,
+        "flops": flops,
+        "untraced": untraced,
         "traffic": cost.step_traffic(cfg, dims, record, layouts),
     }
 
@@ -72,7 +81,7 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
         state.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in shown),
                       ",".join(map(str, r["chunks"])), str(r["tensors"]),
                       f"{r['elements']:,}", *(_mib(r["state"][k]) for k in kinds),
-                      "no formula" if r["activations"] is None else _mib(r["activations"]),
+                      "not traced" if r["activations"] is None else _mib(r["activations"]),
                       _mib(r["startup"]))
     console.print(state)
     node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)
@@ -95,11 +104,10 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
         comm.add_row(str(r["rank"]), "all", "total", "", _mib(r["traffic"].total),
                      end_section=True)
     console.print(comm)
-    if cfg.model.hf:
-        console.print(f"{cfg.model.hf}: a transformers model; its activations have no formula "
-                      "here (each step's metrics measure them: activation_bytes)")
+    untraced = next((r["untraced"] for r in ranks if r["untraced"]), None)
+    if untraced:
+        console.print(f"activations not traced: {untraced}")
     if cfg.model.args().moe_experts:
         console.print("mixture of experts: the tokens' all-to-alls depend on the routing and are "
-                      "not above (each step's comm_bytes has them); activations are those of a "
-                      "dense feed-forward per MoE block, not the routed tokens'")
+                      "not above (each step's comm_bytes has them)")
     return ranks

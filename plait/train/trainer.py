@@ -154,9 +154,7 @@ class Trainer:
         return result
 
     def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        inputs, targets = self.context.shard(inputs), self.context.shard(targets)
-        rows = len(inputs) // self.microbatches
-        return list(zip(inputs.split(rows), targets.split(rows), strict=True))
+        return self.parallelized.split(inputs, targets, self.microbatches)
 
     @torch.no_grad()
     def evaluate(self) -> float:

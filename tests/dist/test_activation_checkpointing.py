@@ -5,7 +5,7 @@ outside the blocks (embedding, head, loss) is the same for every mode, and per b
 - full checkpointing keeps exactly one activation, the block's input;
 - selective keeps every matmul's inputs and outputs;
 - none keeps more than selective;
-each exactly what `plait.parallel.activations.block_bytes` says.
+each exactly what `plait.predict.activations.block_bytes` says.
 Checkpointing changes no result: the matrix (test_compositions) trains with it and equals one
 process.
 """
@@ -14,7 +14,7 @@ import pytest
 from harness import run_world
 from training import run_steps, tiny_config
 
-from plait.parallel.activations import block_bytes
+from plait.predict.activations import block_bytes
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ magnitudes (2^-10 for fp16, 2^-7 for bf16, each of n ranks). PowerSGD's P and Q 
 gloo's fp32 all-reduce in its own order and then orthogonalised: relative 1e-4 of the tensor's
 largest value (one wrong rank or a missing error term is off by O(1)).
 
-Also per row and method: the last step's collectives equal `plait.parallel.cost`'s formulas, and
+Also per row and method: the last step's collectives equal `plait.predict.cost`'s formulas, and
 the compression state (error feedback, Q) equals its formula.
 """
 

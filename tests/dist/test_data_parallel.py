@@ -81,7 +81,7 @@ def test_loss_falls():
 
 
 def test_hierarchical_bytes_follow_the_formula():
-    """`plait.parallel.cost` prices the hierarchical all-reduce as it runs: a step's calls and
+    """`plait.predict.cost` prices the hierarchical all-reduce as it runs: a step's calls and
     bytes per op equal the formula's (reduce-scatter and all-gather within the 2 nodes of 2,
     the slices' all-reduce across them), and a single node has no across part."""
     for node in (2, 4):

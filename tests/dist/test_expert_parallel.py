@@ -46,7 +46,7 @@ from training import assert_params_close, run_steps, tiny_config
 
 from plait.checks import validate
 from plait.comm import Op
-from plait.parallel import cost
+from plait.predict import cost
 from plait.parallel.expert_parallel import moe_layers
 from plait.train.dry_run import describe_rank
 
@@ -212,7 +212,7 @@ def test_capacity_drops_the_tokens_a_single_process_drops(ranks, overrides):
     compare(cfg, results, ref)
     if cfg.model.args().moe_router == "expert_choice":
         # Expert choice at capacity 1 routes evenly: the activations are the formula's, which
-        # assumes that (plait.parallel.activations.moe_extra_bytes).
+        # assumes that (plait.predict.activations.moe_extra_bytes).
         dims = validate(cfg, ranks)
         for r in results:
             assert r["activation_bytes"] == describe_rank(cfg, dims, r["rank"])["activations"]

@@ -3,8 +3,9 @@ composition matrix: each row trains 4 steps through plait's trainer and equals t
 transformers model trained in one process on the same global batches (`hf_models.py`): the
 losses, and every parameter after the steps (tensor-parallel shards against the same slice of the
 reference). The rows that run plait's formulas also check this rank's collectives of the last
-step against `plait.parallel.cost`, exactly, and against what `plait train --dry-run` predicts
-for the rank from one process (with its model state).
+step against `plait.predict.cost`, exactly, and against what `plait train --dry-run` predicts
+for the rank from one process: its model state, and its activation bytes, traced on fake tensors
+(Mixtral's routing depends on values a fake tensor does not hold: not traced).
 
 Tolerance, as the composition matrix's: float32, the reductions sum in another order than one
 process's backward. Losses relative 1e-5; parameters by `assert_params_close` (the reasons are
@@ -21,6 +22,8 @@ from training import assert_params_close, run_steps
 
 from plait.checks import validate
 from plait.model.hf import hf_name
+from plait.plan import estimate
+from plait.plan.hardware import DEVICES, Cluster
 from plait.train.dry_run import describe_rank
 
 STEPS = 4
@@ -101,6 +104,12 @@ def test_hf_model_equals_transformers_in_one_process(folders, references, family
             dry = describe_rank(cfg, dims, r["rank"])
             assert (dict(dry["traffic"].calls), dry["traffic"].bytes) == r["ledger"]
             assert dry["state"] == r["state"], f"rank {r['rank']}: model state"
+            # Activations: the rank's step traced on fake tensors (`plait.predict.trace`), the
+            # transformers model's own operations, planned or not.
+            assert dry["activations"] == r["activation_bytes"], f"rank {r['rank']}: activations"
+            if r["rank"] == 0:  # `plait plan` with this layout pinned prices the same
+                plan = estimate(cfg, dims, Cluster(ranks, ranks, DEVICES["a100"]))
+                assert plan.memory_bytes["activations"] == r["activation_bytes"]
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-5, atol=0)
         for name, p in r["params"].items():

@@ -13,10 +13,10 @@ from training import tiny_config
 from plait.checks import validate
 from plait.config import ConfigError, load_config
 from plait.model import build_model
-from plait.parallel.cost import all_to_all_bytes
 from plait.plan import estimate, rank_plans, with_degrees
 from plait.plan.hardware import DEVICES, Cluster, Device
 from plait.plan.show import choose
+from plait.predict.cost import all_to_all_bytes
 from plait.train.dry_run import describe_rank
 
 # A made-up device with round numbers, so no test measures this machine.

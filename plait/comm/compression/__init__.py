@@ -27,7 +27,7 @@ parameters were bucketed. `key` names the buffer, for the state kept between ste
 | sign     | `sign.py`     | all-gather of packed sign bits + scales         | error feedback  |
 
 Each method also states its traffic as a formula (`messages`) and its state size
-(`state_numel`), which `plait.parallel.cost` uses and the tests assert against the ledger.
+(`state_numel`), which `plait.predict.cost` uses and the tests assert against the ledger.
 """
 
 from __future__ import annotations

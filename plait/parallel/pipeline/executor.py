@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from plait.comm import Pending, recv, send
@@ -112,7 +113,7 @@ class PipelineExecutor:
                     target = microbatches[a.microbatch][1]
                     out = (model_loss(out) if target is None
                            else self.loss_fn(out, to_device(target, self.device))) / M
-                    loss_sum += out.item()
+                    loss_sum += 0.0 if is_fake(out) else out.item()  # fake: a traced step
                     if self.loss_scale != 1.0:  # fp16: backward from the scaled loss
                         out = out * self.loss_scale
                 else:

@@ -46,7 +46,7 @@ from plait.parallel.expert_parallel import moe_layers
 from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
-from plait.parallel.state_cost import (  # noqa: F401 - re-exported
+from plait.predict.state_cost import (  # noqa: F401 - re-exported
     compression_method,
     dtype_bytes,
     flat_buffers,

@@ -1,0 +1,113 @@
+"""`plait.estimate`: what each rank of a layout would hold, keep, compute and move for a model a
+user brings from Python, before any process starts.
+
+    import plait
+    ranks = plait.estimate(model, example_batch, plait.ParallelConfig(zero=3), world_size=8,
+                           wrap=plait.WrapPolicy(classes=(Block,)), gpu="h100")
+    ranks[0]["activation_bytes"], ranks[0]["state"]["peak"], ranks[0]["step_time_s"]
+
+The batch is one global batch as `job.step(batch, optimizer)` takes it (a tensor, tuple or dict;
+only its shapes and dtypes are read). Each rank's step is traced on fake tensors (`trace.py`):
+the same `parallelize` and step as `plait.prepare` and `job.step` run, so its activation bytes,
+FLOPs and collectives are the run's. Model-state bytes are the engines' formulas
+(`predict/state_cost.py`), which the composition matrix asserts equal to real runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from plait.checks import validate_parallel
+from plait.config import Config, ParallelConfig
+from plait.mesh import build_mesh, rows_share
+from plait.model.plan import has_plan
+from plait.parallel import ModuleOptions, parallelize
+from plait.parallel.batch import as_microbatches
+from plait.parallel.wrap import WrapPolicy
+from plait.predict import cost
+from plait.predict.trace import fake_module, fake_world, trace_step
+
+
+def estimate(model: nn.Module, example_batch, parallel: ParallelConfig | None = None, *,
+             world_size: int = 1, loss_fn: Callable | None = None,
+             wrap: WrapPolicy | None = None, checkpoint: WrapPolicy | None = None,
+             precision: str = "fp32", gpu: str | None = None,
+             gpus_per_node: int = 8) -> list[dict]:
+    """Per rank of `parallel` on `world_size` ranks (arguments as `plait.prepare` takes them):
+    `coords`, `state` (model-state bytes after a step, and "peak" during it), `startup_bytes`
+    (while it builds its part), `activation_bytes` (the peak kept for backward), `flops` (what
+    it executes in a step), `comm_calls` and `comm_bytes` (its collectives by operation, bus
+    bytes); given `gpu` (a `plait plan --gpu` name), `step_time_s` on such devices, for a model
+    with no plan (its layouts are data-parallel; a plan's model shape is not read here).
+    Nothing of `model` is copied or changed: the trace runs on fake tensors."""
+    parallel = parallel or ParallelConfig()
+    dims = validate_parallel(parallel, world_size, precision)
+    cfg = Config(parallel=parallel)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
+    device = next(model.parameters()).device
+    device = torch.device("cpu") if device.type == "meta" else device
+    options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
+    M = parallel.microbatches or dims.pp
+    classes: dict[tuple, dict] = {}
+    out = []
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        key = (c["pp"], c["cp"])  # ranks that run the same shapes (`trace.trace_class`)
+        if key not in classes:
+            classes[key] = _trace_module(model, example_batch, parallel, dims,
+                                         dims.rank(pp=c["pp"], cp=c["cp"]), M, precision,
+                                         options, device, cfg)
+        out.append({"rank": rank, "coords": c, **classes[key]})
+    if gpu is not None:
+        _add_step_time(out, cfg, dims, model, gpu, gpus_per_node)
+    return [{k: v for k, v in r.items() if k != "_record"} for r in out]
+
+
+def _trace_module(model, batch, parallel, dims, rank, M, precision, options, device,
+                  cfg) -> dict:
+    with fake_world(rank, dims.world_size):
+        mesh = build_mesh(dims, device.type)
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            parallelized = parallelize(
+                fake_module(model, device, mode), mesh, parallel, microbatches=M,
+                precision=precision,
+                activation_checkpointing="full" if options.checkpoint else "none",
+                options=options)
+            fake_batch = tree_map(
+                lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+            here, rows = rows_share(parallelized.axes)
+            microbatches = as_microbatches(fake_batch, here, rows, M, options.loss_fn is None)
+            traced = trace_step(parallelized, microbatches)
+        record = parallelized.record
+        return {"state": cost.state_bytes(cfg, dims, record),
+                "startup_bytes": cost.startup_bytes(cfg, dims, record),
+                "activation_bytes": traced.activation_bytes, "flops": traced.flops,
+                "comm_calls": {op.value: n for op, n in traced.calls.items()},
+                "comm_bytes": float(traced.comm_bytes), "_record": record}
+
+
+def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: str,
+                   gpus_per_node: int) -> None:
+    """Each rank's step on `gpu` by the planner's time model (`plait.plan.stage_seconds`)."""
+    from plait.plan import stage_seconds
+    from plait.plan.hardware import DEVICES, Cluster
+
+    if has_plan(model):
+        raise ValueError("gpu: the step time of a model with a plan is `plait plan`'s (its "
+                         "layouts price the plan's shapes); estimate without gpu= for its bytes")
+    if gpu not in DEVICES:
+        raise ValueError(f"gpu: one of {', '.join(sorted(DEVICES))}, not {gpu!r}")
+    cluster = Cluster(dims.world_size, gpus_per_node, DEVICES[gpu])
+    for r in ranks:
+        traffic = cost.step_traffic(cfg, dims, r["_record"], [cost.ChunkLayout(0, 0, True, True)])
+        r["step_time_s"], r["comm_s"] = stage_seconds(r["flops"], traffic, cfg.parallel.zero,
+                                                      dims, cluster)
+
+
+__all__ = ["estimate"]

@@ -1,0 +1,190 @@
+"""What one rank of a layout keeps for backward, computes and communicates in a training step,
+measured on the model itself before launch, for any model: plait's Llama, a Hugging Face family
+(planned or not), a module from Python.
+
+The rank's step runs for real in this one process -- the same `parallelize`, the same schedule,
+the data-parallel engine's hooks and collectives, autocast, activation checkpointing -- on fake
+tensors (torch's `FakeTensorMode`: shapes, dtypes and storages with no memory behind them), in a
+world of torch's "fake" process-group backend (`fake_world`: every collective returns at once,
+leaving its output's shape as the real one would). Counted while it runs:
+
+    activation_bytes   the peak of what autograd keeps for backward, by storage: the counter of
+                       the run's own `activation_bytes` metric (`train/activation_memory.py`)
+    flops              torch's `FlopCounterMode` over the step's operations on this rank
+                       (recomputation included: what the rank executes)
+    collectives        the ledger of `plait.comm` (calls and bus bytes per operation), the
+                       gradient norm's all-reduces and ZeRO's gathers after the update included
+
+Nothing here knows a model's fields: a rank's trace is its own step. Routing that depends on
+values (a mixture of experts' token counts) cannot be faked: `plait.model.moe` routes fake tokens
+evenly, which is what a plan prices; transformers' own routers cannot run on fake tensors and are
+refused in one line (`Untraceable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from torch.utils.flop_counter import FlopCounterMode
+
+from plait.comm import LEDGER, Op
+from plait.comm.watchdog import RECORDER
+from plait.parallel import Parallelized
+from plait.train.activation_memory import SavedActivations
+
+
+class Untraceable(RuntimeError):
+    """The model's step depends on values a fake tensor does not have (data-dependent shapes)."""
+
+
+@dataclass
+class RankTrace:
+    """One rank's training step, as measured on fake tensors."""
+
+    activation_bytes: int  # peak bytes saved for backward (the `activation_bytes` metric's count)
+    flops: int  # FLOPs this rank executes in the step (FlopCounterMode; recomputation included)
+    calls: dict[Op, int] = field(default_factory=dict)  # collectives issued, per operation
+    bytes: dict[Op, Fraction] = field(default_factory=dict)  # bus bytes moved, per operation
+
+    @property
+    def comm_bytes(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
+
+
+@contextlib.contextmanager
+def _kept(*objects) -> Iterator[None]:
+    """Each object's attributes as they were before: the process-wide ledger and flight recorder
+    see a trace's collectives, which are not this process's."""
+    saved = [copy.deepcopy(vars(o)) for o in objects]
+    try:
+        yield
+    finally:
+        for o, state in zip(objects, saved, strict=True):
+            vars(o).clear()
+            vars(o).update(state)
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank `rank` of `world_size`, every collective a no-op that keeps shapes
+    (torch's "fake" backend), for the duration. It needs a process with no world of its own:
+    a trace runs before `plait.init()`, in the launcher, or in the planner."""
+    if dist.is_initialized():
+        raise RuntimeError("a trace runs in a world of its own: call it before plait.init() "
+                           "(or outside a launched job)")
+    with _kept(LEDGER, RECORDER):
+        dist.init_process_group("fake", rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def fake_module(model: nn.Module, device: torch.device | str, mode: FakeTensorMode) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are fake tensors on `device` (no storage):
+    a model on `meta` gets fresh ones, a real one keeps nothing of its values."""
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return nn.Parameter(out, t.requires_grad) if isinstance(t, nn.Parameter) else out
+
+    memo = {id(t): fake(t) for t in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo)
+
+
+class _Global:
+    """A module tracker that knows one place, the whole step: FLOPs are counted in total."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class StepFlops(FlopCounterMode):
+    """torch's FLOP counter (its per-operation formulas), totals only: without its module
+    tracker, whose backward hooks on each module's inputs keep tensors alive past their time
+    (measured: a split backward's last stage then held one more activation, and the activation
+    count saw it)."""
+
+    def __init__(self):
+        super().__init__(display=False)
+        self.mod_tracker = _Global()
+
+
+def trace_step(parallelized: Parallelized, microbatches: list[tuple]) -> RankTrace:
+    """Run the forward and backward part of the training step (`Parallelized.run_schedule`), then
+    the gradient norm's and the engine's after-update collectives, counting. Call it inside a
+    `fake_world` and a `FakeTensorMode`, on a fake `parallelized`."""
+    counter = SavedActivations(parallelized.module)
+    LEDGER.reset()
+    try:
+        with counter, StepFlops() as flops:
+            parallelized.run_schedule(microbatches)
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise Untraceable(f"the model's step depends on values a fake tensor does not hold "
+                          f"({e.func}): no prediction before launch; its metrics measure it") \
+            from None
+    parallelized.grad_norm_sq()  # one float64 all-reduce per axis whose ranks hold pieces
+    parallelized.finish_step()  # ZeRO: the updated slices gathered back
+    return RankTrace(counter.peak, flops.get_total_flops(), dict(LEDGER.calls),
+                     dict(LEDGER.bytes_by_op))
+
+
+def trace_class(cfg, dims, rank: int) -> RankTrace:
+    """`trace_rank` of the rank that stands for `rank`: the one of its pipeline stage and context
+    shard with every other coordinate 0. Ranks differing only in dp, ep or tp run the same
+    shapes (the checks make every split even), so a 1,024-rank layout traces a few ranks; cp
+    ranks differ (ring attention's blocks are the rank's own). Cached per configuration."""
+    c = dims.coords(rank)
+    key = (repr(cfg), dims, c["pp"], c["cp"])
+    if key not in _TRACES:
+        if len(_TRACES) >= 256:  # the planner prices many layouts; keep the recent ones
+            _TRACES.clear()
+        _TRACES[key] = trace_rank(cfg, dims, dims.rank(pp=c["pp"], cp=c["cp"]))
+    return _TRACES[key]
+
+
+_TRACES: dict[tuple, RankTrace] = {}
+
+
+def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
+    """The training step of rank `rank` of the configuration `cfg` (a `plait.config.Config`) on
+    `dims`, as `plait train` would run it: the model it names, built on `meta` and faked, placed
+    and wrapped by `parallelize`, fed this rank's rows of a global batch of token windows as the
+    trainer cuts them (inputs and targets views of one (rows, seq + 1) tensor)."""
+    from plait.config import microbatches
+    from plait.mesh import build_mesh, rows_share
+    from plait.model import build_configured
+    from plait.parallel import parallelize
+    from plait.parallel.loss_scaling import LossScaler
+
+    M = microbatches(cfg.parallel, dims)
+    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
+    with fake_world(rank, dims.world_size):
+        mesh = build_mesh(dims, torch.device(device).type)
+        with FakeTensorMode() as mode:
+            parallelized = parallelize(
+                fake_module(meta, device, mode), mesh, cfg.parallel, microbatches=M,
+                precision=cfg.train.precision,
+                activation_checkpointing=cfg.train.activation_checkpointing,
+                scaler=LossScaler.of(cfg.train))
+            _, rows = rows_share(parallelized.axes)
+            window = torch.empty(cfg.train.global_batch // rows, cfg.data.seq_len + 1,
+                                 dtype=torch.int64, device=device)
+            return trace_step(parallelized, parallelized.split(window[:, :-1], window[:, 1:], M))
