@@ -110,10 +110,10 @@ def test_hf_model_equals_transformers_in_one_process(folders, references, family
             # Open: GPT-2's trace keeps one (rows, heads, seq, head_dim) fp32 tensor per layer
             # more than its run, at world size 1 too (the attention kernel chosen for fake
             # tensors, it seems); the planned families' traces are exact.
-            if family in UNEQUAL_TRACE:
-                continue
-            assert dry["activations"] == r["activation_bytes"], f"rank {r['rank']}: activations"
-            if r["rank"] == 0:  # `plait plan` with this layout pinned prices the same
+            if family not in UNEQUAL_TRACE:
+                assert dry["activations"] == r["activation_bytes"], \
+                    f"rank {r['rank']}: activations"
+            if r["rank"] == 0 and family not in UNEQUAL_TRACE:  # a pinned plan prices the same
                 plan = estimate(cfg, dims, Cluster(ranks, ranks, DEVICES["a100"]))
                 assert plan.memory_bytes["activations"] == r["activation_bytes"]
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
