@@ -17,7 +17,9 @@ from plait.config import (
 )
 from plait.mesh import AXES, ParallelDims, dp_per_node, ranks_per_node
 from plait.model.args import ModelArgs
+from plait.model.llama_plan import LLAMA
 from plait.model.moe import ROUTERS
+from plait.model.plan import tp_misfit
 from plait.parallel.context_parallel import METHODS as CP_METHODS
 from plait.parallel.loss_scaling import HALF
 
@@ -28,14 +30,9 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     if cfg.model.hf:
         _check_hf(cfg, dims)
     args = _check_model(cfg.model.args())
-    if args.n_heads % dims.tp or args.n_kv_heads % dims.tp:
-        raise ConfigError(
-            "parallel.tp",
-            f"tp={dims.tp} must divide n_heads={args.n_heads} and n_kv_heads={args.n_kv_heads}",
-        )
-    for name, size in (("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
-        if size % dims.tp:
-            raise ConfigError("parallel.tp", f"tp={dims.tp} must divide model {name}={size}")
+    misfit = None if cfg.model.hf else tp_misfit(LLAMA, args, dims.tp)  # HF: _check_hf's plan
+    if misfit:
+        raise ConfigError("parallel.tp", misfit)
     if cfg.parallel.sequence_parallel and cfg.data.seq_len % (dims.tp * dims.cp):
         raise ConfigError(
             "parallel.sequence_parallel",
@@ -296,6 +293,9 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
             raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
                               f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
                               f"{axis} = 1")
+    misfit = plan and tp_misfit(plan, config, dims.tp)
+    if misfit:
+        raise ConfigError("parallel.tp", misfit)
     if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
         raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
     if plan is None and cfg.train.activation_checkpointing != "none":

@@ -99,3 +99,12 @@ def matching(paths, patterns) -> dict[str, str]:
         if path and hit is not None:
             out[path] = hit
     return out
+
+
+def tp_misfit(plan: ModelPlan, args: object, tp: int) -> str | None:
+    """The plan's `tp_divides` fields of `args` that `tp` does not divide, as the one line that
+    says so (None when it divides them all): the rule, once, for the checks before launch and
+    for `apply_tp`."""
+    misfits = [f"{what}={getattr(args, what)}" for what in plan.tp_divides
+               if getattr(args, what) % tp]
+    return f"tp={tp} must divide {', '.join(misfits)}" if misfits else None

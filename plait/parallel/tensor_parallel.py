@@ -40,7 +40,7 @@ from plait.comm.autograd import (
     reduce_scatter_to_sp,
 )
 from plait.mesh import Axis
-from plait.model.plan import ModelPlan, has_plan, matching, needs_plan, plan_of
+from plait.model.plan import ModelPlan, has_plan, matching, needs_plan, plan_of, tp_misfit
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.vocab_parallel import VocabParallelEmbedding
 
@@ -127,10 +127,9 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
             record.replicate_all("tp")
         return set()
     plan = needs_plan(chunk, f"parallel.tp={size}")
-    for what in plan.tp_divides:
-        count = getattr(chunk.args, what)
-        if count % size:
-            raise ValueError(f"tp={size} must divide {what}={count}")
+    misfit = tp_misfit(plan, chunk.args, size)
+    if misfit:
+        raise ValueError(misfit)
     splits = split_dims(chunk) if size > 1 else {}
     full = {n: tuple(p.shape) for n, p in chunk.named_parameters()}
     partial = {f"{plan.blocks}.{i}.{path}" for i, block in _blocks(chunk, plan).items()

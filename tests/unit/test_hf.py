@@ -133,6 +133,9 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     assert _refusal(f"model.hf='{tmp_path}'") == \
         f"model.hf: {tmp_path} has no config.json; give a folder that transformers' " \
         "save_pretrained wrote"
+    # The family's plan says which of its config's fields tp must divide (its names, not plait's).
+    assert _refusal(f"model.hf='{llama}'", "parallel.tp=4", "parallel.dp=1") == \
+        "parallel.tp: tp=4 must divide num_key_value_heads=2"
     assert _refusal(f"model.hf='{llama}'", "model.dim=64") == \
         "model.dim: the folder's config.json decides the model with model.hf; drop this key"
     from hf_models import write_model
