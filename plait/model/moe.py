@@ -37,6 +37,12 @@ Swap points, for `plait.parallel.expert_parallel` (here: the single-device behav
 - `route_groups`: how many routing groups (contiguous runs of rows) a forward's tokens form, each
   routed with its own capacity. A parallel run routes each rank's micro-batch as one group; a
   single-process reference of it sets `route_groups` to the number of such ranks.
+
+Fake tokens (a trace before launch, `plait.predict.trace`: shapes without values) are routed
+evenly, which is what a plan prices: each routing group's N k picks spread over the E experts
+(the first N k mod E experts one more), each expert keeping at most C; every operation runs as
+on real tokens, with the counts (`Routing.counts`) known where a real routing reads them. Expert
+choice at capacity factor 1 routes evenly on real tokens too, so there the trace is the run's.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from plait.model.args import ModelArgs
 from plait.model.feed_forward import FeedForward
@@ -73,6 +80,10 @@ class Routing:
     picked: torch.Tensor  # (E,) the router's picks per expert, before capacity
     kept: torch.Tensor  # (E,) assignments per expert, after capacity
     dropped: int  # tokens that no expert takes
+    counts: list[int] | None = None  # `kept` as ints where it holds no values (fake tokens)
+
+    def kept_counts(self) -> list[int]:
+        return self.counts if self.counts is not None else self.kept.tolist()
 
 
 @dataclass
@@ -91,9 +102,36 @@ def capacity(tokens: int, k: int, experts: int, factor: float) -> int | None:
     return math.ceil(factor * tokens * k / experts) if factor > 0 else None
 
 
-def _by_expert(token, expert, weight, picked, n_experts: int, n_tokens: int) -> Routing:
+def even(total: int, parts: int) -> list[int]:
+    """`total` spread over `parts`, the first `total % parts` one more."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _counted(counts: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.long, device=like.device)
+
+
+class _Selected(torch.autograd.Function):
+    """`t[keep]` for a fake `t` (a trace), whose mask holds no count: `count` rows, keeping the
+    mask for backward as indexing does."""
+
+    @staticmethod
+    def forward(ctx, t, keep, count):
+        ctx.save_for_backward(keep)
+        return t.new_empty(count, *t.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad.new_zeros(keep.shape), None, None
+
+
+def _by_expert(token, expert, weight, picked, n_experts: int, n_tokens: int,
+               counts: list[int] | None = None) -> Routing:
     order = torch.sort(expert, stable=True).indices
     token, expert, weight = token[order], expert[order], weight[order]
+    if counts is not None:  # fake tokens: the even routing's counts
+        return Routing(token, expert, weight, picked, _counted(counts, token), 0, counts)
     kept = torch.bincount(expert, minlength=n_experts)
     taken = torch.zeros(n_tokens, dtype=torch.bool, device=token.device)
     taken[token] = True
@@ -114,12 +152,19 @@ def token_choice(probs: torch.Tensor, k: int, cap: int | None,
     expert = top.t().reshape(-1)
     token = torch.arange(n, device=probs.device).repeat(k)
     weight = weight.t().reshape(-1)
-    picked = torch.bincount(expert, minlength=e)
+    fake = isinstance(probs, FakeTensor)
+    counts = even(n * k, e) if fake else None
+    picked = _counted(counts, expert) if fake else torch.bincount(expert, minlength=e)
     if cap is not None:
         seen = F.one_hot(expert, e).cumsum(0).gather(1, expert[:, None]).squeeze(1)
         keep = seen <= cap  # this assignment is its expert's seen-th
-        token, expert, weight = token[keep], expert[keep], weight[keep]
-    return _by_expert(token, expert, weight, picked, e, n)
+        if fake:
+            counts = [min(c, cap) for c in counts]
+            token, expert, weight = (_Selected.apply(t, keep, sum(counts))
+                                     for t in (token, expert, weight))
+        else:
+            token, expert, weight = token[keep], expert[keep], weight[keep]
+    return _by_expert(token, expert, weight, picked, e, n, counts)
 
 
 def expert_choice(probs: torch.Tensor, cap: int, scores: torch.Tensor | None = None) -> Routing:
@@ -132,7 +177,8 @@ def expert_choice(probs: torch.Tensor, cap: int, scores: torch.Tensor | None = N
     weight = probs.t().gather(1, token).reshape(-1)
     expert = torch.arange(e, device=probs.device).repeat_interleave(cap)
     picked = torch.full((e,), cap, dtype=torch.long, device=probs.device)
-    return _by_expert(token.reshape(-1), expert, weight, picked, e, n)
+    counts = [cap] * e if isinstance(probs, FakeTensor) else None
+    return _by_expert(token.reshape(-1), expert, weight, picked, e, n, counts)
 
 
 def aux_loss(picked: torch.Tensor, mean_probs: torch.Tensor) -> torch.Tensor:
@@ -156,7 +202,7 @@ def run_experts(x: torch.Tensor, counts: list[int], experts: nn.ModuleDict,
 
 def local_dispatch(tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict) -> torch.Tensor:
     """Every expert on this device: (A, dim) expert outputs, in the routing's order."""
-    return run_experts(tokens[routing.token], routing.kept.tolist(), experts, 0)
+    return run_experts(tokens[routing.token], routing.kept_counts(), experts, 0)
 
 
 class AttachLoss(torch.autograd.Function):
@@ -208,10 +254,12 @@ class MoEFeedForward(nn.Module):
                 parts.append(token_choice(group, self.top_k, cap, by))
         if len(parts) == 1:
             return parts[0]
+        counts = None if parts[0].counts is None else \
+            [sum(c) for c in zip(*(p.counts for p in parts), strict=True)]
         return _by_expert(torch.cat([p.token + i * n for i, p in enumerate(parts)]),
                           torch.cat([p.expert for p in parts]),
                           torch.cat([p.weight for p in parts]),
-                          sum(p.picked for p in parts), self.n_experts, len(probs))
+                          sum(p.picked for p in parts), self.n_experts, len(probs), counts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
@@ -235,7 +283,7 @@ class MoEFeedForward(nn.Module):
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = AttachLoss.apply(out, (self.aux_coef * aux + self.z_coef * z)
                                    * (self.grad_scale * self.loss_scale))
-        if self.training:
+        if self.training and routing.counts is None:  # (fake tokens have no statistics)
             self.stats.append(RouterStats(
                 aux_loss=aux_loss(picked, prob_sum / n).item(), z_loss=(z_sum / n).item(),
                 dropped=(dropped / n).item(), kept=kept.detach().cpu()))

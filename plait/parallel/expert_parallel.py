@@ -77,13 +77,22 @@ class AllToAllDispatch:
         counts = routing.kept.view(self.ep.size, per)  # row j: for rank j's experts
         arriving = torch.empty_like(counts)  # row s: from rank s, for each of this rank's experts
         all_to_all(arriving, counts, group)
-        send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
+        if routing.counts is None:
+            send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
+            held = arriving.sum(0).tolist()  # rows for each of this rank's experts
+        else:  # fake tokens (a trace): every rank routes evenly, as this one
+            mine = routing.counts[self.held.start : self.held.stop]
+            arriving = torch.tensor([mine] * self.ep.size, device=counts.device)
+            send = [sum(routing.counts[j * per : (j + 1) * per]) for j in range(self.ep.size)]
+            recv = [sum(mine)] * self.ep.size
+            held = [self.ep.size * c for c in mine]
         self.rows.append((sum(send), sum(recv), torch.is_grad_enabled() and not recomputing()))
         rows = all_to_all_rows(tokens[routing.token], send, recv, group)
         # Rows arrive by (source, expert); each expert runs once on all of its rows.
         local = torch.arange(per, device=rows.device).repeat(self.ep.size)
-        order = torch.sort(local.repeat_interleave(arriving.flatten()), stable=True).indices
-        out = run_experts(rows[order], arriving.sum(0).tolist(), experts, self.held.start)
+        order = torch.sort(local.repeat_interleave(arriving.flatten(), output_size=sum(recv)),
+                           stable=True).indices
+        out = run_experts(rows[order], held, experts, self.held.start)
         back = torch.empty_like(order)
         back[order] = torch.arange(len(order), device=order.device)
         return all_to_all_rows(out[back], recv, send, group)

@@ -165,3 +165,24 @@ def test_aux_loss_gradient_reaches_the_router():
     explicit = out.sum() + 0.5 * aux_loss(routing.picked, probs.mean(0)) + 0.1 * z_loss(logits)
     explicit.backward()
     torch.testing.assert_close(attached, plain.router.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_fake_tokens_are_routed_evenly_with_the_real_routings_shapes():
+    """A trace (plait.predict.trace) routes fake tokens, which hold no values, as a plan prices
+    them: each expert an even share of the N k picks, at most the capacity; the routing's
+    tensors have the shapes a real routing of that share has, and backward reaches the router."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        logits = torch.empty(10, 3, requires_grad=True)
+        probs = logits.softmax(-1)
+        r = token_choice(probs, 2, capacity(10, 2, 3, 1.0))  # 20 picks: 7, 7, 6; cap 7
+        assert r.counts == [7, 7, 6] and r.picked.shape == (3,)
+        assert r.token.shape == r.expert.shape == r.weight.shape == (20,)
+        capped = token_choice(probs, 2, 5)
+        assert capped.counts == [5, 5, 5] and capped.weight.shape == (15,)
+        capped.weight.sum().backward()
+        assert logits.grad.shape == (10, 3)
+        assert expert_choice(probs, 4).counts == [4, 4, 4]
+    real = token_choice(PROBS, 1, None)
+    assert real.counts is None and real.kept_counts() == [3, 1]
