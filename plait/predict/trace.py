@@ -120,11 +120,45 @@ class StepFlops(FlopCounterMode):
     """torch's FLOP counter (its per-operation formulas), totals only: without its module
     tracker, whose backward hooks on each module's inputs keep tensors alive past their time
     (measured: a split backward's last stage then held one more activation, and the activation
-    count saw it)."""
+    count saw it). It counts attention's CPU kernel as torch counts its GPU kernels (torch
+    2.13 has no formula for it: attention on the CPU counted nothing)."""
 
     def __init__(self):
         super().__init__(display=False)
+        aten = torch.ops.aten
+        for cpu, gpu in ((aten._scaled_dot_product_flash_attention_for_cpu,
+                          aten._scaled_dot_product_flash_attention),
+                         (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                          aten._scaled_dot_product_flash_attention_backward)):
+            self.flop_registry[cpu] = self.flop_registry[gpu]
         self.mod_tracker = _Global()
+
+
+@contextlib.contextmanager
+def _traceable() -> Iterator[None]:
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise Untraceable(f"the model's step depends on values a fake tensor does not hold "
+                          f"({e.func}): no prediction before launch; its metrics measure it") \
+            from None
+
+
+def model_flops(cfg) -> float:
+    """MFU's numerator: the FLOPs of one training step of the model whole, in one process, as
+    `FlopCounterMode` counts them on fake tensors -- the forward and backward of the global batch
+    of `cfg` (a `plait.config.Config`), without recomputation or what a layout repeats on several
+    ranks. Raises `Untraceable` where the step reads values."""
+    from plait.model import build_configured
+    from plait.parallel import cross_entropy
+
+    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
+    with FakeTensorMode() as mode:
+        model = fake_module(meta, "cpu", mode)
+        tokens = torch.zeros(cfg.train.global_batch, cfg.data.seq_len, dtype=torch.int64)
+        with _traceable(), StepFlops() as flops:
+            cross_entropy(model(tokens), tokens).backward()
+    return float(flops.get_total_flops())
 
 
 def trace_step(parallelized: Parallelized, microbatches: list[tuple]) -> RankTrace:
@@ -133,13 +167,8 @@ def trace_step(parallelized: Parallelized, microbatches: list[tuple]) -> RankTra
     `fake_world` and a `FakeTensorMode`, on a fake `parallelized`."""
     counter = SavedActivations(parallelized.module)
     LEDGER.reset()
-    try:
-        with counter, StepFlops() as flops:
-            parallelized.run_schedule(microbatches)
-    except (DataDependentOutputException, DynamicOutputShapeException) as e:
-        raise Untraceable(f"the model's step depends on values a fake tensor does not hold "
-                          f"({e.func}): no prediction before launch; its metrics measure it") \
-            from None
+    with _traceable(), counter, StepFlops() as flops:
+        parallelized.run_schedule(microbatches)
     parallelized.grad_norm_sq()  # one float64 all-reduce per axis whose ranks hold pieces
     parallelized.finish_step()  # ZeRO: the updated slices gathered back
     return RankTrace(counter.peak, flops.get_total_flops(), dict(LEDGER.calls),

@@ -70,18 +70,19 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
     ranks = [describe_rank(cfg, dims, r) for r in range(dims.world_size)]
     shown = [a for a in AXES if getattr(dims, a) > 1] or ["dp"]
     degrees = " x ".join(f"{a}{getattr(dims, a)}" for a in AXES if getattr(dims, a) > 1)
-    console = Console(width=140)
+    console = Console(width=160)
     state = Table(title=f"plait train --dry-run: {dims.world_size} rank(s) ({degrees or 'one'}), "
                         f"zero {cfg.parallel.zero}, {cfg.train.precision}; model state per rank")
     kinds = list(ranks[0]["state"])  # params, grads, optimizer (, compression)
     for col in ("rank", *shown, "chunks", "tensors", "parameters", *(f"{k} MiB" for k in kinds),
-                "activations MiB", "start-up MiB"):
+                "activations MiB", "GFLOP", "start-up MiB"):
         state.add_column(col, justify="right")
     for r in ranks:
         state.add_row(str(r["rank"]), *(str(r["coords"][a]) for a in shown),
                       ",".join(map(str, r["chunks"])), str(r["tensors"]),
                       f"{r['elements']:,}", *(_mib(r["state"][k]) for k in kinds),
                       "not traced" if r["activations"] is None else _mib(r["activations"]),
+                      "not traced" if r["flops"] is None else f"{r['flops'] / 1e9:,.3f}",
                       _mib(r["startup"]))
     console.print(state)
     node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)

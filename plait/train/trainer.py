@@ -26,6 +26,7 @@ from plait.mesh import ParallelDims, rows_share
 from plait.model import build_configured, build_sharded, count_params
 from plait.parallel import cross_entropy, parallelize
 from plait.parallel.loss_scaling import HALF, LossScaler
+from plait.predict.trace import Untraceable, model_flops
 from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
 from plait.train.data import TokenData
@@ -55,6 +56,7 @@ class Summary:
     val_loss: float = float("nan")
     tokens_per_s: float = 0.0
     mfu: float = 0.0
+    flops_per_step: float = 0.0  # the model's (MFU's numerator: `Trainer._rates`)
     comm_bytes_per_step: float = 0.0
     model_state_bytes: dict[str, int] = field(default_factory=dict)
     skipped_steps: int = 0
@@ -96,9 +98,7 @@ class Trainer:
         self.rows_rank, self.rows = rows_share(self.parallelized.axes)
         self.context = self.parallelized.context
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
-        self.flops_per_step = self.tokens_per_step * flops_per_token(
-            args, n_params, cfg.data.seq_len
-        )
+        self.n_params = n_params
         self.activations = SavedActivations(self.model)
         # Routing metrics come from plait's own mixture of experts; transformers' routers are not
         # instrumented (a `model.hf` mixture logs no `moe` entry).
@@ -167,14 +167,23 @@ class Trainer:
             total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
         return self._global_mean(total / self.train_cfg.eval_batches)
 
-    def _peak_flops(self) -> float:
-        """One device's peak, found by rank 0 (measuring a CPU while the other ranks compute on the
-        same cores would measure the contention) and broadcast to all."""
-        world = dist.group.WORLD
-        value = peak_flops(self.device, self.train_cfg.peak_tflops) if self.is_logger else 0.0
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        broadcast(t, src=0, group=world)
-        return t.item()
+    def _rates(self) -> tuple[float, float]:
+        """(one device's peak FLOP/s, the model FLOPs of a step), found by rank 0 and broadcast:
+        measuring a CPU while the other ranks compute on the same cores would measure the
+        contention, and the model's FLOPs are one trace of it whole (`model_flops`: what
+        FlopCounterMode counts of its forward and backward on the global batch), not one per
+        rank."""
+        peak = flops = 0.0
+        if self.is_logger:
+            peak = peak_flops(self.device, self.train_cfg.peak_tflops)
+            try:
+                flops = model_flops(self.cfg)
+            except Untraceable:  # transformers' Mixtral: 6N + attention (Kaplan; PaLM)
+                flops = self.tokens_per_step * flops_per_token(
+                    self.cfg.model.args(), self.n_params, self.cfg.data.seq_len)
+        t = torch.tensor([peak, flops], dtype=torch.float64, device=self.device)
+        broadcast(t, src=0, group=dist.group.WORLD)
+        return t[0].item(), t[1].item()
 
     def verify(self) -> Verdict:
         """One step of this layout against one of the whole model in this process, from the same
@@ -197,7 +206,9 @@ class Trainer:
         saving checkpoints when `checkpoint.dir` is set."""
         cfg, summary, outputs = self.train_cfg, Summary(), outputs or Outputs()
         last = min(cfg.steps, cfg.stop_after or cfg.steps)
-        peak = self._peak_flops() * dist.get_world_size()
+        peak, flops_per_step = self._rates()
+        peak *= dist.get_world_size()
+        summary.flops_per_step = flops_per_step
         writer = MetricsWriter(outputs.metrics if self.is_logger else None,
                                outputs.tensorboard if self.is_logger else None,
                                append=self.start_step > 0)
@@ -236,7 +247,7 @@ class Trainer:
                 "epoch": self.data.epochs(step + 1, cfg.global_batch),  # windows visited / all
                 "step_time_s": elapsed,
                 "tokens_per_s": self.tokens_per_step / elapsed,
-                "mfu": self.flops_per_step / elapsed / peak,
+                "mfu": flops_per_step / elapsed / peak,
                 "comm_bytes": ledger["bytes"],
                 "comm_calls": ledger["calls"],
                 "comm_wait_s": ledger["wait_s"],  # blocked in collectives: the exposed part
@@ -268,7 +279,7 @@ class Trainer:
         # The first step pays one-off costs (allocations, warm caches): leave it out of rates.
         steady = statistics.median(times[1:] or times)
         summary.tokens_per_s = self.tokens_per_step / steady
-        summary.mfu = self.flops_per_step / steady / peak
+        summary.mfu = flops_per_step / steady / peak
         summary.comm_bytes_per_step = statistics.mean(comm)
         summary.model_state_bytes = self.parallelized.state_bytes(self.optimizer)
         summary.loss_scale = self.scaler.scale if self.scaler is not None else 0.0

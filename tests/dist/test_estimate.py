@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from harness import run_world
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import plait
 from plait.comm import LEDGER
+from plait.predict.trace import StepFlops
 from plait.train.activation_memory import SavedActivations
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -104,9 +104,9 @@ def _measured(name: str, parallel: plait.ParallelConfig, policy: str, precision:
     with counter:
         job.step(batch, optimizer)
     ledger = ({op.value: n for op, n in LEDGER.calls.items()}, float(LEDGER.bytes))
-    # FLOPs in a step of their own: torch's counter tracks modules with hooks of its own,
-    # which would keep tensors alive and so change the activation count.
-    with FlopCounterMode(display=False) as flops:
+    # FLOPs in a step of their own, by torch's FlopCounterMode with its formulas (plait's
+    # StepFlops: totals, and the CPU attention kernel counted as torch counts the GPU's).
+    with StepFlops() as flops:
         job.step(batch, optimizer)
     return {"rank": torch.distributed.get_rank(), "activation_bytes": counter.peak,
             "flops": flops.get_total_flops(), "ledger": ledger,

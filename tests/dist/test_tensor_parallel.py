@@ -167,17 +167,39 @@ def test_training_equals_single_process(reference, tp, dp, sequence_parallel):
             assert_params_close(p, want, name)
 
 
-def test_mfu_counts_the_whole_model_whatever_the_split():
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_mfu_reads_flop_counter_mode_on_the_whole_models_step(model):
+    """MFU's numerator, the model FLOPs of a step (`predict.trace.model_flops`: one trace of the
+    whole model on fake tensors), equals torch's FlopCounterMode on the real forward and backward
+    of that model in one process, exactly; every rank of a tp run reads it (rank 0 traces and
+    broadcasts). A mixture of experts at expert choice, capacity 1, routes evenly on real tokens
+    as the trace does on fake ones."""
     from plait.checks import validate
     from plait.mesh import build_mesh
+    from plait.model import build_configured
+    from plait.parallel import cross_entropy
+    from plait.predict.trace import StepFlops, model_flops
+    from plait.train.outputs import Outputs
     from plait.train.trainer import Trainer
 
-    def flops(cfg):
-        dims = validate(cfg, dist.get_world_size())
-        return Trainer(cfg, dims, build_mesh(dims), torch.device("cpu")).flops_per_step
+    extra = ["model.preset='tiny-moe'", "model.moe_router='expert_choice'",
+             "model.moe_capacity_factor=1.0"] if model == "moe" else []
+    cfg = tiny_config("parallel.tp=2", "parallel.dp=1", "model.n_heads=8", "model.n_kv_heads=4",
+                      "train.steps=1", "train.warmup_steps=0", *extra)
+    real = build_configured(cfg.model.args(), cfg.train.seed, "cpu")
+    tokens = torch.randint(0, cfg.model.args().vocab_size,
+                           (cfg.train.global_batch, cfg.data.seq_len))
+    with StepFlops() as counted:
+        cross_entropy(real(tokens), tokens).backward()
+    want = model_flops(cfg)
+    assert want == counted.get_total_flops() > 0
 
-    whole = run_world(flops, 1, _tp_config(1, 1, False))[0]
-    assert run_world(flops, 2, _tp_config(2, 1, False)) == [whole, whole]
+    def fit(cfg):
+        dims = validate(cfg, dist.get_world_size())
+        return Trainer(cfg, dims, build_mesh(dims), torch.device("cpu")).fit(Outputs()) \
+            .flops_per_step
+
+    assert run_world(fit, 2, cfg) == [want, want]
 
 
 def test_clipping_uses_the_global_norm():

@@ -397,7 +397,8 @@ def test_bad_input_from_a_real_process():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "plait: error: parallel.tp: tp=5 must divide n_heads=6, n_kv_heads=2, ffn_dim=512, vocab_size=256"
+        "plait: error: parallel.tp: tp=5 must divide n_heads=6, n_kv_heads=2, ffn_dim=512, "
+        "vocab_size=256"
     ]
 
 
