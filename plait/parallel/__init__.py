@@ -50,6 +50,7 @@ from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
+from plait.parallel.dropout import seed_ranks
 from plait.parallel.expert_parallel import apply_ep, expert_overrides, moe_layers
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
@@ -266,6 +267,7 @@ def parallelize(
     half = HALF.get(precision)
     engine = build_data_parallel(chunks, mesh, cfg, half, axes, record, options.wrap, fill)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
+    seed_ranks(axes, cfg.sequence_parallel)  # dropout's masks (`dropout.py`)
 
     tp = axes["tp"]
     loss_fn = options.loss_fn or cross_entropy

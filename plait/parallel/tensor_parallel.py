@@ -41,6 +41,7 @@ from plait.comm.autograd import (
 )
 from plait.mesh import Axis
 from plait.model.plan import ModelPlan, has_plan, matching, needs_plan, plan_of, tp_misfit
+from plait.parallel.dropout import SplitRegionRng
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.vocab_parallel import VocabParallelEmbedding
 
@@ -95,20 +96,28 @@ def _split_linear(linear: nn.Linear, dim: int, rank: int, size: int) -> None:
         linear.bias = nn.Parameter(linear.bias.detach().chunk(size)[rank].clone())
 
 
-def _wrap_half(module: nn.Module, group: ProcessGroup, sequence_parallel: bool) -> None:
+def _wrap_half(module: nn.Module, group: ProcessGroup, rank: int,
+               sequence_parallel: bool) -> None:
     """One collective into the block half (its first argument) and one out of it (its output,
-    or the first element of a tuple it returns)."""
+    or the first element of a tuple it returns); without SP, the half's dropout masks drawn per
+    tp rank (`dropout.SplitRegionRng`)."""
     enter = gather_from_sp if sequence_parallel else copy_to_tp
     leave = reduce_scatter_to_sp if sequence_parallel else reduce_from_tp
+    rng = None if sequence_parallel else SplitRegionRng(rank)
     # Its name, for callers that pass it by keyword (transformers' layers call their attention so).
     first = next(iter(inspect.signature(module.forward).parameters))
 
     def pre(mod, args, kwargs):
+        x = args[0] if args else kwargs[first]
+        if rng is not None:
+            rng.enter(x.device)
         if args:
-            return (enter(args[0], group), *args[1:]), kwargs
-        return args, {**kwargs, first: enter(kwargs[first], group)}
+            return (enter(x, group), *args[1:]), kwargs
+        return args, {**kwargs, first: enter(x, group)}
 
     def post(mod, args, out):
+        if rng is not None:
+            rng.leave()
         if isinstance(out, tuple):
             return (leave(out[0], group), *out[1:])
         return leave(out, group)
@@ -142,7 +151,7 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
             for path, dim in block_splits(plan, block).items():
                 _split_linear(block.get_submodule(path), dim, rank, size)
             for half in plan.tp_halves:
-                _wrap_half(block.get_submodule(half), group, sequence_parallel)
+                _wrap_half(block.get_submodule(half), group, rank, sequence_parallel)
         enter = gather_from_sp if sequence_parallel else copy_to_tp
         tied = _tied(chunk, plan)
         for name in _vocab(chunk, plan):

@@ -84,7 +84,8 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a trace runs in a world of its own: call it before plait.init() "
                            "(or outside a launched job)")
-    with _kept(LEDGER, RECORDER):
+    # (The generator too: `parallelize` reseeds it for dropout, `parallel/dropout.py`.)
+    with _kept(LEDGER, RECORDER), torch.random.fork_rng(devices=[]):
         dist.init_process_group("fake", rank=rank, world_size=world_size)
         try:
             yield

@@ -25,6 +25,7 @@ from plait.config import Config, microbatches
 from plait.mesh import ParallelDims, rows_share
 from plait.model import build_configured, build_sharded, count_params
 from plait.parallel import cross_entropy, parallelize
+from plait.parallel.dropout import seed_ranks
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.predict.trace import Untraceable, model_flops
 from plait.train.activation_memory import SavedActivations
@@ -76,6 +77,7 @@ class Trainer:
         # --verify: the whole model, for one step of a single process to compare with.
         self.reference = build_configured_model(cfg, device) if verify else None
         n_params = count_params(model)  # the whole model's, before any split
+        torch.manual_seed(cfg.train.seed)  # dropout's masks follow from it (parallel/dropout.py)
         self.microbatches = microbatches(cfg.parallel, dims)
         self.parallelized = parallelize(
             model, mesh, cfg.parallel, microbatches=self.microbatches,
@@ -111,6 +113,8 @@ class Trainer:
         if self.resumed_from is not None:
             self.start_step = load(self.resumed_from, self.parallelized, self.optimizer,
                                    self.checkpoints.group)
+            # The checkpoint keeps one generator (rank 0's): each rank's own streams again.
+            seed_ranks(self.parallelized.axes, cfg.parallel.sequence_parallel)
 
     def _global_mean(self, value: float) -> float:
         """Mean over the dp x cp x ep ranks of a per-rank mean (every rank holds equally many

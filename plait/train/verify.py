@@ -14,6 +14,10 @@ loss within 1e-5 relative, each group's gradients within 1e-4 of the group's lar
 plan that splits a linear along the wrong dim, forgets a partial gradient's sum, or drops a
 module is off by the size of the gradients themselves. bf16 rounds every matmul to 8 bits:
 2e-2 for both.
+
+Dropout is off in both for the step (`parallel/dropout.dropout_off`): a layout draws its masks in
+other places and from other streams than one process, so with dropout the two steps differ by
+design; the verdict says how many dropouts it switched off.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from plait.comm import all_reduce
+from plait.parallel.dropout import dropout_off
 
 
 @dataclass
@@ -35,6 +40,7 @@ class Verdict:
     reference_loss: float
     groups: dict[str, tuple[float, float]]  # group -> (largest |difference|, largest |gradient|)
     tolerance: float
+    dropouts_off: int = 0  # dropouts (modules or rates) that were on and were set to 0
 
     @property
     def loss_error(self) -> float:
@@ -52,6 +58,9 @@ class Verdict:
         for group, (diff, scale) in self.groups.items():
             lines.append(f"{group:<48} {diff:11.3e} {scale:11.3e} "
                          f"{diff / max(scale, 1e-12):9.2e}")
+        if self.dropouts_off:
+            lines.append(f"dropout off for the comparison ({self.dropouts_off} of the model's "
+                         "dropouts): a layout draws other masks than one process")
         failed = self.failures()
         lines.append(f"verify: {'FAILED: ' + ', '.join(failed) if failed else 'ok'} (tolerance "
                      f"{self.tolerance:g} of each group's largest gradient, loss "
@@ -69,14 +78,16 @@ def verify_step(parallelized, reference: nn.Module, local: list[tuple[torch.Tens
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 global_mean: Callable[[float], float], tolerance: float) -> Verdict:
     """One step of `parallelized` on this rank's micro-batches `local` and one of `reference`
-    (the whole model, same weights) on the global batch (`inputs`, `targets`); their gradients
-    compared, every rank the part it holds. Leaves gradients in both; steps neither."""
-    parallelized.module.zero_grad(set_to_none=True)
-    loss = global_mean(parallelized.pipeline.run(local))
-    parallelized.finish_gradients()
-    reference.zero_grad(set_to_none=True)
-    ref_loss = loss_fn(reference(inputs), targets)
-    ref_loss.backward()
+    (the whole model, same weights) on the global batch (`inputs`, `targets`), dropout off in
+    both; their gradients compared, every rank the part it holds. Leaves gradients in both;
+    steps neither."""
+    with dropout_off(parallelized.module), dropout_off(reference) as turned_off:
+        parallelized.module.zero_grad(set_to_none=True)
+        loss = global_mean(parallelized.pipeline.run(local))
+        parallelized.finish_gradients()
+        reference.zero_grad(set_to_none=True)
+        ref_loss = loss_fn(reference(inputs), targets)
+        ref_loss.backward()
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     names = [n for n, _ in reference.named_parameters()]
     groups = list(dict.fromkeys(group_of(n) for n in names))
@@ -107,4 +118,4 @@ def verify_step(parallelized, reference: nn.Module, local: list[tuple[torch.Tens
     both = both.cpu()
     return Verdict(loss, ref_loss.item(),
                    {g: (both[i].item(), both[len(groups) + i].item())
-                    for i, g in enumerate(groups)}, tolerance)
+                    for i, g in enumerate(groups)}, tolerance, turned_off)
