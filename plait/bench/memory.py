@@ -35,10 +35,15 @@ def bench_memory(cfg: Config) -> list[dict] | None:
                                                               overrides={}))
     Trainer(tiny, dims, mesh, torch.device("cpu")).train_step(0)
     gc.collect()
+    # Each phase starts together: a rank still building would otherwise receive its faster
+    # peers' first all-gathers into gloo's buffers, counted in its own build (seen: +16 MiB on
+    # one rank of a loaded machine).
+    dist.barrier()
     reset_peak()
     baseline = resident_bytes()
     trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
     built = peak_resident_bytes() - baseline
+    dist.barrier()
     result = trainer.train_step(0)
     stepped = peak_resident_bytes() - baseline
     record_ = trainer.parallelized.record
