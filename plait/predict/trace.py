@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -137,12 +138,24 @@ class StepFlops(FlopCounterMode):
 
 @contextlib.contextmanager
 def _traceable() -> Iterator[None]:
+    """Run a step on fake tensors as it runs on real ones, or raise `Untraceable`. transformers
+    asks whether a batch's positions pack several sequences into a row by reading them, and
+    takes a fake tensor for a compiler's trace: it would build a (rows, 1, seq, seq) causal
+    mask that the real step does not (GPT-2 passes its positions). A row of plait's batches is
+    one sequence: the trace answers so."""
+    masking = sys.modules.get("transformers.masking_utils")
+    packed = getattr(masking, "find_packed_sequence_indices", None)
+    if packed is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise Untraceable(f"the model's step depends on values a fake tensor does not hold "
                           f"({e.func}): no prediction before launch; its metrics measure it") \
             from None
+    finally:
+        if packed is not None:
+            masking.find_packed_sequence_indices = packed
 
 
 def model_flops(cfg) -> float:
