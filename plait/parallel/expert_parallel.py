@@ -34,11 +34,12 @@ import functools
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from plait.comm import all_reduced, all_to_all
 from plait.comm.autograd import all_to_all_rows
 from plait.mesh import Axis
-from plait.model.moe import MoEFeedForward, Routing, run_experts
+from plait.model.moe import MoEFeedForward, Routing, even, run_experts
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.placement import PlacementRecord
@@ -62,6 +63,18 @@ def expert_range(n_experts: int, ep: Axis) -> range:
     return range(ep.rank * per, (ep.rank + 1) * per)
 
 
+def _even_exchange(counts: list[int], held: range, G: int, device) -> tuple[torch.Tensor,
+                                                                          list[int], list[int]]:
+    """The counts exchange of a trace, whose tokens hold no values: every rank of the ep group
+    routes as this one did (`counts` per expert, ints), so rank s sends each of this rank's
+    experts what this rank sends them. (arriving (G, experts held), rows sent, rows received
+    per rank)."""
+    per = len(held)
+    mine = counts[held.start : held.stop]
+    send = [sum(counts[j * per : (j + 1) * per]) for j in range(G)]
+    return torch.tensor([mine] * G, device=device), send, [sum(mine)] * G
+
+
 class AllToAllDispatch:
     """`MoEFeedForward.dispatch` across the ranks of `ep`, this rank holding experts `held`."""
 
@@ -81,11 +94,9 @@ class AllToAllDispatch:
             send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
             held = arriving.sum(0).tolist()  # rows for each of this rank's experts
         else:  # fake tokens (a trace): every rank routes evenly, as this one
-            mine = routing.counts[self.held.start : self.held.stop]
-            arriving = torch.tensor([mine] * self.ep.size, device=counts.device)
-            send = [sum(routing.counts[j * per : (j + 1) * per]) for j in range(self.ep.size)]
-            recv = [sum(mine)] * self.ep.size
-            held = [self.ep.size * c for c in mine]
+            arriving, send, recv = _even_exchange(routing.counts, self.held, self.ep.size,
+                                                  counts.device)
+            held = [self.ep.size * c for c in routing.counts[self.held.start : self.held.stop]]
         self.rows.append((sum(send), sum(recv), torch.is_grad_enabled() and not recomputing()))
         rows = all_to_all_rows(tokens[routing.token], send, recv, group)
         # Rows arrive by (source, expert); each expert runs once on all of its rows.
@@ -128,12 +139,19 @@ class StackedExperts(nn.Module):
         k = top_k_index.shape[1]
         order = torch.sort(top_k_index.reshape(-1), stable=True).indices
         token = order // k  # each assignment's token, in expert order
-        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.n_experts).view(G, per)
+        fake = isinstance(top_k_index, FakeTensor)  # a trace: every rank routes evenly
+        even_counts = even(top_k_index.numel(), self.n_experts) if fake else None
+        counts = torch.tensor(even_counts, device=x.device).view(G, per) if fake else \
+            torch.bincount(top_k_index.reshape(-1), minlength=self.n_experts).view(G, per)
         arriving = torch.empty_like(counts)  # row s: from rank s, for each of this rank's experts
         all_to_all(arriving, counts, group)
-        send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
+        if fake:
+            arriving, send, recv = _even_exchange(even_counts, self.held, G, x.device)
+        else:
+            send, recv = counts.sum(1).tolist(), arriving.sum(1).tolist()
         rows = all_to_all_rows(x[token], send, recv, group)
-        local = torch.arange(per, device=x.device).repeat(G).repeat_interleave(arriving.flatten())
+        local = torch.arange(per, device=x.device).repeat(G).repeat_interleave(
+            arriving.flatten(), output_size=sum(recv))
         for name, p in self._parameters.items():  # the module computes with this one's
             if self.local._parameters[name] is not p:  # (materialized from `meta` since)
                 self.local._parameters[name] = p

@@ -15,10 +15,10 @@ leaving its output's shape as the real one would). Counted while it runs:
     collectives        the ledger of `plait.comm` (calls and bus bytes per operation), the
                        gradient norm's all-reduces and ZeRO's gathers after the update included
 
-Nothing here knows a model's fields: a rank's trace is its own step. Routing that depends on
-values (a mixture of experts' token counts) cannot be faked: `plait.model.moe` routes fake tokens
-evenly, which is what a plan prices; transformers' own routers cannot run on fake tensors and are
-refused in one line (`Untraceable`).
+Nothing here knows a model's fields: a rank's trace is its own step. Routing depends on values
+(a mixture of experts' token counts), which fake tokens lack: `plait.model.moe` routes them
+evenly, which is what a plan prices, and so does `routing.fake_experts` for transformers'
+experts modules. A step that reads values anywhere else raises `Untraceable`, in one line.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, shape_wrapper
 
 from plait.comm import LEDGER, Op
 from plait.comm.watchdog import RECORDER
 from plait.parallel import Parallelized
+from plait.predict.routing import fake_experts, grouped_mm_flops
 from plait.train.activation_memory import SavedActivations
 
 
@@ -122,8 +123,9 @@ class StepFlops(FlopCounterMode):
     """torch's FLOP counter (its per-operation formulas), totals only: without its module
     tracker, whose backward hooks on each module's inputs keep tensors alive past their time
     (measured: a split backward's last stage then held one more activation, and the activation
-    count saw it). It counts attention's CPU kernel as torch counts its GPU kernels (torch
-    2.13 has no formula for it: attention on the CPU counted nothing)."""
+    count saw it). It counts attention's CPU kernel as torch counts its GPU kernels, and
+    grouped matmuls (transformers' experts) by their products: torch 2.13 has no formula for
+    either, which counted nothing."""
 
     def __init__(self):
         super().__init__(display=False)
@@ -133,6 +135,7 @@ class StepFlops(FlopCounterMode):
                          (aten._scaled_dot_product_flash_attention_for_cpu_backward,
                           aten._scaled_dot_product_flash_attention_backward)):
             self.flop_registry[cpu] = self.flop_registry[gpu]
+        self.flop_registry[aten._grouped_mm] = shape_wrapper(grouped_mm_flops)
         self.mod_tracker = _Global()
 
 
@@ -170,7 +173,7 @@ def model_flops(cfg) -> float:
     with FakeTensorMode() as mode:
         model = fake_module(meta, "cpu", mode)
         tokens = torch.zeros(cfg.train.global_batch, cfg.data.seq_len, dtype=torch.int64)
-        with _traceable(), StepFlops() as flops:
+        with _traceable(), fake_experts(model), StepFlops() as flops:
             cross_entropy(model(tokens), tokens).backward()
     return float(flops.get_total_flops())
 
@@ -181,7 +184,7 @@ def trace_step(parallelized: Parallelized, microbatches: list[tuple]) -> RankTra
     `fake_world` and a `FakeTensorMode`, on a fake `parallelized`."""
     counter = SavedActivations(parallelized.module)
     LEDGER.reset()
-    with _traceable(), counter, StepFlops() as flops:
+    with _traceable(), fake_experts(parallelized.module), counter, StepFlops() as flops:
         parallelized.run_schedule(microbatches)
     parallelized.grad_norm_sq()  # one float64 all-reduce per axis whose ranks hold pieces
     parallelized.finish_step()  # ZeRO: the updated slices gathered back

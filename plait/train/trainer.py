@@ -182,7 +182,7 @@ class Trainer:
             peak = peak_flops(self.device, self.train_cfg.peak_tflops)
             try:
                 flops = model_flops(self.cfg)
-            except Untraceable:  # transformers' Mixtral: 6N + attention (Kaplan; PaLM)
+            except Untraceable:  # the step reads values: 6N + attention (Kaplan; PaLM)
                 flops = self.tokens_per_step * flops_per_token(
                     self.cfg.model.args(), self.n_params, self.cfg.data.seq_len)
         t = torch.tensor([peak, flops], dtype=torch.float64, device=self.device)

@@ -43,6 +43,7 @@ ROWS = [
     ("llama-tied-tp2-sp", "llama-tied", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),
+    ("mixtral-tp2", "mixtral", 2, ["parallel.tp=2"]),
     ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
 ]
 # The cost formulas price plait's own mixture of experts; transformers' experts' all-to-alls
@@ -96,17 +97,25 @@ def test_hf_model_equals_transformers_in_one_process(folders, references, family
     ref = references[family]
     dims = validate(cfg, ranks)
     planned = family != "gpt2"
-    seen = set()
+    seen, measured, traced = set(), {}, {}
     for r in results:
+        # What `plait train --dry-run` says of this rank from one process, on `meta`.
+        dry = describe_rank(cfg, dims, r["rank"])
+        # Activations: the rank's step traced on fake tensors (`plait.predict.trace`), the
+        # transformers model's own operations, planned or not (Mixtral's experts routed evenly:
+        # what they keep is linear in each expert's rows, `plait/predict/routing.py`).
+        assert dry["untraced"] is None
+        if dims.ep == 1:
+            assert dry["activations"] == r["activation_bytes"], f"rank {r['rank']}: activations"
+        else:  # the experts' rows follow the routing: an ep group's sum is the trace's
+            coords = dims.coords(r["rank"])
+            group = tuple(v for axis, v in coords.items() if axis != "ep")
+            measured[group] = measured.get(group, 0) + r["activation_bytes"]
+            traced[group] = traced.get(group, 0) + dry["activations"]
         if family not in NO_FORMULA:
             assert r["ledger"] == r["traffic"], f"rank {r['rank']}: collectives vs formulas"
-            # And what `plait train --dry-run` says of this rank from one process, on `meta`.
-            dry = describe_rank(cfg, dims, r["rank"])
             assert (dict(dry["traffic"].calls), dry["traffic"].bytes) == r["ledger"]
             assert dry["state"] == r["state"], f"rank {r['rank']}: model state"
-            # Activations: the rank's step traced on fake tensors (`plait.predict.trace`), the
-            # transformers model's own operations, planned or not.
-            assert dry["activations"] == r["activation_bytes"], f"rank {r['rank']}: activations"
             if r["rank"] == 0:  # a pinned plan prices the same
                 plan = estimate(cfg, dims, Cluster(ranks, ranks, DEVICES["a100"]))
                 assert plan.memory_bytes["activations"] == r["activation_bytes"]
@@ -118,3 +127,4 @@ def test_hf_model_equals_transformers_in_one_process(folders, references, family
             seen.add(hf_name(name, planned))
     # Every parameter of the transformers model was trained somewhere (a tied head counts once).
     assert seen == set(ref["params"])
+    assert measured == traced
