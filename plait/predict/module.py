@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from plait.checks import validate_parallel
 from plait.config import Config, ParallelConfig
@@ -31,7 +31,7 @@ from plait.parallel import ModuleOptions, parallelize
 from plait.parallel.batch import as_microbatches
 from plait.parallel.wrap import WrapPolicy
 from plait.predict import cost
-from plait.predict.trace import fake_module, fake_world, trace_step
+from plait.predict.trace import fake_module, fake_world, representative, trace_step
 
 
 def estimate(model: nn.Module, example_batch, parallel: ParallelConfig | None = None, *,
@@ -54,16 +54,14 @@ def estimate(model: nn.Module, example_batch, parallel: ParallelConfig | None = 
     device = torch.device("cpu") if device.type == "meta" else device
     options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
     M = parallel.microbatches or dims.pp
-    classes: dict[tuple, dict] = {}
+    classes: dict[int, dict] = {}
     out = []
     for rank in range(dims.world_size):
-        c = dims.coords(rank)
-        key = (c["pp"], c["cp"])  # ranks that run the same shapes (`trace.trace_class`)
-        if key not in classes:
-            classes[key] = _trace_module(model, example_batch, parallel, dims,
-                                         dims.rank(pp=c["pp"], cp=c["cp"]), M, precision,
-                                         options, device, cfg)
-        out.append({"rank": rank, "coords": c, **classes[key]})
+        stands = representative(dims, rank)  # the rank that runs the same shapes
+        if stands not in classes:
+            classes[stands] = _trace_module(model, example_batch, parallel, dims, stands, M,
+                                            precision, options, device, cfg)
+        out.append({"rank": rank, "coords": dims.coords(rank), **classes[stands]})
     if gpu is not None:
         _add_step_time(out, cfg, dims, model, gpu, gpus_per_node)
     return [{k: v for k, v in r.items() if k != "_record"} for r in out]
@@ -110,4 +108,54 @@ def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: 
                                                       dims, cluster)
 
 
-__all__ = ["estimate"]
+def plan_layouts(model: nn.Module, example_batch, gpus: int, gpu: str, *,
+         loss_fn: Callable | None = None, wrap: WrapPolicy | None = None,
+         checkpoint: WrapPolicy | None = None, precision: str = "fp32",
+         gpus_per_node: int = 8) -> list[dict]:
+    """`plait plan` for a module from Python (`plait.plan_layouts`): every data-parallel layout
+    of `model` on `gpus` devices of kind `gpu` (ZeRO 0-3, gradient accumulation over 1, 2, 4 or
+    8 micro-batches where each rank's rows split so, hybrid sharding over nodes under ZeRO-3),
+    each `estimate`d, the ones that fit the device first, fastest first. Each row: `parallel`
+    (a `ParallelConfig` to hand to `plait.prepare`), `fits`, `memory_bytes` (the fullest rank's
+    model state at its peak plus its activations), `step_time_s` and `comm_bytes` (the slowest
+    and busiest rank's). A model with a plan also splits by tp, pp, cp and ep: that is
+    `plait plan`'s search."""
+    from plait.plan.hardware import DEVICES
+
+    if has_plan(model):
+        raise ValueError("model: it has a plan, whose layouts (tp, pp, cp, ep) `plait plan "
+                         "model.hf=... --gpus N` searches; plait.plan_layouts, a module "
+                         "without one")
+    if gpu not in DEVICES:
+        raise ValueError(f"gpu: one of {', '.join(sorted(DEVICES))}, not {gpu!r}")
+    rows = _rows(example_batch) // gpus
+    if rows < 1:
+        raise ValueError(f"example_batch: {_rows(example_batch)} rows cannot split over "
+                         f"{gpus} gpus; give at least one row per gpu")
+    candidates = [ParallelConfig(zero=zero, microbatches=m)
+                  for zero in range(4) for m in (1, 2, 4, 8) if rows % m == 0]
+    if gpus > gpus_per_node and gpus % gpus_per_node == 0:
+        candidates += [ParallelConfig(zero=3, dp_shard=gpus_per_node, microbatches=m)
+                       for m in (1, 2, 4, 8) if rows % m == 0]
+    memory = DEVICES[gpu].memory_bytes
+    out = []
+    for parallel in candidates:
+        ranks = estimate(model, example_batch, parallel, world_size=gpus, loss_fn=loss_fn,
+                         wrap=wrap, checkpoint=checkpoint, precision=precision, gpu=gpu,
+                         gpus_per_node=gpus_per_node)
+        held = max(r["state"]["peak"] + r["activation_bytes"] for r in ranks)
+        out.append({"parallel": parallel, "fits": held <= memory, "memory_bytes": held,
+                    "step_time_s": max(r["step_time_s"] for r in ranks),
+                    "comm_bytes": max(r["comm_bytes"] for r in ranks)})
+    return sorted(out, key=lambda r: (not r["fits"], r["step_time_s"], r["memory_bytes"]))
+
+
+def _rows(batch) -> int:
+    """The rows of a global batch (its first tensor's first dimension)."""
+    leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise ValueError("example_batch: no tensor in it")
+    return leaves[0].shape[0]
+
+
+__all__ = ["estimate", "plan_layouts"]

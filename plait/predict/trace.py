@@ -192,17 +192,22 @@ def trace_step(parallelized: Parallelized, microbatches: list[tuple]) -> RankTra
                      dict(LEDGER.bytes_by_op))
 
 
-def trace_class(cfg, dims, rank: int) -> RankTrace:
-    """`trace_rank` of the rank that stands for `rank`: the one of its pipeline stage and context
-    shard with every other coordinate 0. Ranks differing only in dp, ep or tp run the same
-    shapes (the checks make every split even), so a 1,024-rank layout traces a few ranks; cp
-    ranks differ (ring attention's blocks are the rank's own). Cached per configuration."""
+def representative(dims, rank: int) -> int:
+    """The rank whose trace stands for `rank`'s: the one of its pipeline stage and context shard
+    with every other coordinate 0. Ranks differing only in dp, ep or tp run the same shapes (the
+    checks make every split even), so a 1,024-rank layout traces a few ranks; cp ranks differ
+    (ring attention's blocks are the rank's own)."""
     c = dims.coords(rank)
-    key = (repr(cfg), dims, c["pp"], c["cp"])
+    return dims.rank(pp=c["pp"], cp=c["cp"])
+
+
+def trace_class(cfg, dims, rank: int) -> RankTrace:
+    """`trace_rank` of `representative(dims, rank)`, cached per configuration."""
+    key = (repr(cfg), dims, representative(dims, rank))
     if key not in _TRACES:
         if len(_TRACES) >= 256:  # the planner prices many layouts; keep the recent ones
             _TRACES.clear()
-        _TRACES[key] = trace_rank(cfg, dims, dims.rank(pp=c["pp"], cp=c["cp"]))
+        _TRACES[key] = trace_rank(cfg, dims, key[-1])
     return _TRACES[key]
 
 
