@@ -169,7 +169,8 @@ def test_plan_layouts_prices_every_data_parallel_layout_of_a_module():
     (the row is its fullest rank's state peak plus activations, its slowest rank's step), the
     ones that fit first, fastest first; ZeRO-3 holds less than DDP, accumulation keeps less."""
     model, batch, _ = _case("transformer")
-    rows = plait.plan_layouts(model, batch, gpus=2, gpu="a100")
+    units = _policies("transformer", "units")  # ZeRO-3 gathers a block at a time
+    rows = plait.plan_layouts(model, batch, gpus=2, gpu="a100", **units)
     layouts = {(r["parallel"].zero, r["parallel"].microbatches) for r in rows}
     assert layouts == {(z, m) for z in range(4) for m in (1, 2, 4)}  # 4 rows per rank
     assert all(r["fits"] for r in rows)
@@ -177,8 +178,8 @@ def test_plan_layouts_prices_every_data_parallel_layout_of_a_module():
     by = {(r["parallel"].zero, r["parallel"].microbatches): r for r in rows}
     assert by[3, 1]["memory_bytes"] < by[0, 1]["memory_bytes"]
     assert by[0, 4]["memory_bytes"] < by[0, 1]["memory_bytes"]
-    ranks = plait.estimate(model, batch, by[2, 2]["parallel"], world_size=2,
-                           gpu="a100")
+    ranks = plait.estimate(model, batch, by[2, 2]["parallel"], world_size=2, gpu="a100",
+                           **units)
     assert by[2, 2]["memory_bytes"] == max(r["state"]["peak"] + r["activation_bytes"]
                                            for r in ranks)
     with pytest.raises(ValueError, match="example_batch: 8 rows cannot split over 16 gpus"):
