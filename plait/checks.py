@@ -17,6 +17,7 @@ from plait.config import (
 )
 from plait.mesh import AXES, ParallelDims, dp_per_node, ranks_per_node
 from plait.model.args import ModelArgs
+from plait.model.hf import architecture
 from plait.model.llama_plan import LLAMA
 from plait.model.moe import ROUTERS
 from plait.model.plan import tp_misfit
@@ -269,7 +270,7 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
     """A Hugging Face folder: readable, its family's plan has what the degrees need, and nothing
     the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
     sequence)."""
-    from plait.model.hf import HF_PLANS, architecture, hf_args, read_config
+    from plait.model.hf import HF_PLANS, hf_args, read_config
 
     folder = Path(cfg.model.hf)
     if not (folder / "config.json").is_file():
@@ -277,15 +278,21 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
                           "transformers' save_pretrained wrote")
     try:
         raw = read_config(folder)
-        hf_args(raw)
-    except (ValueError, KeyError) as e:
+    except ValueError as e:
         raise ConfigError("model.hf", f"{folder}/config.json: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("model.hf", f"{folder}/config.json holds no JSON object")
     try:
         from transformers import AutoConfig
     except ImportError:
         raise ConfigError("model.hf", "needs the transformers package: pip install "
                           "transformers") from None
-    config = AutoConfig.from_pretrained(folder)
+    _check_causal_lm(folder, raw)
+    try:
+        hf_args(raw)
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
     arch = architecture(raw) or config.model_type
     plan = HF_PLANS.get(arch)
     for axis in ("tp", "pp", "cp", "ep"):
@@ -313,6 +320,32 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding "
                           f"window ({window}), which plait does not apply; use seq_len <= "
                           f"{window}")
+
+
+def _check_causal_lm(folder: Path, raw: dict) -> None:
+    """A causal language model that transformers knows, with no code of its own to run: an
+    encoder (BERT's masked LM) would train with a fresh head and no causal mask, silently."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    where = f"{folder}/config.json"
+    if raw.get("auto_map"):
+        raise ConfigError("model.hf", f"{where} asks for the folder's own code (auto_map), which "
+                          "plait does not run; give a model transformers implements")
+    kind = raw.get("model_type")
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError("model.hf", f"{where}: model_type {kind!r} is not a causal language "
+                          "model transformers knows (AutoModelForCausalLM); give a decoder such "
+                          "as Llama, Qwen, Mistral, Mixtral or GPT-2")
+    arch = architecture(raw)
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    encoder = kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not raw.get("is_decoder")
+    if (arch and arch not in causal) or encoder:
+        raise ConfigError("model.hf", f"{where}: {arch or kind} is an encoder or another head, "
+                          "not a causal language model (it would train without a causal mask); "
+                          "give a decoder such as Llama, Qwen, Mistral, Mixtral or GPT-2")
 
 
 def _check_model(args: ModelArgs) -> ModelArgs:

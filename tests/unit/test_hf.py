@@ -148,6 +148,37 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
         "data.seq_len: 32 exceeds the model's sliding window (16)")
 
 
+def test_a_folder_that_is_not_a_causal_lm_is_refused_in_one_line(tmp_path):
+    """An encoder would train as a "causal LM" with a fresh head and no causal mask; a folder
+    asking for its own code, or of a type transformers does not know, would end in a traceback."""
+    import json
+
+    bert = tmp_path / "bert"
+    transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32)).save_pretrained(bert)
+    assert _refusal(f"model.hf='{bert}'", nproc=1).startswith(
+        f"model.hf: {bert}/config.json: BertForMaskedLM is an encoder or another head, not a "
+        "causal language model")
+    for name, changes, said in (
+            ("remote", {"auto_map": {"AutoModelForCausalLM": "mine.Model"}}, "auto_map"),
+            ("unknown", {"model_type": "nothing-known"}, "model_type 'nothing-known' is not"),
+            ("headless", {"architectures": ["LlamaModel"]}, "LlamaModel is an encoder or")):
+        folder = tmp_path / name
+        folder.mkdir()
+        raw = json.loads((_llama_folder(tmp_path) / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**raw, **changes}))
+        refusal = _refusal(f"model.hf='{folder}'", nproc=1)
+        assert refusal.startswith("model.hf: ") and said in refusal and "\n" not in refusal
+
+
+def _llama_folder(tmp_path):
+    from hf_models import write_model
+
+    folder = tmp_path / "llama"
+    return folder if folder.exists() else write_model(folder, "llama")
+
+
 def test_import_refuses_what_plaits_llama_cannot_compute(tmp_path, capsys):
     """Rotary scaling (Llama 3.1's "llama3" rope type), biases, another activation or another
     architecture would compute something else: refused in one line naming the field."""
