@@ -78,7 +78,8 @@ def _check_loss_scale(train: TrainConfig) -> None:
         raise ConfigError("train.loss_scale", "loss scaling is for train.precision = 'fp16' "
                           f"(this run is '{train.precision}'): leave it at 'dynamic'")
     for key, ok, want in (
-            ("init", train.loss_scale_init > 0, "must be > 0"),
+            # fp16's largest value is 65504: a scale beyond 2^24 only halves for steps on end
+            ("init", 0 < train.loss_scale_init <= 2.0**24, "must be in (0, 2^24 = 16777216]"),
             ("growth_interval", train.loss_scale_growth_interval >= 1, "must be >= 1 step"),
             ("hysteresis", train.loss_scale_hysteresis >= 1, "must be >= 1 (1: back off at once)"),
             ("min", 0 < train.loss_scale_min <= train.loss_scale_init,

@@ -250,7 +250,7 @@ def _nodes(args: argparse.Namespace) -> int:
     if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
         raise ConfigError("--nnodes", f"N or MIN:MAX nodes (2, 1:2), got {args.nnodes!r}")
     host, _, port = (args.rdzv_endpoint or "").rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError("--rdzv-endpoint", f"HOST:PORT of the rendezvous (on one of the job's "
                           f"nodes), got {args.rdzv_endpoint!r}")
     return int(high or low)
@@ -336,7 +336,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from plait.plan.hardware import DEVICES, Cluster, device
+    from plait.plan.hardware import Cluster, check_options, device
     from plait.plan.show import as_json, choose, pinned, print_plans, write_recipe
 
     if args.calibrate:
@@ -344,19 +344,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
         calibrate_and_print()
         return
-    if args.gpus is None:
-        raise ConfigError("--gpus", "required: the number of devices the job runs on")
-    for option, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
-                          ("--top", args.top)):
-        if value < 1:
-            raise ConfigError(option, f"at least 1, got {value}")
-    for option, value in (("--intra-node-gbps", args.intra_node_gbps),
-                          ("--inter-node-gbps", args.inter_node_gbps),
-                          ("--gpu-memory-gb", args.gpu_memory_gb)):
-        if value is not None and not value > 0:
-            raise ConfigError(option, f"a number > 0, got {value}")
-    if args.gpu not in (*DEVICES, "cpu"):
-        raise ConfigError("--gpu", f"one of {', '.join(DEVICES)}, cpu; got {args.gpu!r}")
+    check_options(args)
     if args.write_recipe is not None:
         check_output_path(args.write_recipe, "--write-recipe")
     cfg = load(args)

@@ -143,3 +143,25 @@ class Cluster:
             return d.intra_gbps * GB, d.intra_alpha_s
         sharing = min(stride, self.per_node) if d.node_link else 1
         return d.inter_gbps * GB / sharing, d.inter_alpha_s
+
+
+def check_options(args) -> None:
+    """`plait plan`'s cluster options, each refused in one line (`ConfigError`)."""
+    from plait.config import ConfigError
+
+    if args.gpus is None:
+        raise ConfigError("--gpus", "required: the number of devices the job runs on")
+    for option, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
+                          ("--top", args.top)):
+        if value < 1:
+            raise ConfigError(option, f"at least 1, got {value}")
+    for option, value in (("--intra-node-gbps", args.intra_node_gbps),
+                          ("--inter-node-gbps", args.inter_node_gbps),
+                          ("--gpu-memory-gb", args.gpu_memory_gb)):
+        if value is not None and not 0 < value < float("inf"):
+            raise ConfigError(option, f"a finite number > 0, got {value}")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ConfigError("--gpus-per-node", f"must divide --gpus={args.gpus} (whole nodes), "
+                          f"got {args.gpus_per_node}")
+    if args.gpu not in (*DEVICES, "cpu"):
+        raise ConfigError("--gpu", f"one of {', '.join(DEVICES)}, cpu; got {args.gpu!r}")

@@ -57,6 +57,7 @@ BAD_INPUT = [
     (["--nnodes", "2:1", "--nproc", "1", "--rdzv-endpoint", "h:1"], "--nnodes"),
     (["--nnodes", "two", "--nproc", "1", "--rdzv-endpoint", "h:1"], "--nnodes"),
     (["--nnodes", "2", "--nproc", "1"], "--rdzv-endpoint"),
+    (["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "h:99999"], "--rdzv-endpoint"),
     (["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "h"], "--rdzv-endpoint"),
     (["--nnodes", "2", "--rdzv-endpoint", "h:1"], "--nproc"),
     (["--local-addr", "10.0.0.2", "--nproc", "1"], "--nnodes"),
@@ -158,6 +159,7 @@ BAD_INPUT = [
     (["train.precision=fp16", "train.loss_scale=true"], "train.loss_scale"),
     (["train.loss_scale=1024"], "train.loss_scale"),  # not fp16
     (["train.precision=fp16", "train.loss_scale_init=-1"], "train.loss_scale_init"),
+    (["train.precision=fp16", "train.loss_scale_init=1e300"], "train.loss_scale_init"),
     (["train.precision=fp16", "train.loss_scale_growth_interval=0"],
      "train.loss_scale_growth_interval"),
     (["train.precision=fp16", "train.loss_scale_hysteresis=0"], "train.loss_scale_hysteresis"),
@@ -285,6 +287,8 @@ OTHER_BAD_INPUT = [
     (["plan", "--gpus", "8", "--gpu", "tpu"], "--gpu"),
     (["plan", "--gpus", "8", "--inter-node-gbps", "0"], "--inter-node-gbps"),
     (["plan", "--gpus", "8", "--gpu-memory-gb", "-24"], "--gpu-memory-gb"),
+    (["plan", "--gpus", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
+    (["plan", "--gpus", "8", "--gpus-per-node", "3"], "--gpus-per-node"),
     (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),
     (["plan", "--gpus", "3", "model.preset=tiny", "parallel.tp=2"], "plan"),  # no valid layout
     (["convert", "--to", "hf", "{files}/out", "{files}/empty_dir"], "CKPT"),  # no checkpoint
