@@ -270,29 +270,9 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
     """A Hugging Face folder: readable, its family's plan has what the degrees need, and nothing
     the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
     sequence)."""
-    from plait.model.hf import HF_PLANS, hf_args, read_config
+    from plait.model.hf import HF_PLANS
 
-    folder = Path(cfg.model.hf)
-    if not (folder / "config.json").is_file():
-        raise ConfigError("model.hf", f"{folder} has no config.json; give a folder that "
-                          "transformers' save_pretrained wrote")
-    try:
-        raw = read_config(folder)
-    except ValueError as e:
-        raise ConfigError("model.hf", f"{folder}/config.json: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError("model.hf", f"{folder}/config.json holds no JSON object")
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        raise ConfigError("model.hf", "needs the transformers package: pip install "
-                          "transformers") from None
-    _check_causal_lm(folder, raw)
-    try:
-        hf_args(raw)
-        config = AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
+    raw, config = check_hf_folder(cfg.model.hf)
     arch = architecture(raw) or config.model_type
     plan = HF_PLANS.get(arch)
     for axis in ("tp", "pp", "cp", "ep"):
@@ -320,6 +300,34 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding "
                           f"window ({window}), which plait does not apply; use seq_len <= "
                           f"{window}")
+
+
+def check_hf_folder(where: str) -> tuple[dict, object]:
+    """A `model.hf` folder that transformers' save_pretrained wrote for a causal LM: its
+    config.json as JSON and as transformers reads it."""
+    from plait.model.hf import hf_args, read_config
+
+    folder = Path(where)
+    if not (folder / "config.json").is_file():
+        raise ConfigError("model.hf", f"{folder} has no config.json; give a folder that "
+                          "transformers' save_pretrained wrote")
+    try:
+        raw = read_config(folder)
+    except ValueError as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("model.hf", f"{folder}/config.json holds no JSON object")
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("model.hf", "needs the transformers package: pip install "
+                          "transformers") from None
+    _check_causal_lm(folder, raw)
+    try:
+        hf_args(raw)
+        return raw, AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
 
 
 def _check_causal_lm(folder: Path, raw: dict) -> None:

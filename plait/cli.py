@@ -336,6 +336,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    from plait.checks import check_hf_folder
     from plait.plan.hardware import Cluster, check_options, device
     from plait.plan.show import as_json, choose, pinned, print_plans, write_recipe
 
@@ -348,6 +349,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.write_recipe is not None:
         check_output_path(args.write_recipe, "--write-recipe")
     cfg = load(args)
+    if cfg.model.hf:
+        check_hf_folder(cfg.model.hf)
     cluster = Cluster(args.gpus, args.gpus_per_node,
                       device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus,
                              args.gpu_memory_gb))

@@ -289,6 +289,7 @@ OTHER_BAD_INPUT = [
     (["plan", "--gpus", "8", "--gpu-memory-gb", "-24"], "--gpu-memory-gb"),
     (["plan", "--gpus", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
     (["plan", "--gpus", "8", "--gpus-per-node", "3"], "--gpus-per-node"),
+    (["plan", "--gpus", "8", "model.hf='{files}/empty_dir'"], "model.hf"),
     (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),
     (["plan", "--gpus", "3", "model.preset=tiny", "parallel.tp=2"], "plan"),  # no valid layout
     (["convert", "--to", "hf", "{files}/out", "{files}/empty_dir"], "CKPT"),  # no checkpoint
