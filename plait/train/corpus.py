@@ -64,13 +64,52 @@ def is_prepared(source: str) -> bool:
 
 
 def read_manifest(folder: Path) -> dict:
+    """The folder's manifest, checked against what `plait data prepare` writes (types, a known
+    dtype wide enough for the vocabulary, each shard a file of this folder whose bytes are its
+    ids' count times the dtype's width): a corrupt one is refused here, not in a worker."""
+    where = folder / MANIFEST
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        manifest["vocab_size"], manifest["dtype"], manifest["shards"]  # noqa: B018 (present)
-    except (OSError, ValueError, KeyError) as e:
-        raise CorpusError("data.source", f"{folder / MANIFEST} is not a plait manifest ({e}); "
-                          "prepare the folder again with `plait data prepare`") from None
+        manifest = json.loads(where.read_text())
+        problem = _manifest_problem(manifest)
+    except (OSError, ValueError) as e:
+        problem = str(e)
+    if problem:
+        raise CorpusError("data.source", f"{where} is not a plait manifest ({problem}); "
+                          "prepare the folder again with `plait data prepare`")
     return manifest
+
+
+def _whole(value, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _manifest_problem(m) -> str | None:
+    if not isinstance(m, dict):
+        return "not a JSON object"
+    if not _whole(m.get("vocab_size"), 1):
+        return f"vocab_size {m.get('vocab_size')!r} is not a whole number >= 1"
+    if m.get("dtype") not in DTYPES:
+        return f"dtype {m.get('dtype')!r} is not one of {', '.join(DTYPES)}"
+    width = np.dtype(DTYPES[m["dtype"]]).itemsize
+    if m["vocab_size"] > 1 << (8 * width):
+        return f"dtype {m['dtype']} cannot hold ids up to vocab_size {m['vocab_size']}"
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not shards:
+        return "shards is not a list of shards"
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            return f"shards[{i}] is not an object"
+        name = shard.get("file")
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            return f"shards[{i}].file {name!r} is not a file name in the folder"
+        if not _whole(shard.get("tokens")) or shard.get("bytes") != shard["tokens"] * width:
+            return (f"shards[{i}]: tokens {shard.get('tokens')!r} and bytes "
+                    f"{shard.get('bytes')!r} disagree with dtype {m['dtype']}")
+        if not isinstance(shard.get("sha256"), str):
+            return f"shards[{i}] has no sha256"
+    if not any(shard["tokens"] for shard in shards):
+        return "its shards hold no token"
+    return None
 
 
 def verify_shards(folder: Path, manifest: dict, checksums: bool = True) -> None:

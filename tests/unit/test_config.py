@@ -46,6 +46,18 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(plait.launch, "launch", forbidden)
 
 
+MANIFESTS = {
+    "vocab_text": lambda m: {**m, "vocab_size": "256"},
+    "vocab_float": lambda m: {**m, "vocab_size": 256.5},
+    "dtype_unknown": lambda m: {**m, "dtype": "int8"},
+    "dtype_wrong": lambda m: {**m, "dtype": "uint32"},  # the shard's bytes are uint16's
+    "dtype_narrow": lambda m: {**m, "vocab_size": 70000},
+    "shard_outside": lambda m: {**m, "shards": [{**m["shards"][0], "file": "../prepared/x"}]},
+    "no_tokens": lambda m: {**m, "shards": [{**m["shards"][0], "tokens": 0, "bytes": 0}]},
+    "not_object": lambda m: [m],
+}
+
+
 BAD_INPUT = [
     # (arguments, the field the one-line message must name)
     (["model.nonsense=1"], "model.nonsense"),
@@ -253,6 +265,9 @@ BAD_INPUT = [
     (["data.source={files}/flipped"], "data.source"),  # fails its checksum
     (["data.source={files}/prepared", "train.global_batch=128"], "data.source"),  # 43 windows
     (["data.source={files}/no_manifest_fields"], "data.source"),
+    # Manifests that passed the check and crashed a worker: wrong types and values, a dtype
+    # whose byte sizes do not match, a shard outside the folder, shards of no token.
+    *[(["data.source={files}/manifest_" + name], "data.source") for name in MANIFESTS],
     (["--metrics", "{files}/tiny.txt/m.jsonl"], "--metrics"),  # the parent is a file
     (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
     (["--tensorboard", "{files}/tiny.txt"], "--tensorboard"),  # a file
@@ -356,6 +371,17 @@ def _prepared_corpora(root):
     shard.write_bytes(bytes(ids))
     (root / "no_manifest_fields" / "manifest.json").write_text('{"dtype": "uint16"}')
     (root / "rows.jsonl").write_text('{"body": "a row"}\n')
+    _bad_manifests(root)
+
+
+def _bad_manifests(root):
+    import shutil
+
+    good = json.loads((root / "prepared" / "manifest.json").read_text())
+    for name, change in MANIFESTS.items():
+        folder = root / f"manifest_{name}"
+        shutil.copytree(root / "prepared", folder)
+        (folder / "manifest.json").write_text(json.dumps(change(good)))
 
 
 def test_the_table_is_large():
