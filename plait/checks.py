@@ -323,11 +323,26 @@ def check_hf_folder(where: str) -> tuple[dict, object]:
         raise ConfigError("model.hf", "needs the transformers package: pip install "
                           "transformers") from None
     _check_causal_lm(folder, raw)
+    _check_safetensors(folder)
     try:
         hf_args(raw)
         return raw, AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
+
+
+def _check_safetensors(folder: Path) -> None:
+    """Each weights file's header reads and covers the file (safetensors checks both on open):
+    a truncated or corrupted one crashed the workers."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConfigError("model.hf", f"{path} is not a whole safetensors file ({e}); copy "
+                              "it again") from None
 
 
 def _check_causal_lm(folder: Path, raw: dict) -> None:

@@ -172,6 +172,17 @@ def test_a_folder_that_is_not_a_causal_lm_is_refused_in_one_line(tmp_path):
         assert refusal.startswith("model.hf: ") and said in refusal and "\n" not in refusal
 
 
+def test_a_cut_weights_file_is_refused_before_launch(tmp_path):
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(_llama_folder(tmp_path), folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert _refusal(f"model.hf='{folder}'", nproc=1).startswith(
+        f"model.hf: {weights} is not a whole safetensors file (")
+
+
 def _llama_folder(tmp_path):
     from hf_models import write_model
 
