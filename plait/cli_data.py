@@ -23,6 +23,8 @@ def add_data(sub, parser_class) -> None:
     prepare.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     prepare.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, metavar="N",
                          help=f"ids per shard file (default {SHARD_TOKENS:,})")
+    prepare.add_argument("--follow-links", action="store_true",
+                         help="read files that links in a source folder point to outside it")
     prepare.set_defaults(func=cmd_data_prepare)
 
 
@@ -34,7 +36,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
         raise ConfigError("OUT", "name the sources, then the folder to write (SRC... OUT)")
     *sources, out = args.paths
     done = prepare(sources, out, args.tokenizer, args.field, args.workers,
-                   args.shard_tokens)
+                   args.shard_tokens, follow_links=args.follow_links)
     if done["skipped"]:
         names = ", ".join(done["skipped"][:3]) + (", ..." if len(done["skipped"]) > 3 else "")
         print(f"skipped {len(done['skipped'])} file(s) that are not UTF-8 text: {names} (all "

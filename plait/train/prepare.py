@@ -68,9 +68,10 @@ def _rows(path: Path, field: str) -> Iterator[str]:
     import datasets  # noqa: PLC0415 (seconds to import; only tables need it)
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are said here, once
     rows = datasets.load_dataset(TABLES[path.suffix], data_files=str(path), split="train",
                                  streaming=True)
-    for i, row in enumerate(rows):
+    for i, row in _readable(rows, path):
         if field not in row:
             raise ConfigError("--field", f"{path} has no field '{field}' (it has "
                               f"{', '.join(row)}); name the text's field with --field")
@@ -78,6 +79,22 @@ def _rows(path: Path, field: str) -> Iterator[str]:
             raise ConfigError("--field", f"row {i} of {path}: '{field}' is "
                               f"{type(row[field]).__name__}, not text")
         yield row[field]
+
+
+def _readable(rows, path: Path) -> Iterator[tuple[int, dict]]:
+    """The table's rows, numbered; a table that does not parse stops prepare in one line."""
+    it, i = iter(rows), 0
+    while True:
+        try:
+            row = next(it)
+        except StopIteration:
+            return
+        except Exception as e:  # datasets raises its readers' errors, of many classes
+            cause = str(e.__cause__ or e).splitlines()[0][:160]
+            raise ConfigError("SRC", f"{path} does not read as {TABLES[path.suffix]} after "
+                              f"{i} row(s) ({cause})") from None
+        yield i, row
+        i += 1
 
 
 def resolve_tokenizer(spec: str, sources: list[str], field: str) -> Tokenizer:
@@ -94,7 +111,12 @@ def resolve_tokenizer(spec: str, sources: list[str], field: str) -> Tokenizer:
         if not file.is_file():
             raise ConfigError("--tokenizer", f"no {file}; give a tokenizer.json, a Hugging Face "
                               "model folder holding one, bpe:N or bytes")
-        tok = HfTokenizer.from_file(str(file))
+        try:
+            tok = HfTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises its own Exception for any unreadable file
+            raise ConfigError("--tokenizer", f"{file} is not a tokenizer "
+                              f"({str(e).splitlines()[0][:120]}); give a tokenizer.json, "
+                              "bpe:N or bytes") from None
     eot = _end_of_text(tok, Path(spec))
     return Tokenizer(tok.to_str(), eot, tok.get_vocab_size(with_added_tokens=True))
 
@@ -188,10 +210,11 @@ class _ShardWriter:
 
 
 def prepare(sources: list[str], out: str, tokenizer: str, field: str = "text", workers: int = 1,
-            shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> dict:
+            shard_tokens: int = SHARD_TOKENS, progress: bool = True,
+            follow_links: bool = False) -> dict:
     """Tokenize the sources into `out` (see the module's docstring); returns the manifest, with
     `seconds` and `tokens_per_s` of the tokenization."""
-    check_prepare(sources, out, workers, shard_tokens)
+    check_prepare(sources, out, workers, shard_tokens, follow_links)
     folder, existed = Path(out), Path(out).exists()
     try:
         return _prepare(sources, folder, tokenizer, field, workers, shard_tokens, progress)
@@ -283,8 +306,11 @@ class _Bar:
             self.bar.stop()
 
 
-def check_prepare(sources: list[str], out: str, workers: int, shard_tokens: int) -> None:
-    """One line naming the argument, before any work: sources readable, OUT new or empty."""
+def check_prepare(sources: list[str], out: str, workers: int, shard_tokens: int,
+                  follow_links: bool = False) -> None:
+    """One line naming the argument, before any work: sources readable, no link in a source
+    folder leading out of it (unless `follow_links`), OUT new or empty, writable, not inside a
+    source."""
     if not sources:
         raise ConfigError("SRC", "name at least one text file, folder or table to prepare")
     for s in sources:
@@ -297,3 +323,16 @@ def check_prepare(sources: list[str], out: str, workers: int, shard_tokens: int)
     folder = Path(out)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError("OUT", f"{out} exists and is not an empty folder; choose a new one")
+    target = folder.resolve()
+    for s in sources:
+        root = Path(s).resolve()
+        if root.is_dir() and target.is_relative_to(root):
+            raise ConfigError("OUT", f"{out} is inside the source {s}, whose files it would "
+                              "read back as documents; write it elsewhere")
+        for f in files_of(Path(s)) if root.is_dir() else ():
+            if f.is_symlink() and not f.resolve().is_relative_to(root) and not follow_links:
+                raise ConfigError("SRC", f"{f} links to {f.resolve()}, outside {s}: copy it "
+                                  "in, or pass --follow-links to read what links point to")
+    parent = next(p for p in (target, *target.parents) if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("OUT", f"cannot write in {parent}; choose a folder you can write")

@@ -322,6 +322,11 @@ OTHER_BAD_INPUT = [
     (["data", "prepare", "{files}/latin1.toml", "{files}/o", "--tokenizer", "bpe:300"], "SRC"),
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/bpe",
       "--field", "body", "--shard-tokens", "0"], "--shard-tokens"),
+    (["data", "prepare", "{files}/text", "{files}/text/out", "--tokenizer", "bytes"], "OUT"),
+    (["data", "prepare", "{files}/linked", "{files}/o", "--tokenizer", "bytes"], "SRC"),
+    (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/tiny.txt"],
+     "--tokenizer"),  # not a tokenizer
+    (["data", "prepare", "{files}/bad.jsonl", "{files}/o", "--tokenizer", "bytes"], "SRC"),
 ]
 
 
@@ -371,6 +376,10 @@ def _prepared_corpora(root):
     shard.write_bytes(bytes(ids))
     (root / "no_manifest_fields" / "manifest.json").write_text('{"dtype": "uint16"}')
     (root / "rows.jsonl").write_text('{"body": "a row"}\n')
+    (root / "bad.jsonl").write_text('{"text": "a row"}\nnot json\n')
+    (root / "linked").mkdir()
+    (root / "linked" / "a.txt").write_text("a document")
+    (root / "linked" / "elsewhere.txt").symlink_to(root / "tiny.txt")  # outside linked/
     _bad_manifests(root)
 
 
