@@ -138,8 +138,7 @@ def check_inputs(cfg: Config, out=None) -> None:
     from plait.train.data import check_source
 
     vocab_key = f"model.hf ({cfg.model.hf})" if cfg.model.hf else "model.vocab_size"
-    note = check_source(cfg.data, cfg.model.args().vocab_size, cfg.train.global_batch, vocab_key,
-                        checksums=speaks())
+    note = check_source(cfg.data, cfg.model.args().vocab_size, cfg.train.global_batch, vocab_key)
     if note and speaks():
         print(note, file=sys.stderr)
     if out is None:

@@ -1,5 +1,7 @@
 """`plait data prepare SRC... OUT --tokenizer T [--field F] [--workers N]`: a corpus of token ids
-for `data.source = OUT` (`plait/train/prepare.py`). Bad input exits with status 2 and one line."""
+for `data.source = OUT` (`plait/train/prepare.py`); `plait data verify OUT [--sample N]`: its
+shards read whole against their checksums and the vocabulary (a launch checks sizes and a sample
+only). Bad input exits with status 2 and one line."""
 
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ def add_data(sub, parser_class) -> None:
     prepare.add_argument("--follow-links", action="store_true",
                          help="read files that links in a source folder point to outside it")
     prepare.set_defaults(func=cmd_data_prepare)
+    verify = commands.add_parser(
+        "verify", help="read a prepared corpus whole: each shard's sha256 and every id")
+    verify.add_argument("folder", metavar="OUT", help="a folder plait data prepare wrote")
+    verify.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="N shards chosen at random (default: every shard)")
+    verify.set_defaults(func=cmd_data_verify)
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
@@ -46,3 +54,30 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
           f"{done['tokens_per_s']:,.0f} tokens/s on {args.workers} worker(s) "
           f"({done['tokens_per_s'] / args.workers:,.0f} per worker); "
           f"train on it with data.source={out}")
+
+
+def cmd_data_verify(args: argparse.Namespace) -> None:
+    import random
+    import time
+    from pathlib import Path
+
+    from plait.config import ConfigError
+    from plait.train.corpus import CorpusError, is_prepared, read_manifest, verify_shards
+
+    folder = Path(args.folder)
+    if not is_prepared(args.folder):
+        raise ConfigError("OUT", f"{folder} has no manifest.json: not a corpus plait data "
+                          "prepare wrote")
+    if args.sample < 0:
+        raise ConfigError("--sample", f"shards to read, 0 for all; got {args.sample}")
+    start = time.perf_counter()
+    try:
+        manifest = read_manifest(folder)
+        shards = manifest["shards"]
+        picked = random.sample(shards, args.sample) if 0 < args.sample < len(shards) else shards
+        verify_shards(folder, {**manifest, "shards": picked}, checksums=True, key="OUT")
+    except CorpusError as e:
+        raise ConfigError(e.key, e.message) from None
+    print(f"{folder}: {len(picked)} of {len(shards)} shard(s), "
+          f"{sum(s['tokens'] for s in picked):,} ids: checksums and ids as prepared "
+          f"({time.perf_counter() - start:.1f} s)")

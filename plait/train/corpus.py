@@ -112,17 +112,28 @@ def _manifest_problem(m) -> str | None:
     return None
 
 
-def verify_shards(folder: Path, manifest: dict, checksums: bool = True) -> None:
-    """Every shard present, of its recorded size, and with its recorded checksum (sha256, read
-    whole: ~1 GB/s) when `checksums`."""
+SAMPLE_IDS = 4096  # ids per sampled block
+
+
+def verify_shards(folder: Path, manifest: dict, checksums: bool = False,
+                  key: str = "data.source") -> None:
+    """Every shard present and of its recorded size, and a few blocks of its ids below the
+    vocabulary (`sample_ids`): what a launch checks, in time independent of the corpus's size.
+    With `checksums` (`plait data verify`), each shard read whole (~1 GB/s): its sha256 and
+    every id."""
     for shard in manifest["shards"]:
         path = folder / shard["file"]
         if not path.is_file():
-            raise CorpusError("data.source", f"shard {path} is missing; prepare {folder} again")
+            raise CorpusError(key, f"shard {path} is missing; prepare {folder} again")
         size = path.stat().st_size
         if size != shard["bytes"]:
-            raise CorpusError("data.source", f"shard {path} has {size} bytes, the manifest says "
+            raise CorpusError(key, f"shard {path} has {size} bytes, the manifest says "
                               f"{shard['bytes']} (truncated?); prepare {folder} again")
+        ids = _map(path, DTYPES[manifest["dtype"]]) if shard["tokens"] else None
+        if ids is None:
+            continue
+        sample_ids(ids, manifest["vocab_size"], str(path), key,
+                   blocks=None if checksums else 2)
         if not checksums:
             continue
         digest = hashlib.sha256()
@@ -130,8 +141,31 @@ def verify_shards(folder: Path, manifest: dict, checksums: bool = True) -> None:
             while chunk := f.read(1 << 24):
                 digest.update(chunk)
         if digest.hexdigest() != shard["sha256"]:
-            raise CorpusError("data.source", f"shard {path} fails its checksum (sha256 differs "
-                              f"from the manifest's); prepare {folder} again")
+            raise CorpusError(key, f"shard {path} fails its checksum (sha256 differs from the "
+                              f"manifest's); prepare {folder} again")
+
+
+def sample_ids(ids: np.ndarray, limit: int, name: str, key: str,
+               blocks: int | None = 2) -> None:
+    """`blocks` blocks of `SAMPLE_IDS` ids spread over `ids` (its first, its last, evenly
+    between; None: all of them) below `limit`, or a one-line error naming where."""
+    n = len(ids)
+    if blocks is None or n <= blocks * SAMPLE_IDS:
+        starts = range(0, n, 1 << 24)
+        size = 1 << 24
+    else:
+        starts = np.linspace(0, n - SAMPLE_IDS, blocks, dtype=np.int64).tolist()
+        size = SAMPLE_IDS
+    for at in starts:
+        beyond(ids[at : at + size], at, limit, name, key)
+
+
+def beyond(piece: np.ndarray, at: int, limit: int, name: str, key: str) -> None:
+    """Raise, naming the first id of `piece` (ids `at`... of `name`) at or over `limit`."""
+    if len(piece) and int(piece.max()) >= limit:
+        where = int(np.argmax(piece >= limit))
+        raise CorpusError(key, f"token id {int(piece[where])} at id {at + where} of {name} is "
+                          f">= {limit} (the vocabulary): damaged or not ids there")
 
 
 @dataclass
@@ -143,6 +177,7 @@ class Corpus:
     starts: np.ndarray | None
     vocab_size: int  # ids are below it
     note: str = ""  # a limit the user asked for, said once by whoever opens the corpus first
+    names: list[str] | None = None  # each segment's file, for a damaged id's message
 
     def __post_init__(self):
         self.ends = np.cumsum([len(s) for s in self.segments], dtype=np.int64)
@@ -172,6 +207,8 @@ class Corpus:
             offset = start - (ends[at - 1] if at else 0)
             while filled < length:
                 piece = self.segments[at][offset : offset + length - filled]
+                beyond(piece, offset, self.vocab_size,  # every id checked as it is read
+                       self.names[at] if self.names else f"segment {at}", "data.source")
                 out[row, filled : filled + len(piece)] = piece
                 filled, at, offset = filled + len(piece), at + 1, 0
         return out
@@ -207,16 +244,18 @@ def open_corpus(source: str, max_bytes: int = 0) -> Corpus:
     if is_prepared(source):
         manifest = read_manifest(path)
         dtype = DTYPES[manifest["dtype"]]
-        segments = [_map(path / s["file"], dtype) for s in manifest["shards"] if s["tokens"]]
+        shards = [s for s in manifest["shards"] if s["tokens"]]
+        segments = [_map(path / s["file"], dtype) for s in shards]
         starts = np.load(path / INDEX, mmap_mode="r") if (path / INDEX).is_file() else None
         segments, note = _limit(segments, max_bytes, source)
         if note:  # documents past the cut are gone; the one cut short ends the stream
             kept = sum(len(s) for s in segments)
             starts = np.append(starts[starts < kept], kept) if starts is not None else None
-        return Corpus(segments, starts, int(manifest["vocab_size"]), note)
+        return Corpus(segments, starts, int(manifest["vocab_size"]), note,
+                      [str(path / s["file"]) for s in shards])
     if source.endswith(".bin"):
         segments, note = _limit([_map(path, np.uint16)], max_bytes, source)
-        return Corpus(segments, None, 1 << 16, note)
+        return Corpus(segments, None, 1 << 16, note, [source])
     files = stdlib_files() if source == "stdlib" else files_of(path)
     sizes = np.cumsum([f.stat().st_size for f in files])
     if max_bytes:  # map only the files the limit reaches

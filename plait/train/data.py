@@ -18,7 +18,14 @@ import numpy as np
 import torch
 
 from plait.config import ConfigError, DataConfig
-from plait.train.corpus import CorpusError, is_prepared, open_corpus, read_manifest, verify_shards
+from plait.train.corpus import (
+    CorpusError,
+    is_prepared,
+    open_corpus,
+    read_manifest,
+    sample_ids,
+    verify_shards,
+)
 
 _MASK64 = (1 << 64) - 1
 
@@ -86,11 +93,14 @@ def _key(seed: int, epoch: int) -> int:
 class TokenData:
     """The training and validation windows of `cfg.source`, with the batch sampler."""
 
-    def __init__(self, cfg: DataConfig, seed: int):
+    def __init__(self, cfg: DataConfig, seed: int, vocab_size: int | None = None):
+        """`vocab_size`: the model's; ids read at or beyond it stop the run (naming where)."""
         try:
             self.corpus = open_corpus(cfg.source, cfg.max_bytes)
         except (CorpusError, OSError) as e:
             raise ConfigError("data.source", str(e)) from None
+        if vocab_size is not None:
+            self.corpus.vocab_size = min(self.corpus.vocab_size, vocab_size)
         self.seq_len, self.seed = cfg.seq_len, seed
         self.split = self.corpus.split(cfg.val_fraction)
         self.train_windows = (self.split - 1) // self.seq_len
@@ -152,12 +162,13 @@ def _share(rows: np.ndarray, rank: int, ranks: int, microbatches: int) -> np.nda
 
 
 def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
-                 vocab_key: str = "model.vocab_size", checksums: bool = True) -> str:
-    """Before any worker starts: the source reads (a prepared folder's shards whole, and with
-    their checksums unless `checksums` is False: under torchrun one worker reads them all),
-    its token ids fit the model's vocabulary (`vocab_key` names where that comes from), and its
-    training split holds one global batch of windows. Returns the note a limit the user asked for
-    makes ("" when none); raises ConfigError naming the key to change."""
+                 vocab_key: str = "model.vocab_size") -> str:
+    """Before any worker starts, in time independent of the corpus's size: the source reads (a
+    prepared folder's manifest, each shard present, of its size, and a sample of its ids below
+    the vocabulary; a `.bin` whole ids and a sample of them below the model's vocabulary, which
+    `vocab_key` names), and its training split holds one global batch of windows. Checksums
+    are `plait data verify`'s; every id is checked again as training reads it. Returns the note
+    a limit the user asked for makes ("" when none); raises ConfigError naming the key."""
     try:
         if is_prepared(cfg.source):
             manifest = read_manifest(Path(cfg.source))
@@ -165,7 +176,7 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
                 raise ConfigError(vocab_key, f"the tokenizer of {cfg.source} has "
                                   f"{manifest['vocab_size']} tokens, the model {vocab_size}; "
                                   f"set {vocab_key} >= {manifest['vocab_size']}")
-            verify_shards(Path(cfg.source), manifest, checksums)
+            verify_shards(Path(cfg.source), manifest)
         elif cfg.source.endswith(".bin"):
             _check_bin(Path(cfg.source), vocab_size, vocab_key)
         data = TokenData(cfg, seed=0)
@@ -184,15 +195,13 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
 
 
 def _check_bin(path: Path, vocab_size: int, vocab_key: str) -> None:
-    """A uint16 `.bin`: whole ids, all below the vocabulary (scanned in pieces, not loaded)."""
+    """A uint16 `.bin`: whole ids, a sample of them (64 blocks) below the vocabulary."""
     size = path.stat().st_size
     if size % 2 or not size:
         raise ConfigError("data.source", f"{path} has {size} bytes, not a whole number of uint16 "
                           "token ids (2 bytes each): cut, or not ids?")
-    ids = np.memmap(path, dtype=np.uint16, mode="r")
-    for at in range(0, len(ids), 1 << 24):
-        piece = ids[at : at + (1 << 24)]
-        if int(piece.max()) >= vocab_size:
-            where = at + int(np.argmax(piece >= vocab_size))
-            raise ConfigError(vocab_key, f"token id {int(ids[where])} at position {where} of "
-                              f"{path} is >= {vocab_size}; raise {vocab_key} or fix the data")
+    try:
+        sample_ids(np.memmap(path, dtype=np.uint16, mode="r"), vocab_size, str(path), vocab_key,
+                   blocks=64)
+    except CorpusError as e:
+        raise ConfigError(vocab_key, f"{e.message}; raise {vocab_key} or fix the data") from None

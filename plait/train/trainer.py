@@ -91,7 +91,7 @@ class Trainer:
             release_freed_memory(STEADY_THRESHOLD)
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
-        self.data = TokenData(cfg.data, cfg.train.seed)
+        self.data = TokenData(cfg.data, cfg.train.seed, args.vocab_size)
         # The ranks that split the batch: its rows over dp x ep (expert parallelism's ranks route
         # their own tokens), each row's sequence over cp (`context`).
         batch = self.parallelized.axes["batch"]

@@ -262,7 +262,6 @@ BAD_INPUT = [
     (["data.source={files}/bpe"], "model.vocab_size"),  # 300 tokens, the model 256
     (["data.source={files}/no_shard"], "data.source"),
     (["data.source={files}/cut_shard"], "data.source"),
-    (["data.source={files}/flipped"], "data.source"),  # fails its checksum
     (["data.source={files}/prepared", "train.global_batch=128"], "data.source"),  # 43 windows
     (["data.source={files}/no_manifest_fields"], "data.source"),
     # Manifests that passed the check and crashed a worker: wrong types and values, a dtype
@@ -327,6 +326,11 @@ OTHER_BAD_INPUT = [
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/tiny.txt"],
      "--tokenizer"),  # not a tokenizer
     (["data", "prepare", "{files}/bad.jsonl", "{files}/o", "--tokenizer", "bytes"], "SRC"),
+    # A launch checks sizes and a sample of ids; checksums are plait data verify's.
+    (["data", "verify", "{files}/flipped"], "OUT"),  # fails its checksum
+    (["data", "verify", "{files}/cut_shard"], "OUT"),
+    (["data", "verify", "{files}/empty_dir"], "OUT"),
+    (["data", "verify", "{files}/prepared", "--sample", "-1"], "--sample"),
 ]
 
 

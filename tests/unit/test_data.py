@@ -171,3 +171,39 @@ def test_a_model_folders_tokenizer_and_its_vocabulary(tmp_path):
     with pytest.raises(ConfigError, match="302 tokens, the model 256") as e:
         check_inputs(cfg)
     assert e.value.field.startswith("model.hf")
+
+
+def test_a_damaged_id_is_found_as_training_reads_it(tmp_path):
+    """A launch samples a few blocks of each shard (time independent of the corpus's size); an
+    id beyond the vocabulary elsewhere stops the run when a batch reads it, naming the shard and
+    the id's offset. `plait data verify` reads every id and checksum."""
+    import numpy as np
+    import pytest
+
+    from plait import cli
+    from plait.config import load_config
+    from plait.train.corpus import SAMPLE_IDS, CorpusError
+    from plait.train.data import TokenData, check_source
+    from plait.train.prepare import prepare
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(8):
+        (text / f"{i}.txt").write_text(f"document {i}: " + "plait " * 4000)
+    prepare([str(text)], str(tmp_path / "c"), "bytes", progress=False)
+    shard = tmp_path / "c" / "shard-00000.bin"
+    ids = np.fromfile(shard, dtype=np.uint16)
+    bad = 3 * SAMPLE_IDS + 17  # between the sampled blocks (the first and the last)
+    assert len(ids) > 2 * bad
+    ids[bad] = 300
+    ids.tofile(shard)
+    cfg = load_config(None, [f"data.source={tmp_path / 'c'}"])
+    check_source(cfg.data, 256, cfg.train.global_batch)  # the sample does not see it
+    data = TokenData(cfg.data, seed=0, vocab_size=256)
+    with pytest.raises(CorpusError, match=rf"data.source: token id 300 at id {bad} of {shard} "
+                       r"is >= 256"):
+        for step in range(10_000):
+            data.batch(step, 64)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["data", "verify", str(tmp_path / "c")])
+    assert e.value.code == 2
