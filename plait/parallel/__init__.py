@@ -51,7 +51,7 @@ from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.dropout import seed_ranks
-from plait.parallel.expert_parallel import apply_ep, expert_overrides, moe_layers
+from plait.parallel.expert_parallel import apply_ep, expert_overrides, has_experts, moe_layers
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
@@ -312,6 +312,11 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
     --dry-run`. `axes` holds the mesh axes and "batch", the dp x cp x ep ranks that split the
     batch."""
     record = PlacementRecord({a: axes[a].rank for a in AXES}, {a: axes[a].size for a in AXES})
+    if axes["ep"].size > 1 and not has_experts(model):
+        raise ValueError(f"parallel.ep={axes['ep'].size}: {type(model).__name__} has no "
+                         "mixture-of-experts layer its plan names (plan.moe); use ep = 1")
+    # A chunk of dense blocks only (a pipeline stage between MoE layers) keeps its ep ranks as
+    # replicas: its parameters are dense, synchronised over dp x cp x ep like any other.
     chunks, schedule = apply_pp(model, axes["pp"], cfg, microbatches, record)
     for chunk in chunks.values():
         apply_tp(chunk, axes["tp"], cfg.sequence_parallel, record)

@@ -45,6 +45,12 @@ from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.placement import PlacementRecord
 
 
+def has_experts(model: nn.Module) -> bool:
+    """Whether the model holds a mixture of experts its plan names (plait's MoE layers, or a
+    family's stacked experts)."""
+    return bool(moe_layers(model)) or (has_plan(model) and bool(plan_of(model).moe_experts))
+
+
 def moe_layers(chunk: nn.Module) -> dict[str, MoEFeedForward]:
     """The chunk's mixtures of experts (its plan's `moe` module, where a block has one) by block
     index."""
@@ -191,9 +197,6 @@ def apply_ep(chunk: nn.Module, ep: Axis, batch: Axis, record: PlacementRecord | 
         _apply_stacked(chunk, ep, record)
         layers = {}
         experts = {n for n, p in record.params.items() if "ep" in p.shards} if record else set()
-    elif ep.size > 1 and not layers:
-        raise ValueError(f"parallel.ep={ep.size}: {type(chunk).__name__} has no mixture-of-experts"
-                         " layer its plan names (plan.moe); use ep = 1")
     for i, layer in layers.items():
         plan = plan_of(chunk)
         if layer.n_experts % ep.size:

@@ -319,7 +319,7 @@ LONG_SEQUENCE = 16384  # tokens from which context parallelism is searched
 MIN_CP_CHUNK = 1024  # tokens a ring chunk keeps at least (2 cp chunks per sequence)
 
 
-def _meshes(cfg: Config, cluster: Cluster, fixed: dict):
+def meshes(cfg: Config, cluster: Cluster, fixed: dict):
     """(tp, pp, cp, ep) layouts to search: tp within a node (across nodes only when pinned: its
     all-reduces in every layer would cross the slow links), pp up to one layer per stage, cp for
     long sequences, ep for mixtures of experts; the rest of the GPUs are dp."""
@@ -347,7 +347,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
     without sequence parallelism (the same bytes, more activations). Activation checkpointing
     varies last, from none to full, so `rank_plans` can stop at the first mode that fits."""
     G = cluster.gpus_per_node
-    for tp, pp, cp, ep, dp in _meshes(cfg, cluster, fixed):
+    for tp, pp, cp, ep, dp in meshes(cfg, cluster, fixed):
         rows = cfg.train.global_batch // (dp * ep) or 1
         choice = {
             "tp": [tp], "pp": [pp], "cp": [cp], "ep": [ep], "zero": [0, 1, 2, 3],

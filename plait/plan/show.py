@@ -9,8 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from plait.checks import validate
 from plait.config import Config, ConfigError
-from plait.plan import HEADROOM, Plan, rank_plans, reasons
+from plait.plan import HEADROOM, Plan, estimate, meshes, rank_plans, reasons, with_degrees
 from plait.plan.hardware import Cluster
 
 PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
@@ -40,9 +41,21 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
     """The ranked plans. Refuses (status 2, one line) when none is valid, or when none fits
     and the degrees leave a choice, naming the cause and the smallest change that would fit;
     a layout whose degrees are all pinned (`DEGREES`) is returned even when it does not fit,
-    the leanest of its variants (the caller prints it with its warning and exits 1)."""
-    plans = rank_plans(cfg, cluster, fixed)
+    the leanest of its variants (the caller prints it with its warning and exits 1).
+
+    A model whose state cannot fit is refused by its bound before the search (which prices
+    thousands of layouts): first by the meshes without a pipeline (a few placements, seconds
+    even for a thousand layers), then by every mesh."""
     model = cfg.model.hf or cfg.model.preset
+    usable = HEADROOM * cluster.device.memory_bytes
+    if not DEGREES <= fixed.keys():
+        quick = leanest(cfg, cluster, fixed, pipelines=False)
+        if quick is not None and _state_on_device(quick) / PIPELINE_SAVES > usable:
+            _refuse(cfg, cluster, fixed, quick, floor=_state_on_device(quick) / PIPELINE_SAVES)
+        lean = leanest(cfg, cluster, fixed)
+        if lean is not None and _state_on_device(lean) > usable:
+            _refuse(cfg, cluster, fixed, lean)
+    plans = rank_plans(cfg, cluster, fixed)
     if not plans:
         pins = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none pinned"
         raise ConfigError("plan", f"no layout of model '{model}' is valid on {cluster.gpus} GPUs "
@@ -54,26 +67,76 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
         # micro-batches, offload) the leanest is priced and shown, with "does not fit".
         return [min(plans, key=lambda p: p.peak_memory_bytes)]
     need = min(p.peak_memory_bytes for p in plans) / 1e9
-    usable = HEADROOM * cluster.device.memory_bytes
     lean = min(plans, key=lambda p: _state_on_device(p))
     if _state_on_device(lean) > usable:  # the model state alone, before any activation
-        cause = (f"its model state alone needs {_state_on_device(lean) / 1e9:.1f} GB per GPU "
-                 f"at best (ZeRO-{lean.degrees['zero']}"
-                 + (f", {lean.degrees['offload']} offload" if lean.degrees["offload"] != "none"
-                    else "") + ")")
-        change = "use more GPUs or GPUs with more memory"
-    else:
-        cause = f"the leanest layout needs {need:.1f} GB per GPU"
-        change = "lower train.global_batch or data.seq_len"
+        _refuse(cfg, cluster, fixed, lean)
+    _refuse(cfg, cluster, fixed, lean, f"the leanest layout needs {need:.1f} GB per GPU",
+            "lower train.global_batch or data.seq_len")
+
+
+# A pipeline splits the embedding from the head and the layers over stages: under ZeRO-3 it
+# leaves a rank at least this fraction of the model state of the same mesh without one (27% less
+# at most on the presets; tests/unit/test_plan.py checks every preset against the bound).
+PIPELINE_SAVES = 2
+
+
+def _refuse(cfg: Config, cluster: Cluster, fixed: dict, lean: Plan, cause: str = "",
+            change: str = "use more GPUs or GPUs with more memory", floor: float = 0.0) -> None:
+    """Raise the one line: why nothing fits (by default: the model state of `lean`, the plan
+    with the least of it; `floor`: a bound below the least model state per GPU, where `lean`
+    is not the leanest), and the smallest cluster (2, 4 or 8 times the GPUs) on which
+    something does. A cluster k times larger divides the model state per GPU by k at most (the
+    slices; what is gathered whole stays), so one where even that cannot fit is not searched."""
+    usable = HEADROOM * cluster.device.memory_bytes
+    state = _state_on_device(lean)
+    floor = floor or state
+    cause = cause or (f"its model state alone needs {'over ' if floor < state else ''}"
+                      f"{floor / 1e9:.1f} GB per GPU at best (ZeRO-{lean.degrees['zero']}"
+                      + (f", {lean.degrees['offload']} offload"
+                         if lean.degrees["offload"] != "none" else "") + ")")
     for factor in (2, 4, 8):
+        if floor / factor > usable:
+            continue
         more = Cluster(cluster.gpus * factor, cluster.gpus_per_node, cluster.device)
+        least = leanest(cfg, more, fixed)
+        if least is not None and _state_on_device(least) > usable:
+            continue
         found = rank_plans(cfg, more, fixed)
         if found and found[0].fits:
             change = f"use {more.gpus} GPUs (then {_layout(found[0])})"
             break
+    model = cfg.model.hf or cfg.model.preset
     raise ConfigError("plan", f"model '{model}' does not fit on {cluster.gpus} x "
                       f"{cluster.device.name}: {cause} of "
                       f"{cluster.device.memory_bytes / 1e9:.0f} GB; smallest change: {change}")
+
+
+def leanest(cfg: Config, cluster: Cluster, fixed: dict, pipelines: bool = True) -> Plan | None:
+    """Of every mesh the search would try, each at its leanest (ZeRO-3, offload on a GPU, one
+    micro-batch per stage, full recomputation), the plan with the least model state on a
+    device: a few layouts priced instead of thousands. `pipelines=False`: of each (tp, cp, ep)
+    only the smallest pipeline degree (within `PIPELINE_SAVES` of the leanest). None when no
+    such layout is valid (the search then says why)."""
+    offloads = ["params", "optimizer", "none"] if not cluster.device.name.startswith("cpu") \
+        else ["none"]
+    best, seen = None, set()
+    for tp, pp, cp, ep, _ in meshes(cfg, cluster, fixed):  # pp ascending for each (tp, cp, ep)
+        if not pipelines and (tp, cp, ep) in seen:
+            continue
+        for offload in offloads:
+            d = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": 3, "offload": offload,
+                 "sequence_parallel": tp > 1, "pp_schedule": "1f1b", "microbatches": pp,
+                 "dp_shard": 0, "activation_checkpointing": "full", **fixed}
+            c = with_degrees(cfg, **d, dp=0)
+            try:
+                dims = validate(c, cluster.gpus)
+            except ConfigError:
+                continue
+            seen.add((tp, cp, ep))
+            plan = estimate(c, dims, cluster)
+            if best is None or _state_on_device(plan) < _state_on_device(best):
+                best = plan
+    return best
 
 
 def _state_on_device(p: Plan) -> float:

@@ -183,6 +183,14 @@ def test_expert_parallel_equals_one_process(references, ranks, overrides):
     compare(cfg, run(ranks, cfg), references[cfg.parallel.microbatches or 1])
 
 
+def test_a_pipeline_stage_of_dense_blocks_keeps_its_ep_ranks_as_replicas():
+    """MoE every other block on two stages: stage 0 holds only the dense block, its ep ranks
+    replicas of it (synchronised over dp x ep like any dense parameter), stage 1 the experts."""
+    every = ["model.moe_every=2", "parallel.microbatches=2"]
+    cfg = config(*every, "parallel.ep=2", "parallel.pp=2")
+    compare(cfg, run(4, cfg), run(1, config(*every))[0])
+
+
 @pytest.mark.parametrize("ranks,overrides", [
     (4, ["parallel.ep=2", "model.moe_capacity_factor=1.0"]),
     (2, ["parallel.ep=2", "model.moe_router='expert_choice'", "model.moe_capacity_factor=1.0"]),

@@ -15,7 +15,7 @@ from plait.config import ConfigError, load_config
 from plait.model import build_model
 from plait.plan import estimate, rank_plans, with_degrees
 from plait.plan.hardware import DEVICES, Cluster, Device
-from plait.plan.show import choose
+from plait.plan.show import PIPELINE_SAVES, choose, leanest
 from plait.predict.cost import all_to_all_bytes
 from plait.train.dry_run import describe_rank
 
@@ -327,3 +327,29 @@ def test_the_hierarchical_all_reduce_is_priced_per_link():
     assert seconds["dp_node"] == pytest.approx(inside)
     (_, ring), = flat["dp"].values()
     assert across * 7 == pytest.approx(ring, rel=0.01)  # buckets padded to a multiple of 4
+
+
+@pytest.mark.parametrize("preset,gpus", [
+    ("small", 8), ("small-moe", 8), ("125m", 8), ("1b", 16), ("7b", 8),
+    ("8x7b", 8), ("70b", 64), ("405b", 128)])
+def test_a_pipeline_saves_at_most_half_the_model_state_of_its_mesh(preset, gpus):
+    """The bound `choose` refuses by before its search: the leanest layout without a pipeline
+    holds less than PIPELINE_SAVES times the model state of the leanest of every layout."""
+    cfg = load_config(None, [f"model.preset='{preset}'", "train.global_batch=16",
+                             "data.seq_len=256"])
+    cluster = Cluster(gpus, 8, DEVICES["h100"])
+    flat, every = leanest(cfg, cluster, {}, pipelines=False), leanest(cfg, cluster, {})
+    assert every.peak_memory_bytes - every.memory_bytes["activations"] <= \
+        flat.peak_memory_bytes - flat.memory_bytes["activations"]
+    assert (flat.peak_memory_bytes - flat.memory_bytes["activations"]) / PIPELINE_SAVES < \
+        every.peak_memory_bytes - every.memory_bytes["activations"]
+
+
+def test_a_model_far_beyond_its_gpus_is_refused_by_the_bound_before_the_search(monkeypatch):
+    def searched(*a, **k):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr("plait.plan.show.rank_plans", searched)
+    cfg = load_config(None, ["model.preset='405b'", "train.global_batch=16"])
+    with pytest.raises(ConfigError, match="its model state alone needs over 835.0 GB per GPU"):
+        choose(cfg, Cluster(1, 8, DEVICES["h100"]), {})
