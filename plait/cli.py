@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import math
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -252,6 +253,12 @@ def _nodes(args: argparse.Namespace) -> int:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError("--rdzv-endpoint", f"HOST:PORT of the rendezvous (on one of the job's "
                           f"nodes), got {args.rdzv_endpoint!r}")
+    try:  # torchrun would retry an unknown name for minutes, then end in a traceback
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise ConfigError("--rdzv-endpoint", f"host {host!r} does not resolve here "
+                          f"({getattr(e, 'strerror', None) or e}); name a node by an address or "
+                          "a name this machine resolves") from None
     return int(high or low)
 
 
@@ -260,8 +267,6 @@ def _exec_torchrun(args: argparse.Namespace, nproc: int) -> None:
     rendezvous hosted by the node whose address the endpoint names (torchrun's own test compares
     host names, which nodes can share: plait binds the address to see whether it is this
     machine's)."""
-    import socket
-
     host = args.rdzv_endpoint.rpartition(":")[0]
     with socket.socket() as probe:
         try:
