@@ -3,8 +3,11 @@
 A worker that raises brings the whole job down: the agent stops the other workers and the
 launcher raises `ChildFailedError` carrying the failed worker's traceback. When one worker's
 failure makes others fail too (their peer's connection closed), torch's agent reports whichever
-failed worker it polls first; plait reports the one whose error file was written first, the cause,
-with the others as "other failures".
+failed worker it polls first; plait reports the first to fail as the cause, with the others as
+"other failures": a worker that raised by its error file's time, and a worker that ended without
+raising (SIGKILL, the kernel's out-of-memory killer, a crash: no error file, and its exit status
+is its parent's, the forkserver's) by the time the launcher saw its process end (`_Ends`: each
+worker leaves its pid beside its error file, the launcher waits on a pidfd of each).
 
 Workers are forked from a forkserver that imported torch and the entrypoint's module once, not
 spawned: a spawned worker imports torch again (~3 s of CPU each, 8 workers on 2 cores: ~20 s).
@@ -22,9 +25,12 @@ import logging
 import multiprocessing
 import os
 import runpy
+import select
 import socket
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -138,32 +144,108 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
     # once (a fresh interpreter, started before any worker, so no lock of the launcher's threads
     # is inherited): each spawned worker would import them again, ~3 s of CPU each.
     # torch._dynamo too: torch.optim imports it when the first optimizer is built (0.7 s each).
-    multiprocessing.set_forkserver_preload([entrypoint.__module__, "torch._dynamo", *preload])
+    multiprocessing.set_forkserver_preload([entrypoint.__module__, __name__, "torch._dynamo",
+                                            *preload])
     # The agent keeps per-run logs and error files in a folder; ours is removed afterwards (the
     # failed worker's traceback is read into the exception before).
     with tempfile.TemporaryDirectory(prefix="plait-launch-") as logs:
         config = _config(nproc, logs, max_restarts)
+        ends = _Ends(Path(logs))
+        ends.start()
         try:
-            results = elastic_launch(config, entrypoint)(*args)
+            results = elastic_launch(config, _worker)(entrypoint, *args)
         except ChildFailedError as e:
-            raise _with_root_cause(e, Path(logs)) from None
+            raise _with_root_cause(e, Path(logs), ends.stop()) from None
+        ends.stop()
     return [results[r] for r in sorted(results)]
 
 
-def _with_root_cause(error: ChildFailedError, logs: Path) -> ChildFailedError:
+def _worker(entrypoint: Callable, *args):
+    """A worker: its pid beside its error file (for `_Ends`), the entrypoint, and a mark that it
+    returned (so that its end is not taken for a silent death)."""
+    here = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parent
+    here.mkdir(parents=True, exist_ok=True)
+    (here / "pid.tmp").write_text(str(os.getpid()))
+    (here / "pid.tmp").rename(here / "pid")  # whole, never read half-written
+    result = entrypoint(*args)
+    (here / "returned").touch()
+    return result
+
+
+class _Ends(threading.Thread):
+    """Watches the workers' processes (a pidfd each, as their pid files appear under `logs`) and
+    records when each ended, in wall-clock nanoseconds, as the error files' times are."""
+
+    def __init__(self, logs: Path):
+        super().__init__(daemon=True)
+        self.logs, self.ended, self._done = logs, {}, threading.Event()
+
+    def run(self) -> None:
+        poller, fds, seen = select.poll(), {}, set()
+        while not self._done.is_set():
+            for f in set(self.logs.glob("*/attempt_*/*/pid")) - seen:
+                seen.add(f)
+                try:
+                    fd = os.pidfd_open(int(f.read_text()))
+                except ProcessLookupError:  # ended before it was watched: soon after its start
+                    self.ended[f.parent] = f.stat().st_mtime_ns
+                    continue
+                fds[fd] = f.parent
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(50):
+                self.ended[fds.pop(fd)] = time.time_ns()
+                poller.unregister(fd)
+                os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+    def stop(self) -> dict[Path, int]:
+        self._done.set()
+        self.join()
+        return self.ended
+
+
+class _EndedSilently(ProcessFailure):
+    """A worker that ended without raising: no traceback, no error file, and an exit status only
+    its parent (the forkserver) saw."""
+
+    def __post_init__(self):
+        self._set_no_reply_file()
+        self.message = ("ended without a traceback before any other rank failed: killed by a "
+                        "signal (SIGKILL, the kernel's out-of-memory killer) or crashed")
+
+    def signal_name(self) -> str:
+        return "<N/A>"
+
+
+def _with_root_cause(error: ChildFailedError, logs: Path,
+                     ended: dict[Path, int]) -> ChildFailedError:
     """`error` with every failed worker of the last attempt, the first to fail first. torch keeps
     only the worker it polled first, and picks a root cause by a timestamp in whole seconds (ties
-    go to the first listed): the error files' modification times order the failures. They live
-    at logs/<run>/attempt_<n>/<local rank>/error.json; one node, so the local rank is the rank."""
+    go to the first listed). The workers' folders are logs/<run>/attempt_<n>/<local rank>/ (one
+    node, so the local rank is the rank): one that raised has its error.json, ordered by its
+    time; one that ended (`ended`) without an error file or returning, before the first error
+    file, died silently and caused the rest (those after it were stopped by the agent)."""
     attempts = sorted(logs.glob("*/attempt_*"), key=lambda d: int(d.name.split("_")[1]))
-    files = sorted(attempts[-1].glob("*/error.json"), key=lambda f: f.stat().st_mtime_ns) \
-        if attempts else []
+    folders = sorted(attempts[-1].iterdir()) if attempts else []
+    raised = {d: (d / "error.json").stat().st_mtime_ns for d in folders
+              if (d / "error.json").is_file()}
+    first = min(raised.values(), default=None)
+    silent = {d: t for d, t in ended.items() if d in folders and d not in raised
+              and not (d / "returned").exists() and (first is None or t < first)}
     failures = {}
-    for f in files:  # pid unknown (-1) unless torch polled that worker
-        rank = int(f.parent.name)
-        failures[rank] = error.failures.get(rank) or ProcessFailure(rank, -1, 1, str(f))
-    for rank, failure in error.failures.items():  # a worker killed before writing one
+    for d, t in sorted({**raised, **silent}.items(), key=lambda item: item[1]):
+        rank = int(d.name)
+        if d in raised:  # pid unknown (-1) unless torch polled that worker
+            failures[rank] = error.failures.get(rank) or ProcessFailure(rank, -1, 1,
+                                                                         str(d / "error.json"))
+        else:
+            failures[rank] = _EndedSilently(rank, int((d / "pid").read_text()), "?", "<N/A>")
+            failures[rank].timestamp = t // 10**9
+    for rank, failure in error.failures.items():  # torch saw it end: its exit status
         failures.setdefault(rank, failure)
+        if isinstance(failures[rank], _EndedSilently):
+            failures[rank] = failure
     return ChildFailedError(error.name, failures)
 
 

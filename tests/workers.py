@@ -23,3 +23,19 @@ def world_sum():
     all_reduce(t, dist.group.WORLD)
     dist.destroy_process_group()
     return t.item()
+
+
+@record
+def rank_one_is_killed():
+    """Rank 1 dies by SIGKILL (no traceback, no error file); rank 0, in a collective with it,
+    fails on the closed connection and writes one: the killed rank is still the cause."""
+    import os
+    import signal
+    import time
+
+    dist.init_process_group("gloo")
+    all_reduce(torch.ones(1), dist.group.WORLD)  # both connected
+    if dist.get_rank() == 1:
+        time.sleep(0.3)  # the launcher watches it by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    all_reduce(torch.ones(1), dist.group.WORLD)

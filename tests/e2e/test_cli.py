@@ -357,6 +357,17 @@ def test_a_failing_worker_brings_the_job_down_with_its_traceback():
     assert "rank one fails on purpose" in message and "Traceback" in message
 
 
+def test_a_killed_worker_is_the_root_cause_not_the_peer_it_left_failing():
+    """Rank 1 is SIGKILLed (no traceback, no error file); rank 0 then fails on the closed
+    connection and writes its traceback. torch's agent reported rank 0 alone."""
+    with pytest.raises(ChildFailedError) as failed:
+        launch(2, workers.rank_one_is_killed)
+    assert failed.value.get_first_failure()[0] == 1
+    assert list(failed.value.failures) == [1, 0]
+    root = failed.value.format_msg().split("Root Cause")[1]
+    assert "rank      : 1" in root and "killed by a signal" in root
+
+
 def test_too_little_data_is_refused_before_the_workers_start(tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("too little text " * 4)
