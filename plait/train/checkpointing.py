@@ -10,13 +10,17 @@ the write has finished on every rank (or at the next save, or the end of the run
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 import shutil
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from plait.checkpoint import finish, meta, step_path, training_state
 from plait.checkpoint.layout import Boxes, SavePlanner
@@ -41,6 +45,49 @@ class CopyStager:
 
     def close(self) -> None:
         pass
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint that could not be written: where, why, on which ranks; its partial step
+    folder removed."""
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError in an exception's chain (the disk's own word: ENOSPC, EDQUOT, EROFS, ...)."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_failed(path: Path, error: BaseException, is_rank0: bool) -> CheckpointWriteError:
+    """What a failed save says, once every rank's write has ended (DCP gathered them all): the
+    path, the cause and the ranks; rank 0 removes the partial step folder, which would keep the
+    disk full. A full disk shows as ENOSPC on some rank, or only as a short write inside
+    torch.save's zip writer ("unexpected pos"): the free space, read before the removal, says."""
+    failures = {r: e for r, (e, _) in error.failures.items()} \
+        if isinstance(error, CheckpointException) else {None: error}
+    found = [e for e in map(_os_error, failures.values()) if e is not None]
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else None
+    if any(e.errno in (errno.ENOSPC, errno.EDQUOT) for e in found) or \
+            (free is not None and free < FULL):
+        why = f"{os.strerror(errno.ENOSPC)} ({free / 2**20:.1f} MiB free)"
+    elif found:
+        why = os.strerror(found[0].errno) if found[0].errno else str(found[0])
+    else:
+        first = next(iter(failures.values()))
+        why = f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
+    if is_rank0:
+        shutil.rmtree(path, ignore_errors=True)
+    ranks = ", ".join(str(r) for r in failures if r is not None)
+    return CheckpointWriteError(
+        f"the checkpoint could not be written to {path}: {why}"
+        + (f" on rank(s) {ranks}" if ranks else "")
+        + "; the partial checkpoint was removed: free space or set checkpoint.dir elsewhere")
+
+
+FULL = 2**20  # bytes free below which a failed write is taken for a full disk
 
 
 class Checkpointer:
@@ -74,7 +121,10 @@ class Checkpointer:
         planner = SavePlanner(functools.partial(maybe_fail, "save", step))
         args = dict(checkpoint_id=str(path), planner=planner, process_group=self.group)
         if not self.ck.async_:
-            dcp.save(state, **args)
+            try:
+                dcp.save(state, **args)
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                raise write_failed(path, e, self.is_rank0) from None
             self._finish(path, info)
             return
         response = dcp.async_save(state, async_stager=CopyStager(), **args)
@@ -95,5 +145,8 @@ class Checkpointer:
         """Until a background save has finished (raising its error, if any); then mark it."""
         if self.pending is not None:
             (future, path, info), self.pending = self.pending, None
-            future.result()
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                raise write_failed(path, e, self.is_rank0) from None
             self._finish(path, info)

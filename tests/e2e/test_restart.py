@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -87,3 +88,26 @@ def test_torchrun_restarts_need_a_store_of_their_own(tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     refused = plait_here("train", *RUN, f"checkpoint.dir={tmp_path / 'ck'}")
     assert refused.returncode == 2 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in refused.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 300 KiB file system (tmpfs; root only), far below a checkpoint of the tiny model."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs",
+                                            str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("background", ["false", "true"], ids=["sync", "async"])
+def test_a_full_disk_during_a_save_is_said_and_the_partial_checkpoint_removed(small_disk,
+                                                                             background):
+    proc = plait("train", "--nproc", "2", *RUN[:-2], "train.steps=2",
+                 f"checkpoint.dir={small_disk / 'ck'}", f"checkpoint.async={background}")
+    assert proc.returncode == 1
+    said = f"could not be written to {small_disk / 'ck' / 'step-00000002'}: No space left"
+    assert said in proc.stderr, proc.stderr[-3000:]
+    assert list((small_disk / "ck").iterdir()) == []  # nothing left to keep the disk full
