@@ -103,18 +103,24 @@ def diagnose(store, world_size: int, interval: float, timeout_s: float) -> str:
             beats[rank] = json.loads(store.get(key))
     if waited is None:
         return f"a collective did not complete within parallel.timeout_s={timeout_s:g} s"
+    # This rank completed the group's collectives before this one, which every rank of the
+    # group joined: each issued at least seq - 1, whatever its last heartbeat had time to say.
+    joined = waited.seq - 1
     late, counts = [], []
     for rank in waited.ranks:
         beat = beats.get(rank)
         if beat is None:
             late.append(f"{rank} (never reported)")
             continue
-        count = dict((tuple(r), c) for r, c in beat["counts"]).get(waited.ranks, 0)
-        age = now - beat["time"]
+        reported = dict((tuple(r), c) for r, c in beat["counts"]).get(waited.ranks, 0)
+        count, age = max(joined, reported), now - beat["time"]
         counts.append(f"{rank}: {count}")
         if age > 3 * interval:
-            late.append(f"{rank} (stopped answering {age:.0f} s ago, having reported {count} "
-                        f"collective(s) on this group; its last: {beat['last']})")
+            where = (f"it had issued #{waited.seq} too" if count >= waited.seq else
+                     f"it joined this group's collectives up to #{count} and not #{waited.seq}")
+            late.append(f"{rank} (stopped answering: its last heartbeat is {age:.0f} s old; "
+                        f"{where}" + (f"; its last: {beat['last']})" if reported >= joined
+                                      else ")"))
         elif count < waited.seq:
             late.append(f"{rank} (alive, but issued {count} collective(s) on this group; "
                         f"its last: {beat['last']})")
