@@ -226,14 +226,17 @@ def prepare(sources: list[str], out: str, tokenizer: str, field: str = "text", w
 
 def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, workers: int,
              shard_tokens: int, progress: bool) -> dict:
+    files = [f for s in sources for f in files_of(Path(s))]
+    tables = [f for f in files if f.suffix in TABLES]
+    if tables:  # its format and --field, before any worker or progress (later rows as read)
+        next(_rows(tables[0], field), None)
     tok = resolve_tokenizer(tokenizer, sources, field)
     folder.mkdir(parents=True, exist_ok=True)
     if tok.json is not None:
         (folder / "tokenizer.json").write_text(tok.json)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     writer, lengths = _ShardWriter(folder, dtype, shard_tokens), []
-    files = [f for s in sources for f in files_of(Path(s))]
-    total = None if any(f.suffix in TABLES for f in files) else sum(f.stat().st_size for f in files)
+    total = None if tables else sum(f.stat().st_size for f in files)
     with _pool(workers, tok.json) as pool, _Bar(total, progress) as bar:
         pool.starmap(tokenize_worker.encode, [([], None)] * workers)  # started: time from here
         start = bar.start = time.perf_counter()
@@ -246,11 +249,11 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
                 _take(pending, writer, lengths, bar)
         while pending:
             _take(pending, writer, lengths, bar)
+        if not lengths:  # said in place of the bar
+            raise ConfigError("SRC", f"no documents in {', '.join(sources)}"
+                              + (f" ({len(skipped)} file(s) not UTF-8 text)" if skipped else ""))
     writer.close()
     seconds = time.perf_counter() - start
-    if not lengths:
-        raise ConfigError("SRC", f"no documents in {', '.join(sources)}"
-                          + (f" ({len(skipped)} file(s) not UTF-8 text)" if skipped else ""))
     lengths = np.concatenate(lengths)
     np.save(folder / INDEX, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     manifest = {"format": "plait-tokens/1", "vocab_size": tok.vocab_size,
@@ -303,6 +306,10 @@ class _Bar:
         if self.enabled:
             if exc[0] is None:  # skipped files' bytes were never advanced
                 self.bar.update(self.task, completed=self.total)
+            else:  # a refusal found while reading (a table's bad row) is the one line shown:
+                # the bar is erased (a terminal) or never printed (output to a file or pipe)
+                self.bar.live.transient = True
+                self.bar.live.console.quiet = not self.bar.live.console.is_terminal
             self.bar.stop()
 
 

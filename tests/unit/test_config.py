@@ -423,8 +423,9 @@ def test_other_commands_refuse_bad_input_in_one_line(argv, field, files, no_laun
     with pytest.raises(SystemExit) as exit_:
         cli.main([a.replace("{files}", str(files)) for a in argv])
     assert exit_.value.code == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith(f"plait: error: {field}"), err
+    assert out == "", out  # no progress line before the refusal
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: no read-only folder")
