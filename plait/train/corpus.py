@@ -109,6 +109,9 @@ def _manifest_problem(m) -> str | None:
             return f"shards[{i}] has no sha256"
     if not any(shard["tokens"] for shard in shards):
         return "its shards hold no token"
+    if not _whole(m.get("documents"), 1) or m.get("tokens") != sum(s["tokens"] for s in shards):
+        return (f"documents {m.get('documents')!r} and tokens {m.get('tokens')!r} are not whole "
+                "numbers, or tokens is not the sum of its shards'")
     return None
 
 
@@ -143,6 +146,38 @@ def verify_shards(folder: Path, manifest: dict, checksums: bool = False,
         if digest.hexdigest() != shard["sha256"]:
             raise CorpusError(key, f"shard {path} fails its checksum (sha256 differs from the "
                               f"manifest's); prepare {folder} again")
+    read_index(folder, manifest, key, whole=checksums)
+
+
+def read_index(folder: Path, manifest: dict, key: str = "data.source",
+               whole: bool = False) -> np.ndarray | None:
+    """The documents' first positions (`INDEX`), memory-mapped, as prepare writes them: int64,
+    one per document and the total last, from 0 to the manifest's tokens, never decreasing (in
+    a few sampled blocks; `whole`: all of it). None where the folder has none."""
+    path = folder / INDEX
+    if not path.is_file():
+        return None
+    try:
+        starts = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # not an .npy, a pickle, truncated
+        raise CorpusError(key, f"{path} does not read as an index of documents ("
+                          f"{str(e).splitlines()[0][:120]}); prepare {folder} again") from None
+    shape = (manifest["documents"] + 1,)
+    if starts.dtype != np.int64 or starts.shape != shape or starts[0] != 0 \
+            or starts[-1] != manifest["tokens"]:
+        raise CorpusError(key, f"{path} is not the index of the manifest's documents (want "
+                          f"{shape[0]} int64 positions from 0 to {manifest['tokens']}, got "
+                          f"{starts.dtype} of shape {starts.shape}); prepare {folder} again")
+    n = len(starts)
+    blocks = [0] if whole or n <= 4 * SAMPLE_IDS else \
+        np.linspace(0, n - SAMPLE_IDS, 4, dtype=np.int64).tolist()
+    for at in blocks:
+        piece = starts[at : n if whole else at + SAMPLE_IDS]
+        if len(piece) > 1 and np.any(np.diff(piece) < 0):
+            where = at + int(np.argmax(np.diff(piece) < 0))
+            raise CorpusError(key, f"{path}: document {where + 1} starts before document "
+                              f"{where} (damaged); prepare {folder} again")
+    return starts
 
 
 def sample_ids(ids: np.ndarray, limit: int, name: str, key: str,
@@ -246,7 +281,7 @@ def open_corpus(source: str, max_bytes: int = 0) -> Corpus:
         dtype = DTYPES[manifest["dtype"]]
         shards = [s for s in manifest["shards"] if s["tokens"]]
         segments = [_map(path / s["file"], dtype) for s in shards]
-        starts = np.load(path / INDEX, mmap_mode="r") if (path / INDEX).is_file() else None
+        starts = read_index(path, manifest)
         segments, note = _limit(segments, max_bytes, source)
         if note:  # documents past the cut are gone; the one cut short ends the stream
             kept = sum(len(s) for s in segments)

@@ -55,6 +55,16 @@ MANIFESTS = {
     "shard_outside": lambda m: {**m, "shards": [{**m["shards"][0], "file": "../prepared/x"}]},
     "no_tokens": lambda m: {**m, "shards": [{**m["shards"][0], "tokens": 0, "bytes": 0}]},
     "not_object": lambda m: [m],
+    "documents_text": lambda m: {**m, "documents": "4"},
+    "tokens_off": lambda m: {**m, "tokens": m["tokens"] + 1},
+}
+# The documents' index (documents.npy) damaged: a launch read it in its workers (a pickle's
+# traceback, or a wrong split and a misleading count of windows).
+INDEXES = {
+    "index_garbage": b"not an array",
+    "index_short": np.array([0, 2800], dtype=np.int64),
+    "index_unordered": np.array([0, 1400, 700, 2100, 2800], dtype=np.int64),
+    "index_float": np.array([0, 700, 1400, 2100, 2800], dtype=np.float64),
 }
 
 
@@ -272,6 +282,7 @@ BAD_INPUT = [
     # Manifests that passed the check and crashed a worker: wrong types and values, a dtype
     # whose byte sizes do not match, a shard outside the folder, shards of no token.
     *[(["data.source={files}/manifest_" + name], "data.source") for name in MANIFESTS],
+    *[(["data.source={files}/" + name], "data.source") for name in INDEXES],
     (["--metrics", "{files}/tiny.txt/m.jsonl"], "--metrics"),  # the parent is a file
     (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
     (["--tensorboard", "{files}/tiny.txt"], "--tensorboard"),  # a file
@@ -390,6 +401,10 @@ def _prepared_corpora(root):
     (root / "linked" / "a.txt").write_text("a document")
     (root / "linked" / "elsewhere.txt").symlink_to(root / "tiny.txt")  # outside linked/
     _bad_manifests(root)
+    for name, index in INDEXES.items():
+        shutil.copytree(root / "prepared", root / name)
+        with open(root / name / "documents.npy", "wb") as f:
+            f.write(index) if isinstance(index, bytes) else np.save(f, index)
 
 
 def _bad_manifests(root):
