@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from plait.config import Config, ConfigError, clip_warmup, load_config
+from plait.train.outputs import creatable
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs"
 
@@ -37,30 +38,12 @@ def check_output_path(path: str, option: str = "--metrics", folder: bool = False
                           "choose another path")
     writable = os.access(target, os.W_OK) if target.exists() else os.access(ancestor, os.W_OK)
     if writable and not target.exists():
-        _try_creating(target, ancestor, folder, option)
+        problem = creatable(target, ancestor, folder)
+        if problem:
+            raise ConfigError(option, f"{target} cannot be created ({problem}); choose another "
+                              "path")
     if not writable:
         raise ConfigError(option, f"{target} is not writable here; choose another path")
-
-def _try_creating(target: Path, ancestor: Path, folder: bool, option: str) -> None:
-    """Create `target` and the folders above it that are missing, as the run will, then remove
-    them: root passes every access test, and a file system (/sys, /proc, a read-only mount)
-    still refuses."""
-    made = [p for p in [target, *target.parents] if p != ancestor and ancestor in p.parents]
-    done = []
-    try:
-        for p in reversed(made):
-            if p == target and not folder:
-                p.open("x").close()
-            else:
-                p.mkdir()
-            done.append(p)
-    except OSError as e:
-        raise ConfigError(option, f"{target} cannot be created ({e.strerror}); choose another "
-                          "path") from None
-    finally:
-        for p in reversed(done):
-            p.unlink() if p == target and not folder else p.rmdir()
-
 
 def load(args: argparse.Namespace, say: bool = True) -> Config:
     """The configuration of a command: recipe, overrides, warm-up clipped to a short run (said

@@ -114,14 +114,18 @@ def _refuse(cfg: Config, cluster: Cluster, fixed: dict, lean: Plan, cause: str =
 def leanest(cfg: Config, cluster: Cluster, fixed: dict, pipelines: bool = True) -> Plan | None:
     """Of every mesh the search would try, each at its leanest (ZeRO-3, offload on a GPU, one
     micro-batch per stage, full recomputation), the plan with the least model state on a
-    device: a few layouts priced instead of thousands. `pipelines=False`: of each (tp, cp, ep)
-    only the smallest pipeline degree (within `PIPELINE_SAVES` of the leanest). None when no
-    such layout is valid (the search then says why)."""
+    device: a few layouts priced instead of thousands. `pipelines=False`: only the widest valid
+    tp without a pipeline, at its leanest offload (tp splits every block, and offloading the
+    parameters leaves the least on the device): a placement or two, within `PIPELINE_SAVES` of
+    the leanest. None when no such layout is valid (the search then says why)."""
     offloads = ["params", "optimizer", "none"] if not cluster.device.name.startswith("cpu") \
         else ["none"]
+    found = list(meshes(cfg, cluster, fixed))
+    if not pipelines:
+        found.sort(key=lambda m: (-m[0], m[1]))  # widest tp first, then the shallowest pipeline
     best, seen = None, set()
-    for tp, pp, cp, ep, _ in meshes(cfg, cluster, fixed):  # pp ascending for each (tp, cp, ep)
-        if not pipelines and (tp, cp, ep) in seen:
+    for tp, pp, cp, ep, _ in found:
+        if not pipelines and ((tp, cp, ep) in seen or best and tp < best.degrees["tp"]):
             continue
         for offload in offloads:
             d = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": 3, "offload": offload,
@@ -136,6 +140,8 @@ def leanest(cfg: Config, cluster: Cluster, fixed: dict, pipelines: bool = True) 
             plan = estimate(c, dims, cluster)
             if best is None or _state_on_device(plan) < _state_on_device(best):
                 best = plan
+            if not pipelines:
+                break
     return best
 
 

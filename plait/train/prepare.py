@@ -30,6 +30,7 @@ import numpy as np
 from plait.config import ConfigError
 from plait.train import tokenize_worker
 from plait.train.corpus import INDEX, MANIFEST, SHARD_TOKENS, files_of
+from plait.train.outputs import creatable
 
 TABLES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
@@ -343,3 +344,6 @@ def check_prepare(sources: list[str], out: str, workers: int, shard_tokens: int,
     parent = next(p for p in (target, *target.parents) if p.exists())
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError("OUT", f"cannot write in {parent}; choose a folder you can write")
+    problem = None if target.exists() else creatable(target, parent, folder=True)
+    if problem:
+        raise ConfigError("OUT", f"{out} cannot be created ({problem}); choose another folder")

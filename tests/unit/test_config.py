@@ -342,6 +342,7 @@ OTHER_BAD_INPUT = [
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/tiny.txt"],
      "--tokenizer"),  # not a tokenizer
     (["data", "prepare", "{files}/bad.jsonl", "{files}/o", "--tokenizer", "bytes"], "SRC"),
+    (["data", "prepare", "{files}/tiny.txt", "/proc/plait-o", "--tokenizer", "bytes"], "OUT"),
     # A launch checks sizes and a sample of ids; checksums are plait data verify's.
     (["data", "verify", "{files}/flipped"], "OUT"),  # fails its checksum
     (["data", "verify", "{files}/cut_shard"], "OUT"),
