@@ -61,9 +61,9 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
             assert (dict(dry["traffic"].calls), dry["traffic"].bytes) == r["ledger"]
         assert r["state"] == r["state_formula"], f"rank {r['rank']}"
         assert dry["state"] == r["state"]
-        # The activations kept for backward (the step's peak, counted by storage) equal their
-        # formula, plait.predict.activations, exactly (under ep they follow the routing:
-        # test_expert_parallel asserts them).
+        # The activations kept for backward (the step's peak, counted by storage) equal what
+        # --dry-run traces of this rank's step on fake tensors (plait.predict.trace), exactly
+        # (under token-choice ep they follow the routing, which a trace cannot know).
         assert dims.ep > 1 or dry["activations"] == r["activation_bytes"], f"rank {r['rank']}"
         assert r["activations_left"] == 0, f"rank {r['rank']}"
         assert dry["elements"] == sum(p.numel() for p in r["params"].values()) or \

@@ -5,7 +5,8 @@ losses, and every parameter after the steps (tensor-parallel shards against the 
 reference). The rows that run plait's formulas also check this rank's collectives of the last
 step against `plait.predict.cost`, exactly, and against what `plait train --dry-run` predicts
 for the rank from one process: its model state, and its activation bytes, traced on fake tensors
-(Mixtral's routing depends on values a fake tensor does not hold: not traced).
+(Mixtral's routing, which depends on values a fake tensor does not hold, is traced as even:
+equal per rank at tp2, and per ep group's sum under ep).
 
 Tolerance, as the composition matrix's: float32, the reductions sum in another order than one
 process's backward. Losses relative 1e-5; parameters by `assert_params_close` (the reasons are
