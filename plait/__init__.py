@@ -1,6 +1,6 @@
 """plait: a distributed training engine for PyTorch.
 
-The Python API (`plait/api.py`; README "Use plait from Python"): `init`, `prepare`, `print0`,
+The Python API (`plait/api.py`; docs/python.md): `init`, `prepare`, `print0`,
 `finish`, `estimate` (a layout's bytes, FLOPs and collectives per rank before launch) and
 `plan_layouts` (every data-parallel layout of a module, priced: `plait/predict/module.py`; the
 name `plait.plan` is the planner's package), with `ParallelConfig`, `WrapPolicy`, `ModelPlan`,

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     run = sub.add_parser("run", help="run your own script on N local workers, as torchrun "
-                         "would (it calls plait.init(); README: Use plait from Python)")
+                         "would (it calls plait.init(); docs/python.md)")
     run.add_argument("--nproc", type=int, default=1, help="local workers (default 1)")
     run.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
     run.add_argument("--preload", action="append", default=[], metavar="MODULE",

@@ -79,7 +79,7 @@ def needs_plan(module: nn.Module, what: str) -> ModelPlan:
     """The plan of `module`, which `what` (a degree, a mode) needs; else one line naming both."""
     if not has_plan(module):
         raise ValueError(f"{what} needs a model plan, and {type(module).__name__} has none "
-                         "(attribute `plan`, a plait.ModelPlan; README: Use plait from Python)")
+                         "(attribute `plan`, a plait.ModelPlan; docs/python.md)")
     return plan_of(module)
 
 

@@ -1,7 +1,7 @@
 """Parallelisms: each transforms a plain single-device model in place.
 
-`parallelize` is one straight line, the same for every configuration (README, "3-D
-parallelism: one straight line"):
+`parallelize` is one straight line, the same for every configuration (docs/design.md, "One
+straight line"):
 
     model -> pipeline chunks (pp = 1: one chunk)
           -> per chunk: tensor (+ sequence), context and expert parallelism, activation

@@ -1,4 +1,4 @@
-"""`plait data prepare` then `plait train` on it: the README's walk-through as written, a resume
+"""`plait data prepare` then `plait train` on it: docs/data.md's walk-through as written, a resume
 on another world size mid-epoch, and a corpus of uint32 ids."""
 
 import json
@@ -16,8 +16,8 @@ SMALL = ["model.preset=tiny", "model.vocab_size=2048", "data.seq_len=32", "train
 
 
 def walkthrough(runs: Path) -> list[list[str]]:
-    """The README's two commands, with its paths made absolute and runs/ moved to `runs`."""
-    text = (ROOT / "README.md").read_text().split("### Your own corpus")[1]
+    """docs/data.md's two commands, with its paths made absolute and runs/ moved to `runs`."""
+    text = (ROOT / "docs" / "data.md").read_text()
     block = text.split("```sh\n")[1].split("```")[0]
 
     def place(word: str) -> str:
@@ -34,8 +34,8 @@ def walkthrough(runs: Path) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    """The README's corpus (README, docs, plait's source on a BPE of 2,048 tokens), and the run
-    the README shows, cut to 4 steps."""
+    """docs/data.md's corpus (README, docs, plait's source on a BPE of 2,048 tokens), and the run
+    it shows, cut to 4 steps."""
     runs = tmp_path_factory.mktemp("runs")
     prepare, train = walkthrough(runs)
     assert prepare[:3] == ["plait", "data", "prepare"] and train[:2] == ["plait", "train"]
@@ -47,7 +47,7 @@ def bpe(tmp_path_factory):
     return runs
 
 
-def test_the_readme_walkthrough_trains_on_a_bpe_vocabulary(bpe):
+def test_the_documented_walkthrough_trains_on_a_bpe_vocabulary(bpe):
     manifest = json.loads((bpe / "corpus" / "manifest.json").read_text())
     assert manifest["vocab_size"] == 2048 and manifest["dtype"] == "uint16"
     metrics = read_metrics(bpe / "bpe.jsonl")
@@ -59,16 +59,18 @@ def test_the_readme_walkthrough_trains_on_a_bpe_vocabulary(bpe):
                                                            for s in range(4)])
 
 
-def test_a_resume_on_another_world_size_mid_epoch_continues_the_same_batches(bpe, tmp_path):
-    """A corpus cut to 4.4 steps an epoch: steps 0-2 on 1 rank, then steps 3-7 on 4 ranks (the
-    second epoch starts inside them) give the losses of 8 steps on 1 rank, to float32's
-    reduction order (rtol 1e-5, `plait compare`'s default)."""
-    common = [f"data.source={bpe / 'corpus'}", "data.max_bytes=9120", *SMALL, "train.steps=8"]
+def test_a_resume_on_another_world_size_mid_epoch_continues_the_same_batches(tmp_path):
+    """A corpus cut to 4.4 steps an epoch (one document of 4,900 bytes: 141 training windows of
+    33): steps 0-2 on 1 rank, then steps 3-7 on 4 ranks (the second epoch starts inside them)
+    give the losses of 8 steps on 1 rank, to float32's reduction order (rtol 1e-5, `plait
+    compare`'s default)."""
+    source = ROOT / "plait" / "parallel" / "__init__.py"  # one text file: one document
+    common = [f"data.source={source}", "data.max_bytes=4900", *SMALL, "train.steps=8"]
     a, b, ck = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "ck"
     assert plait_here("train", "--nproc", "1", "--metrics", a, *common).returncode == 0
     first = plait_here("train", "--nproc", "1", "--metrics", b, *common, f"checkpoint.dir={ck}",
                        "train.stop_after=3")
-    assert first.returncode == 0 and "data.max_bytes = 9,120" in first.stderr
+    assert first.returncode == 0 and "data.max_bytes = 4,900" in first.stderr
     assert plait_here("train", "--nproc", "4", "--metrics", b, *common,
                       f"checkpoint.dir={ck}").returncode == 0
     whole, resumed = read_metrics(a), read_metrics(b)
