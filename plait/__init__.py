@@ -2,8 +2,8 @@
 
 The Python API (`plait/api.py`; docs/python.md): `init`, `prepare`, `print0`,
 `finish`, `estimate` (a layout's bytes, FLOPs and collectives per rank before launch) and
-`plan_layouts` (every data-parallel layout of a module, priced: `plait/predict/module.py`; the
-name `plait.plan` is the planner's package), with `ParallelConfig`, `WrapPolicy`, `ModelPlan`,
+`plan` (every data-parallel layout of a module, priced: `plait/predict/module.py`; the planner
+itself is `plait.planner`), with `ParallelConfig`, `WrapPolicy`, `ModelPlan`,
 `LossScaler` (fp16) and `load_hf` (a Hugging Face folder).
 They are imported when first used, so that `import plait.cli` stays light.
 """
@@ -26,7 +26,7 @@ _EXPORTS = {
     "ModelPlan": "plait.model.plan",
     "load_hf": "plait.model.hf",
     "estimate": "plait.predict.module",
-    "plan_layouts": "plait.predict.module",
+    "plan": "plait.predict.module",
 }
 
 __all__ = list(_EXPORTS)

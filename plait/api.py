@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from plait import checkpoint as ckpt
-from plait.checkpoint.layout import SavePlanner
+from plait.checkpoint.layout import SaveBoxes
 from plait.checks import validate_parallel
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import ParallelConfig
@@ -230,7 +230,7 @@ class Prepared:
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
         state = ckpt.training_state(self.parallelized, optimizer, step)
-        dcp.save(state, checkpoint_id=str(path), planner=SavePlanner())
+        dcp.save(state, checkpoint_id=str(path), planner=SaveBoxes())
         if dist.get_rank() == 0:
             info = {"step": step, "world_size": dist.get_world_size(),
                     "contents": ["model", "optim", "train"],

@@ -341,8 +341,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from plait.checks import check_hf_folder
-    from plait.plan.hardware import Cluster, check_options, device
-    from plait.plan.show import as_json, choose, pinned, print_plans, write_recipe
+    from plait.planner.hardware import Cluster, check_options, device
+    from plait.planner.show import as_json, choose, pinned, print_plans, write_recipe
 
     if args.calibrate:
         from plait.bench.calibrate import calibrate_and_print

@@ -1,4 +1,4 @@
-"""`plait plan --calibrate`: measure this machine and store it (`plait/plan/calibrate.py` holds
+"""`plait plan --calibrate`: measure this machine and store it (`plait/planner/calibrate.py` holds
 what is measured and how the planner reads it; measuring runs processes, so it lives with the
 benches and the planner stays free of them)."""
 
@@ -16,7 +16,7 @@ from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import comm
-from plait.plan.calibrate import LINK_RANKS, LINK_SIZES, STEP_OVERRIDES, fit_alpha_beta, path
+from plait.planner.calibrate import LINK_RANKS, LINK_SIZES, STEP_OVERRIDES, fit_alpha_beta, path
 
 
 @record
@@ -42,8 +42,8 @@ def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     from plait.checks import validate
     from plait.config import load_config
     from plait.launch import launch
-    from plait.plan import estimate
-    from plait.plan.hardware import Cluster, Device
+    from plait.planner import estimate
+    from plait.planner.hardware import Cluster, Device
     from plait.train.metrics import measure_cpu_flops
 
     threads = torch.get_num_threads()

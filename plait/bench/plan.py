@@ -102,8 +102,8 @@ def measure_run(cfg, steps: int) -> dict | None:
 def predicted(cfg, ranks: int, device) -> dict:
     """The plan's numbers for rank 0 of cfg on `ranks` ranks of one machine."""
     from plait.checks import validate
-    from plait.plan import estimate
-    from plait.plan.hardware import Cluster
+    from plait.planner import estimate
+    from plait.planner.hardware import Cluster
 
     plan = estimate(cfg, validate(cfg, ranks), Cluster(ranks, ranks, device))
     memory = plan.memory_bytes
@@ -154,8 +154,8 @@ def published_rows() -> list[dict]:
     """Each published run planned: the rank of its layout among the planner's distinct layouts
     (those that fit, best first), the best plan for that layout, and the published throughput."""
     from plait.config import load_config
-    from plait.plan import rank_plans
-    from plait.plan.hardware import DEVICES, Cluster
+    from plait.planner import rank_plans
+    from plait.planner.hardware import DEVICES, Cluster
 
     rows = []
     for name, model, gpus, gpu, batch, pins, layout, figure in PUBLISHED:
@@ -185,7 +185,7 @@ def measured_rows(steps: int) -> list[dict]:
     from plait.checks import validate
     from plait.config import load_config
     from plait.launch import launch
-    from plait.plan.hardware import cpu_device
+    from plait.planner.hardware import cpu_device
     from plait.train.progress import each
 
     configs = [(name, n, load_config(None, [*BASE, *overrides])) for name, n, overrides in ROWS]
@@ -250,7 +250,7 @@ def print_published(rows: list[dict]) -> None:
 def run_plan_bench(steps: int, which: str) -> dict:
     """`plait bench plan`: the measured table (needs `plait plan --calibrate` first for step
     times in this machine's seconds), the published table, or both."""
-    from plait.plan.calibrate import load
+    from plait.planner.calibrate import load
 
     out = {}
     if which in ("all", "measured"):

@@ -41,7 +41,7 @@ from plait.checks import validate
 from plait.config import Config, microbatches
 from plait.mesh import build_mesh
 from plait.model.plan import has_plan, plan_of
-from plait.parallel import DataParallel
+from plait.parallel import BucketedDataParallel
 from plait.parallel.loss_scaling import HALF
 from plait.train.data import TokenData
 from plait.train.trainer import Trainer, build_configured_model
@@ -208,7 +208,7 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
         local = model()
         half = HALF.get(cfg.train.precision)
         scaler = torch.amp.GradScaler("cpu") if cfg.train.precision == "fp16" else None
-        runners["no_comm"] = _Runner(DataParallel(local, group),
+        runners["no_comm"] = _Runner(BucketedDataParallel(local, group),
                                      torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
                                      communicate=False, half=half, scaler=scaler).step
     medians = time_in_turns(runners, group, steps)

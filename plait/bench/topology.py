@@ -33,7 +33,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from plait.plan.calibrate import fit_alpha_beta
+from plait.planner.calibrate import fit_alpha_beta
 
 NODES, PER_NODE = 2, 2
 RATIOS = (18, 75)  # loopback's bandwidth over the inter-node link's
@@ -141,7 +141,7 @@ def measure_layout(nodes, overrides: list[str], work: Path, port: int, steps: in
 def cluster_of(intra: dict, inter: dict):
     """The planner's model of the emulated cluster: this machine's calibrated compute shared by
     its 4 ranks, the links as measured, one inter-node link per node."""
-    from plait.plan.hardware import Cluster, cpu_device
+    from plait.planner.hardware import Cluster, cpu_device
 
     world = NODES * PER_NODE
     device = dataclasses.replace(
@@ -161,7 +161,7 @@ def configured(overrides: list[str]):
 
 
 def predict(overrides: list[str], cluster) -> dict:
-    from plait.plan import estimate
+    from plait.planner import estimate
 
     plan = estimate(*configured(overrides), cluster)
     return {"step_s": plan.step_time_s, "comm_s": plan.comm_s}
@@ -174,7 +174,7 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
     from plait.bench.calibrate import calibrate
     from plait.mesh import node_layout
     from plait.nodes import EmulatedNodes
-    from plait.plan.calibrate import load
+    from plait.planner.calibrate import load
     from plait.train.progress import each
 
     console = Console(width=170)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from plait.checkpoint.compression import compression_state
-from plait.checkpoint.layout import Boxes, LoadPlanner, boxes_of
+from plait.checkpoint.layout import Boxes, LoadBoxes, boxes_of
 from plait.checkpoint.metadata import CheckpointReader, read_metadata
 
 MARKER = "COMPLETE"
@@ -158,7 +158,7 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
         if par.scaler is not None and "train.loss_scale" not in sizes:
             # A checkpoint of an fp32 or bf16 run: fp16 starts its scale afresh.
             sd = {k: v for k, v in sd.items() if k not in par.scaler.state_tensors()}
-    dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadPlanner(),
+    dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadBoxes(),
              process_group=group)
     if full:
         for state in optimizer.state.values():
@@ -195,7 +195,7 @@ def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tenso
     sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items()
           if k.startswith(prefix)}
     with one_process():
-        dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadPlanner(),
+        dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadBoxes(),
                  no_dist=True)
     return {k[len(prefix):]: v for k, v in sd.items()}
 

@@ -111,7 +111,7 @@ def _lookup(state_dict: dict, index: MetadataIndex):
     return obj.at(index.offset) if isinstance(obj, Boxes) else obj
 
 
-class SavePlanner(DefaultSavePlanner):
+class SaveBoxes(DefaultSavePlanner):
     """DCP's default save planner, finding the memory of a box by its offset; `before_write` is
     called as the writer asks for each item (where a test injects a crash during a save)."""
 
@@ -128,7 +128,7 @@ class SavePlanner(DefaultSavePlanner):
         return _lookup(self.state_dict, index)
 
 
-class LoadPlanner(DefaultLoadPlanner):
+class LoadBoxes(DefaultLoadPlanner):
     """DCP's default load planner, reading into the memory of a box found by its offset. (Its
     set-up would replace objects it does not know by None: `Boxes` are kept out of it.)"""
 

@@ -27,7 +27,7 @@ from pathlib import Path
 PIPELINE = "pipeline"  # the category of pipeline actions: the timeline picture draws these
 
 
-class Tracer:
+class EventTracer:
     def __init__(self):
         self.on = False
         self.events: list[dict] = []
@@ -74,7 +74,7 @@ class Tracer:
             self.events.append({**common, "ph": "e", "ts": self._us(end)})
 
 
-TRACER = Tracer()
+TRACER = EventTracer()
 
 
 def write_trace(path: str | Path, events: list[dict], rank: int, coords: dict[str, int]) -> None:

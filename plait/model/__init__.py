@@ -2,8 +2,8 @@
 
 from plait.model.llama import (
     PRESETS,
+    Llama,
     ModelArgs,
-    Transformer,
     build_model,
     count_params,
     init_weights,
@@ -38,7 +38,7 @@ def build_sharded(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
 __all__ = [
     "PRESETS",
     "ModelArgs",
-    "Transformer",
+    "Llama",
     "build_configured",
     "build_model",
     "build_sharded",

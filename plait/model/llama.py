@@ -25,7 +25,7 @@ from plait.model.llama_plan import LLAMA
 from plait.model.moe import MoEFeedForward
 
 
-class RMSNorm(nn.Module):
+class RootMeanSquareNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019): x / rms(x) * weight, no bias."""
 
     def __init__(self, dim: int, eps: float):
@@ -126,9 +126,9 @@ class Block(nn.Module):
 
     def __init__(self, args: ModelArgs, moe: bool = False):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RootMeanSquareNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RootMeanSquareNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args) if not moe else MoEFeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,7 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Transformer(nn.Module):
+class Llama(nn.Module):
     """tokens (batch, seq) -> logits (batch, seq, vocab). Untied input and output embeddings, so a
     pipeline's first and last stages own their tables outright."""
 
@@ -150,7 +150,7 @@ class Transformer(nn.Module):
         # keeps only some of the layers.
         self.layers = nn.ModuleDict({str(i): Block(args, args.is_moe(i))
                                      for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RootMeanSquareNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.positions = sequence_positions  # (seq_len, device) -> the tokens' positions
 
@@ -232,13 +232,13 @@ def init_weights(model: nn.Module, seed: int, n_layers: int) -> None:
         p.copy_(init_rows(seed, n_layers, name, tuple(p.shape), 0, p.shape[0]))
 
 
-def build_model(args: ModelArgs, seed: int, device: torch.device | str = "cpu") -> Transformer:
+def build_model(args: ModelArgs, seed: int, device: torch.device | str = "cpu") -> Llama:
     """Build and initialise. On `meta`, only shapes exist and init is skipped (torch's own
     `reset_parameters` too: `init_weights` replaces its values anyway, and on `meta` there are
     none; the planner builds a model per layout it prices)."""
     meta = torch.device(device).type == "meta"
     with torch.device(device), _torch_init_skipped() if meta else contextlib.nullcontext():
-        model = Transformer(args)
+        model = Llama(args)
     if not meta:
         init_weights(model, seed, args.n_layers)
     return model

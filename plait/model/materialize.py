@@ -3,7 +3,7 @@ materializes only what it holds.
 
 `parallelize` cuts a `meta` model as it cuts a real one (pipeline stages, tensor-parallel slices,
 experts): the placement record then says, for every parameter the rank holds, which box of the
-whole tensor that is (`Placement.origin`, `.local_shape`). A `Source` produces any rows of any
+whole tensor that is (`ParamPlacement.origin`, `.local_shape`). A `Source` produces any rows of any
 whole tensor without producing the rest, and from them the box (`box`) or, for a ZeRO-3 slice,
 just the elements of the box that the rank's flat slice covers (`elements`). Two sources:
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from plait.parallel.placement import Placement
+    from plait.parallel.placement import ParamPlacement
 
 
 @contextlib.contextmanager
@@ -64,12 +64,12 @@ class Source:
         """Rows [lo, hi) of dim 0 of the whole tensor `name` (of `shape`), fp32 on the CPU."""
         raise NotImplementedError
 
-    def box(self, name: str, placement: Placement) -> torch.Tensor:
+    def box(self, name: str, placement: ParamPlacement) -> torch.Tensor:
         """The part of `name` a rank holds (its placement's box), on `self.device`."""
         return self.elements(name, placement, 0, placement.local_numel).view(
             placement.local_shape)
 
-    def elements(self, name: str, placement: Placement, start: int, n: int) -> torch.Tensor:
+    def elements(self, name: str, placement: ParamPlacement, start: int, n: int) -> torch.Tensor:
         """Elements [start, start + n) of the rank's box of `name`, flattened; only the rows
         that hold them are produced."""
         local, origin, shape = placement.local_shape, placement.origin, placement.shape

@@ -49,7 +49,7 @@ from plait.model.materialize import Filler, Source, is_meta, materialize
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
-from plait.parallel.data_parallel import DataParallel, NaiveDataParallel, SyncedReplicas
+from plait.parallel.data_parallel import BucketedDataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.dropout import seed_ranks
 from plait.parallel.expert_parallel import apply_ep, expert_overrides, has_experts, moe_layers
 from plait.parallel.loss_scaling import HALF, LossScaler
@@ -358,7 +358,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
             node = dp_per_node(dims, ranks_per_node(cfg.ranks_per_node, dims.world_size))
             local, across = hsdp_groups(dataclasses.replace(dims, dp_shard=node))
             nodes = NodeGroups(local.group, across.group)
-        return DataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
+        return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
                             algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
                             overrides={n: a.group for n, a in overrides.items()}, nodes=nodes)
     shard, replicate = dp, None
@@ -381,7 +381,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
 
 
 __all__ = [
-    "DataParallel",
+    "BucketedDataParallel",
     "Zero3DataParallel",
     "ModuleOptions",
     "NaiveDataParallel",

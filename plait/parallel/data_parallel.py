@@ -21,7 +21,7 @@ Two engines that keep whole replicas, tested against each other:
 
 - `NaiveDataParallel`: after the step's last backward, one all-reduce of all gradients flattened
   together. Nothing overlaps; it is the simple reference.
-- `DataParallel`: gradients are copied into buckets (flat parameters, `flat.py`) as backward
+- `BucketedDataParallel`: gradients are copied into buckets (flat parameters, `flat.py`) as backward
   produces them (post-accumulate-grad hooks), and the parameter lets go of its own copy, so
   gradients are held once; a full bucket's all-reduce starts at once, asynchronously, while
   backward goes on, and `finish_gradients` waits for the ones still in flight and hands each
@@ -192,7 +192,7 @@ class NaiveDataParallel(SyncedReplicas):
             offset += p.numel()
 
 
-class DataParallel(SyncedReplicas):
+class BucketedDataParallel(SyncedReplicas):
     """Bucketed gradient all-reduce overlapped with backward."""
 
     def __init__(

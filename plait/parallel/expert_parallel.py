@@ -19,7 +19,7 @@ Routing statistics (picks, kept assignments, probability sums) are summed over t
 share the batch (dp x ep), so the load-balancing loss is the global batch's: f_i counts every
 rank's picks, and each rank's P_i term carries its own tokens' gradient.
 
-Placement: an expert's parameters are sharded over ep by expert (dim None: each whole on one
+ParamPlacement: an expert's parameters are sharded over ep by expert (dim None: each whole on one
 coordinate) and replicated over dp, whose ranks sum their gradients; every other parameter is
 replicated over ep with a partial gradient (other rows of the batch), summed over dp x ep.
 

@@ -25,16 +25,16 @@ from plait.mesh import AXES
 
 
 @dataclass(frozen=True)
-class Shard:
+class AxisShard:
     dim: int | None  # tensor dim split along the axis; None: the whole tensor on one coordinate
     index: int  # this rank's piece
     count: int  # pieces in all
 
 
 @dataclass
-class Placement:
+class ParamPlacement:
     shape: tuple[int, ...]  # the full, unsharded tensor's shape
-    shards: dict[str, Shard] = field(default_factory=dict)
+    shards: dict[str, AxisShard] = field(default_factory=dict)
     replicated: set[str] = field(default_factory=set)
     # Replicated axes over which the ranks compute partial gradients that must be summed: dp (other
     # rows of the batch), tp for the norm gains under sequence parallelism (other tokens).
@@ -77,7 +77,7 @@ class PlacementRecord:
 
     def __init__(self, coords: dict[str, int], sizes: dict[str, int]):
         self.coords, self.sizes = coords, sizes
-        self.params: dict[str, Placement] = {}
+        self.params: dict[str, ParamPlacement] = {}
         # ZeRO-3's units by parameter name, as the engine cuts them (`zero3.unit_names`: the
         # plan's blocks, or a wrap policy's modules); `place` sets them, the formulas read them.
         self.units: list[tuple[str, ...]] = []
@@ -88,14 +88,14 @@ class PlacementRecord:
         self.spanning: list[bool] = []
 
     def add(self, name: str, shape: tuple[int, ...]) -> None:
-        self.params[name] = Placement(tuple(shape))
+        self.params[name] = ParamPlacement(tuple(shape))
 
     def drop(self, name: str) -> None:
         """Not held on this rank (another pipeline stage holds it)."""
         del self.params[name]
 
     def shard(self, name: str, axis: str, dim: int | None) -> None:
-        self.params[name].shards[axis] = Shard(dim, self.coords[axis], self.sizes[axis])
+        self.params[name].shards[axis] = AxisShard(dim, self.coords[axis], self.sizes[axis])
 
     def replicate(self, name: str, axis: str, partial_grad: bool = False) -> None:
         self.params[name].replicated.add(axis)

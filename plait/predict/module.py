@@ -92,9 +92,9 @@ def _trace_module(model, batch, parallel, dims, rank, M, precision, options, dev
 
 def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: str,
                    gpus_per_node: int) -> None:
-    """Each rank's step on `gpu` by the planner's time model (`plait.plan.stage_seconds`)."""
-    from plait.plan import stage_seconds
-    from plait.plan.hardware import DEVICES, Cluster
+    """Each rank's step on `gpu` by the planner's time model (`plait.planner.stage_seconds`)."""
+    from plait.planner import stage_seconds
+    from plait.planner.hardware import DEVICES, Cluster
 
     if has_plan(model):
         raise ValueError("gpu: the step time of a model with a plan is `plait plan`'s (its "
@@ -108,11 +108,11 @@ def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: 
                                                       dims, cluster)
 
 
-def plan_layouts(model: nn.Module, example_batch, gpus: int, gpu: str, *,
+def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
          loss_fn: Callable | None = None, wrap: WrapPolicy | None = None,
          checkpoint: WrapPolicy | None = None, precision: str = "fp32",
          gpus_per_node: int = 8) -> list[dict]:
-    """`plait plan` for a module from Python (`plait.plan_layouts`): every data-parallel layout
+    """`plait plan` for a module from Python (`plait.plan`): every data-parallel layout
     of `model` on `gpus` devices of kind `gpu` (ZeRO 0-3, gradient accumulation over 1, 2, 4 or
     8 micro-batches where each rank's rows split so, hybrid sharding over nodes under ZeRO-3),
     each `estimate`d, the ones that fit the device first, fastest first. Each row: `parallel`
@@ -120,11 +120,11 @@ def plan_layouts(model: nn.Module, example_batch, gpus: int, gpu: str, *,
     model state at its peak plus its activations), `step_time_s` and `comm_bytes` (the slowest
     and busiest rank's). A model with a plan also splits by tp, pp, cp and ep: that is
     `plait plan`'s search."""
-    from plait.plan.hardware import DEVICES
+    from plait.planner.hardware import DEVICES
 
     if has_plan(model):
         raise ValueError("model: it has a plan, whose layouts (tp, pp, cp, ep) `plait plan "
-                         "model.hf=... --gpus N` searches; plait.plan_layouts, a module "
+                         "model.hf=... --gpus N` searches; plait.plan, a module "
                          "without one")
     if gpu not in DEVICES:
         raise ValueError(f"gpu: one of {', '.join(sorted(DEVICES))}, not {gpu!r}")
@@ -158,4 +158,4 @@ def _rows(batch) -> int:
     return leaves[0].shape[0]
 
 
-__all__ = ["estimate", "plan_layouts"]
+__all__ = ["estimate", "plan"]

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from plait.checkpoint import finish, meta, step_path, training_state
-from plait.checkpoint.layout import Boxes, SavePlanner
+from plait.checkpoint.layout import Boxes, SaveBoxes
 from plait.config import Config
 from plait.train.faults import maybe_fail
 
@@ -118,7 +118,7 @@ class Checkpointer:
         dist.barrier(group=self.group)
         state = training_state(parallelized, optimizer, step)
         info = meta(self.cfg, step, dist.get_world_size())
-        planner = SavePlanner(functools.partial(maybe_fail, "save", step))
+        planner = SaveBoxes(functools.partial(maybe_fail, "save", step))
         args = dict(checkpoint_id=str(path), planner=planner, process_group=self.group)
         if not self.ck.async_:
             try:

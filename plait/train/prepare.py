@@ -38,7 +38,7 @@ CHUNK_BYTES = 1 << 20  # text per task sent to a worker
 
 
 @dataclass
-class Tokenizer:
+class TokenizerSpec:
     """What prepare needs of a tokenizer: its serialized form (None for bytes), the end-of-text
     id (None for bytes) and the vocabulary size."""
 
@@ -98,12 +98,12 @@ def _readable(rows, path: Path) -> Iterator[tuple[int, dict]]:
         i += 1
 
 
-def resolve_tokenizer(spec: str, sources: list[str], field: str) -> Tokenizer:
-    """`spec` as a Tokenizer; `bpe:N` trains one on the sources (tokenizers' BPE trainer)."""
+def resolve_tokenizer(spec: str, sources: list[str], field: str) -> TokenizerSpec:
+    """`spec` as a TokenizerSpec; `bpe:N` trains one on the sources (tokenizers' BPE trainer)."""
     from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
 
     if spec == "bytes":
-        return Tokenizer(None, None, 256)
+        return TokenizerSpec(None, None, 256)
     if spec.startswith("bpe:"):
         tok = _train_bpe(spec, sources, field)
     else:
@@ -119,7 +119,7 @@ def resolve_tokenizer(spec: str, sources: list[str], field: str) -> Tokenizer:
                               f"({str(e).splitlines()[0][:120]}); give a tokenizer.json, "
                               "bpe:N or bytes") from None
     eot = _end_of_text(tok, Path(spec))
-    return Tokenizer(tok.to_str(), eot, tok.get_vocab_size(with_added_tokens=True))
+    return TokenizerSpec(tok.to_str(), eot, tok.get_vocab_size(with_added_tokens=True))
 
 
 def _train_bpe(spec: str, sources: list[str], field: str):

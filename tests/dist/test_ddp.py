@@ -11,7 +11,7 @@ from torch import nn
 from plait.comm import LEDGER, Op
 from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups, all_reduce_by
 from plait.model import PRESETS, build_model
-from plait.parallel import DataParallel
+from plait.parallel import BucketedDataParallel
 
 
 def _batches(rank, n, steps=5, rows=8, seq=16):
@@ -46,7 +46,7 @@ def test_equals_torch_ddp_on_the_same_data():
 
     def both():
         group = dist.group.WORLD
-        ours = _train(lambda m: DataParallel(m, group, bucket_mb=0.0625))
+        ours = _train(lambda m: BucketedDataParallel(m, group, bucket_mb=0.0625))
         theirs = _train(lambda m: nn.parallel.DistributedDataParallel(m, process_group=group))
         return ours, theirs
 
@@ -66,7 +66,7 @@ class WithUnused(nn.Module):
 
 def test_a_parameter_without_gradient_is_named_not_a_hang():
     def body():
-        ddp = DataParallel(WithUnused(), dist.group.WORLD)
+        ddp = BucketedDataParallel(WithUnused(), dist.group.WORLD)
         ddp(torch.ones(2, 4)).sum().backward()
         ddp.finish_gradients()
 
@@ -82,7 +82,7 @@ def _two_linears():
 def test_no_sync_communicates_nothing_and_accumulates():
     def body():
         model = _two_linears()
-        ddp = DataParallel(model, dist.group.WORLD)
+        ddp = BucketedDataParallel(model, dist.group.WORLD)
         x = torch.full((1, 8), float(dist.get_rank() + 1))
         LEDGER.reset()
         with ddp.no_sync():
@@ -108,7 +108,7 @@ def test_buckets_launch_during_backward():
 
     def body():
         model = build_model(PRESETS["tiny"], seed=0)
-        ddp = DataParallel(model, dist.group.WORLD, bucket_mb=0.0625)
+        ddp = BucketedDataParallel(model, dist.group.WORLD, bucket_mb=0.0625)
         seen = []
         model.tok_embeddings.weight.register_hook(lambda g: seen.append(len(ddp._in_flight)))
         x = torch.randint(0, 256, (2, 16))
@@ -184,7 +184,7 @@ def test_replicas_start_from_the_first_ranks_weights(engine):
 
     def body():
         model = build_model(PRESETS["tiny"], seed=dist.get_rank())  # deliberately different
-        wrap = DataParallel if engine == "bucketed" else NaiveDataParallel
+        wrap = BucketedDataParallel if engine == "bucketed" else NaiveDataParallel
         wrap(model, dist.group.WORLD)
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 

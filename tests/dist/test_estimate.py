@@ -165,12 +165,12 @@ def test_estimate_leaves_the_model_as_it_was():
 
 
 def test_plan_layouts_prices_every_data_parallel_layout_of_a_module():
-    """`plait.plan_layouts`: each data-parallel layout the batch allows, priced by `estimate`
+    """`plait.plan`: each data-parallel layout the batch allows, priced by `estimate`
     (the row is its fullest rank's state peak plus activations, its slowest rank's step), the
     ones that fit first, fastest first; ZeRO-3 holds less than DDP, accumulation keeps less."""
     model, batch, _ = _case("transformer")
     units = _policies("transformer", "units")  # ZeRO-3 gathers a block at a time
-    rows = plait.plan_layouts(model, batch, gpus=2, gpu="a100", **units)
+    rows = plait.plan(model, batch, gpus=2, gpu="a100", **units)
     layouts = {(r["parallel"].zero, r["parallel"].microbatches) for r in rows}
     assert layouts == {(z, m) for z in range(4) for m in (1, 2, 4)}  # 4 rows per rank
     assert all(r["fits"] for r in rows)
@@ -183,4 +183,4 @@ def test_plan_layouts_prices_every_data_parallel_layout_of_a_module():
     assert by[2, 2]["memory_bytes"] == max(r["state"]["peak"] + r["activation_bytes"]
                                            for r in ranks)
     with pytest.raises(ValueError, match="example_batch: 8 rows cannot split over 16 gpus"):
-        plait.plan_layouts(model, batch, gpus=16, gpu="a100")
+        plait.plan(model, batch, gpus=16, gpu="a100")

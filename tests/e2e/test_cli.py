@@ -623,7 +623,7 @@ def test_bench_plan_measures_what_a_plan_predicts():
     table reports them ("peak", the state's high point during the step, is not part of it)."""
     from plait.bench.plan import measure_run, predicted
     from plait.config import load_config
-    from plait.plan.hardware import DEVICES
+    from plait.planner.hardware import DEVICES
 
     cfg = load_config(None, [*TINY, "parallel.zero=1"])
     measured = launch(2, measure_run, cfg, 1)[0]

@@ -15,7 +15,7 @@ from plait.checkpoint import finish, load_full, meta, one_process
 from plait.checks import validate
 from plait.config import load_config
 from plait.model import build_model
-from plait.plan import DEGREES, with_degrees
+from plait.planner import DEGREES, with_degrees
 from plait.train.dry_run import describe_rank
 
 transformers = pytest.importorskip("transformers")

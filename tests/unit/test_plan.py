@@ -13,9 +13,9 @@ from training import tiny_config
 from plait.checks import validate
 from plait.config import ConfigError, load_config
 from plait.model import build_model
-from plait.plan import estimate, rank_plans, with_degrees
-from plait.plan.hardware import DEVICES, Cluster, Device
-from plait.plan.show import PIPELINE_SAVES, choose, leanest
+from plait.planner import estimate, rank_plans, with_degrees
+from plait.planner.hardware import DEVICES, Cluster, Device
+from plait.planner.show import PIPELINE_SAVES, choose, leanest
 from plait.predict.cost import all_to_all_bytes
 from plait.train.dry_run import describe_rank
 
@@ -168,8 +168,8 @@ def test_calibration_fits_alpha_beta_and_prices_this_machine(tmp_path, monkeypat
     and the stored result is the `cpu` device: links at the nearest measured world size,
     compute and overheads shared by ranks beyond the cores, no overlap then."""
     from plait.comm.collectives import Op, bus_bytes
-    from plait.plan import calibrate
-    from plait.plan.hardware import device
+    from plait.planner import calibrate
+    from plait.planner.hardware import device
 
     alpha, beta, n = 300e-6, 1.5e9, 4
     samples = [(s, 2 * (n - 1) * alpha + float(bus_bytes(Op.ALL_REDUCE, n, s)) / beta)
@@ -308,7 +308,7 @@ def test_the_hierarchical_all_reduce_is_priced_per_link():
     links, the node's 4 dp ranks (stride 1) on the intra-node one, the 2 nodes' (stride 4) on the
     inter-node one, each call by the alpha-beta model; over the slow link it moves 1/7 of the flat
     ring's bus bytes (2 (n-1)/n of D/4 at n = 2, against of D at n = 8)."""
-    from plait.plan import _comm_seconds, _group_shape
+    from plait.planner import _comm_seconds, _group_shape
 
     cluster, priced = Cluster(8, 4, TOY), {}
     for allreduce in ("ring", "hierarchical"):
@@ -349,7 +349,7 @@ def test_a_model_far_beyond_its_gpus_is_refused_by_the_bound_before_the_search(m
     def searched(*a, **k):
         raise AssertionError("searched")
 
-    monkeypatch.setattr("plait.plan.show.rank_plans", searched)
+    monkeypatch.setattr("plait.planner.show.rank_plans", searched)
     cfg = load_config(None, ["model.preset='405b'", "train.global_batch=16"])
     with pytest.raises(ConfigError, match="its model state alone needs over 835.0 GB per GPU"):
         choose(cfg, Cluster(1, 8, DEVICES["h100"]), {})

@@ -74,10 +74,10 @@ def test_flops_per_token_is_6n_plus_attention():
 
 
 def test_the_tracer_records_only_while_on_and_hands_events_over_once():
-    from plait.comm.trace import Tracer, pipeline_spans
+    from plait.comm.trace import EventTracer, pipeline_spans
     from plait.train.tracing import _by_step, traced_steps
 
-    tracer = Tracer()
+    tracer = EventTracer()
     with tracer.span("before"):
         pass
     assert tracer.events == []  # off: nothing recorded

@@ -11,8 +11,16 @@ from rich.table import Table
 
 from plait.checks import validate
 from plait.config import Config, ConfigError
-from plait.plan import HEADROOM, Plan, estimate, meshes, rank_plans, reasons, with_degrees
-from plait.plan.hardware import Cluster
+from plait.planner import (
+    HEADROOM,
+    PricedLayout,
+    estimate,
+    meshes,
+    rank_plans,
+    reasons,
+    with_degrees,
+)
+from plait.planner.hardware import Cluster
 
 PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
             "parallel.cp_method": "cp_method", "parallel.zero": "zero",
@@ -37,7 +45,7 @@ def pinned(cfg: Config, overrides: list[str]) -> dict:
     return out
 
 
-def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
+def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:
     """The ranked plans. Refuses (status 2, one line) when none is valid, or when none fits
     and the degrees leave a choice, naming the cause and the smallest change that would fit;
     a layout whose degrees are all pinned (`DEGREES`) is returned even when it does not fit,
@@ -80,7 +88,7 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
 PIPELINE_SAVES = 2
 
 
-def _refuse(cfg: Config, cluster: Cluster, fixed: dict, lean: Plan, cause: str = "",
+def _refuse(cfg: Config, cluster: Cluster, fixed: dict, lean: PricedLayout, cause: str = "",
             change: str = "use more GPUs or GPUs with more memory", floor: float = 0.0) -> None:
     """Raise the one line: why nothing fits (by default: the model state of `lean`, the plan
     with the least of it; `floor`: a bound below the least model state per GPU, where `lean`
@@ -111,7 +119,8 @@ def _refuse(cfg: Config, cluster: Cluster, fixed: dict, lean: Plan, cause: str =
                       f"{cluster.device.memory_bytes / 1e9:.0f} GB; smallest change: {change}")
 
 
-def leanest(cfg: Config, cluster: Cluster, fixed: dict, pipelines: bool = True) -> Plan | None:
+def leanest(cfg: Config, cluster: Cluster, fixed: dict,
+            pipelines: bool = True) -> PricedLayout | None:
     """Of every mesh the search would try, each at its leanest (ZeRO-3, offload on a GPU, one
     micro-batch per stage, full recomputation), the plan with the least model state on a
     device: a few layouts priced instead of thousands. `pipelines=False`: only the widest valid
@@ -145,12 +154,12 @@ def leanest(cfg: Config, cluster: Cluster, fixed: dict, pipelines: bool = True) 
     return best
 
 
-def _state_on_device(p: Plan) -> float:
+def _state_on_device(p: PricedLayout) -> float:
     """A plan's device bytes less its activations (its model state at its peak, or at start-up)."""
     return p.peak_memory_bytes - p.memory_bytes["activations"]
 
 
-def _layout(p: Plan) -> str:
+def _layout(p: PricedLayout) -> str:
     d = p.degrees
     return (f"tp {d['tp']}, pp {d['pp']}, cp {d['cp']}, ep {d['ep']}, dp {d['dp']}, "
             f"ZeRO-{d['zero']}, "
@@ -158,7 +167,7 @@ def _layout(p: Plan) -> str:
             + f"{d['activation_checkpointing']} checkpointing")
 
 
-def print_plans(plans: list[Plan], cluster: Cluster, top: int, params: int) -> None:
+def print_plans(plans: list[PricedLayout], cluster: Cluster, top: int, params: int) -> None:
     console = Console(width=170)
     table = Table(title=f"plait plan: {params / 1e9:.2f}B parameters on {cluster.gpus} x "
                         f"{cluster.device.name}, {cluster.gpus_per_node} per node; best first")
@@ -190,11 +199,11 @@ def print_plans(plans: list[Plan], cluster: Cluster, top: int, params: int) -> N
             console.print(f"[yellow]#{i}:[/] {w}", highlight=False)
 
 
-def as_json(plans: list[Plan], top: int) -> str:
+def as_json(plans: list[PricedLayout], top: int) -> str:
     return json.dumps([p.as_json() for p in plans[:top]], indent=1)
 
 
-def write_recipe(path: str, cfg: Config, plan: Plan, cluster: Cluster) -> None:
+def write_recipe(path: str, cfg: Config, plan: PricedLayout, cluster: Cluster) -> None:
     """A TOML recipe with the plan's degrees (dp left to the world size)."""
     d = plan.degrees
     sections = {

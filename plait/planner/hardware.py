@@ -25,7 +25,7 @@ The CPU side of optimizer offload (the AdamW update on the host) is priced as me
 bytes per parameter (read and write the fp32 master and two moments, read the gradient) at 100
 GB/s of host memory bandwidth per node, shared by its GPUs (an assumption, not a measurement).
 `cpu` is this machine: one rank per core, its measured fp32 matmul rate, gloo on
-loopback, as `plait plan --calibrate` measured it (`plait.plan.calibrate`); gloo's reduce-scatter
+loopback, as `plait plan --calibrate` measured it (`plait.planner.calibrate`); gloo's reduce-scatter
 is an all-reduce (`plait bench topology` measured it so), and is priced as one. Emulated nodes
 (`plait bench topology`) have one inter-node link per node, shared by the groups crossing it.
 """
@@ -90,7 +90,7 @@ def cpu_device(ranks: int = 1) -> Device:
     """This machine for a job of `ranks` ranks: as `plait plan --calibrate` measured it, or, not
     yet calibrated, one core's fp32 matmul rate measured now with loopback gloo guessed (about
     1 GB/s and 1 ms per message step on 2 cores, from `plait bench comm`)."""
-    from plait.plan.calibrate import calibrated_device, load
+    from plait.planner.calibrate import calibrated_device, load
     from plait.train.metrics import measure_cpu_flops
 
     found = load()

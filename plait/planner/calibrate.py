@@ -68,7 +68,7 @@ def fit_alpha_beta(n: int, samples: list[tuple[int, float]]) -> tuple[float, flo
 def calibrated_device(found: dict, ranks: int):
     """The `cpu` device for a job of `ranks` ranks on the measured machine: the links measured
     at the nearest world size at or below it, compute shared when ranks exceed the cores."""
-    from plait.plan.hardware import Device, host_memory_per_rank
+    from plait.planner.hardware import Device, host_memory_per_rank
 
     measured = sorted(int(n) for n in found["links"])
     n = max([m for m in measured if m <= ranks] or measured[:1])

@@ -37,7 +37,7 @@ from plait.model import ModelArgs, build_configured
 from plait.parallel import place
 from plait.parallel.pipeline.simulator import bubble_formula
 from plait.parallel.pipeline.stage import chunk_sizes
-from plait.plan.hardware import Cluster
+from plait.planner.hardware import Cluster
 from plait.predict import cost
 from plait.predict.activations import activation_bytes
 from plait.predict.cost import ChunkLayout, routed_traffic
@@ -51,7 +51,7 @@ DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "cp_method", "micro
 
 
 @dataclass
-class Plan:
+class PricedLayout:
     degrees: dict
     params: int
     memory_bytes: dict  # rank 0: params, grads, optimizer (end of step), the model state's peak
@@ -215,7 +215,7 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks,
     return model, model + extra
 
 
-def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
+def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
     """Price one configuration (validated for dims.world_size)."""
     par, dev, args = cfg.parallel, cluster.device, cfg.model.args()
     M = microbatches(par, dims)
@@ -257,7 +257,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> Plan:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \
         host <= HEADROOM * dev.host_memory_bytes
-    return Plan(degrees=_degrees(cfg, dims), params=_count(args, cfg.model.hf),
+    return PricedLayout(degrees=_degrees(cfg, dims), params=_count(args, cfg.model.hf),
                 memory_bytes=memory, peak_memory_bytes=max(peak, startup), step_time_s=step,
                 tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
@@ -375,7 +375,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
                 continue
 
 
-def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
+def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:
     """Every valid layout priced, the ones that fit first, fastest first; warnings attached.
     Of the checkpointing modes of one layout only the first that fits is kept (recomputation
     only costs time). On a GPU, offload is searched when no layout fits without it (ZeRO-Offload
@@ -400,12 +400,12 @@ def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[Plan]:
     return sorted(plans, key=_rank)
 
 
-def _rank(p: Plan) -> tuple:
+def _rank(p: PricedLayout) -> tuple:
     """Fitting first, then fastest, then the lower ZeRO stage, then the leaner."""
     return not p.fits, -p.tokens_per_s, p.degrees["zero"], p.peak_memory_bytes
 
 
-def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
+def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
     """The anti-patterns of the field, as they apply to plan p (of cfg on dims)."""
     d, out, dev = p.degrees, [], cluster.device
     if cfg.model.hf and _traced(cfg, dims, 0) is None:
@@ -444,7 +444,7 @@ def warnings(p: Plan, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list
     return out
 
 
-def reasons(p: Plan, cluster: Cluster) -> list[str]:
+def reasons(p: PricedLayout, cluster: Cluster) -> list[str]:
     """Why plan p, in the field's words."""
     d = p.degrees
     out = [f"{'fits in' if p.fits else 'needs'} {p.peak_memory_bytes / 1e9:.1f} of "
