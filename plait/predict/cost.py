@@ -104,79 +104,119 @@ class Traffic:
         return sum(self.bytes.values(), Fraction(0))
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What one rank's step looks like to the traffic formulas: its schedule's micro-batches
+    `M` and chunks `C` (`split`: a split backward), each micro-batch's rows and this rank's
+    tokens of a row, element sizes, and its chunks' blocks."""
+
+    M: int
+    C: int
+    split: bool
+    rows: int
+    seq: int  # tokens of a row on this rank (seq_len / cp)
+    T: int  # tp
+    act_b: int  # residual stream, its gradients, the embedding
+    mm_b: int  # outputs of the row-parallel matmuls
+    A: int  # elements of a micro-batch's residual stream: rows x seq x dim
+    blocks: int
+    first: bool
+    last: bool
+    recompute: bool  # full activation checkpointing
+    twice: int  # blocks a split backward walks twice (chunks after the first)
+
+    @staticmethod
+    def of(cfg: Config, dims: ParallelDims, chunks: list[ChunkLayout]) -> _Step:
+        par, train = cfg.parallel, cfg.train
+        M = microbatches(par, dims)
+        schedule = stage_schedule(par, dims.pp, M, checked=False)  # the schedule the run executes
+        rows = train.global_batch // dims.rows // M
+        seq = cfg.data.seq_len // dims.cp
+        half = train.precision in HALF  # bf16 or fp16: the same sizes
+        split = schedule.split_backward
+        return _Step(M, schedule.chunks, split, rows, seq, dims.tp, 2 if half and par.zero else 4,
+                     2 if half else 4, rows * seq * cfg.model.args().dim,
+                     sum(c.layers for c in chunks), any(c.first for c in chunks),
+                     any(c.last for c in chunks), train.activation_checkpointing == "full",
+                     sum(c.layers for c in chunks if c.index > 0) if split else 0)
+
+
 def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
                  chunks: list[ChunkLayout]) -> Traffic:
-    par, train = cfg.parallel, cfg.train
-    t = Traffic()
-    M = microbatches(par, dims)
-    schedule = stage_schedule(par, dims.pp, M, checked=False)  # the schedule the run executes
-    C, split = schedule.chunks, schedule.split_backward
-    rows = train.global_batch // dims.rows // M
-    seq, dim, T = cfg.data.seq_len // dims.cp, cfg.model.args().dim, dims.tp  # this rank's tokens
-    half = train.precision in HALF  # bf16 or fp16: the same sizes
-    act_b = 2 if half and par.zero else 4  # residual stream, its gradients, the embedding
-    mm_b = 2 if half else 4  # outputs of the row-parallel matmuls
-    A = rows * seq * dim
-    blocks = sum(c.layers for c in chunks)
-    first = any(c.first for c in chunks)
-    last = any(c.last for c in chunks)
-    recompute = train.activation_checkpointing == "full"
-
-    # Tensor (+ sequence) parallelism, per micro-batch. Full checkpointing recomputes a block's
-    # forward up to the last tensor its backward needs (torch stops early): both block-half
-    # inputs and the attention's output reduction, not the feed-forward's output reduction.
-    # A split backward (zero-bubble) walks the graph twice on chunks after the first: the input
-    # pass and the weight pass both run the backward collectives on the way to the norm gains.
-    if T > 1:
-        twice = sum(c.layers for c in chunks if c.index > 0) if split else 0
-        head_twice = int(last and split and C > 1)
-        if par.sequence_parallel:
-            t.add("tp", Op.ALL_GATHER, T, A * act_b,
-                  M * (2 * blocks * (1 + recompute) + first + last))
-            t.add("tp", Op.ALL_GATHER, T, A * mm_b, M * 2 * (blocks + twice))
-            t.add("tp", Op.REDUCE_SCATTER, T, A * mm_b, M * blocks * (2 + recompute))
-            t.add("tp", Op.REDUCE_SCATTER, T, A * act_b,
-                  M * (2 * (blocks + twice) + first + last + head_twice))
-        else:
-            t.add("tp", Op.ALL_REDUCE, T, A * mm_b, M * blocks * (2 + recompute))
-            t.add("tp", Op.ALL_REDUCE, T, A * act_b,
-                  M * (2 * (blocks + twice) + first + last + head_twice))
-        if last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
-            t.add("tp", Op.ALL_REDUCE, T, rows * seq * 4, M * 3)
-        # Each replicated parameter whose gradient is a partial sum over tp (under sequence
-        # parallelism every one: norm gains, a router; else the plan's tp_partial_grads) is
-        # all-reduced in each micro-batch's backward.
-        for place in record.params.values():
-            if "tp" in place.partial_grad:
-                t.add("tp", Op.ALL_REDUCE, T, place.local_numel * act_b, M)
-
-    # Context parallelism, per block and micro-batch.
+    """Every collective one training step issues on this rank (the stage whose `chunks` these
+    are), per group, op and group size: one function per axis."""
+    t, step = Traffic(), _Step.of(cfg, dims, chunks)
+    if step.T > 1:
+        _tensor_traffic(t, cfg, record, step)
     if dims.cp > 1:
-        twice = sum(c.layers for c in chunks if c.index > 0) if split else 0
-        _context_traffic(t, cfg, dims, rows, blocks, twice, M, mm_b)
+        _context_traffic(t, cfg, dims, step.rows, step.blocks, step.twice, step.M, step.mm_b)
+    _pipeline_traffic(t, cfg, chunks, step)
+    _moe_traffic(t, cfg, dims, chunks, step)
+    _data_traffic(t, cfg, dims, record, step)
+    _norm_traffic(t, cfg, dims)
+    return t
 
-    # Pipeline: activations forward, gradients back, per micro-batch and chunk boundary.
-    message = A // (T if par.sequence_parallel else 1) * act_b
+
+def _tensor_traffic(t: Traffic, cfg: Config, record: PlacementRecord, s: _Step) -> None:
+    """Tensor (+ sequence) parallelism, per micro-batch. Full checkpointing recomputes a block's
+    forward up to the last tensor its backward needs (torch stops early): both block-half
+    inputs and the attention's output reduction, not the feed-forward's output reduction. A
+    split backward (zero-bubble) walks the graph twice on chunks after the first: the input
+    pass and the weight pass both run the backward collectives on the way to the norm gains."""
+    M, T, A, blocks, twice = s.M, s.T, s.A, s.blocks, s.twice
+    ends = s.first + s.last
+    head_twice = int(s.last and s.split and s.C > 1)
+    if cfg.parallel.sequence_parallel:
+        t.add("tp", Op.ALL_GATHER, T, A * s.act_b, M * (2 * blocks * (1 + s.recompute) + ends))
+        t.add("tp", Op.ALL_GATHER, T, A * s.mm_b, M * 2 * (blocks + twice))
+        t.add("tp", Op.REDUCE_SCATTER, T, A * s.mm_b, M * blocks * (2 + s.recompute))
+        t.add("tp", Op.REDUCE_SCATTER, T, A * s.act_b,
+              M * (2 * (blocks + twice) + ends + head_twice))
+    else:
+        t.add("tp", Op.ALL_REDUCE, T, A * s.mm_b, M * blocks * (2 + s.recompute))
+        t.add("tp", Op.ALL_REDUCE, T, A * s.act_b, M * (2 * (blocks + twice) + ends + head_twice))
+    if s.last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
+        t.add("tp", Op.ALL_REDUCE, T, s.rows * s.seq * 4, M * 3)
+    # Each replicated parameter whose gradient is a partial sum over tp (under sequence
+    # parallelism every one: norm gains, a router; else the plan's tp_partial_grads) is
+    # all-reduced in each micro-batch's backward.
+    for place in record.params.values():
+        if "tp" in place.partial_grad:
+            t.add("tp", Op.ALL_REDUCE, T, place.local_numel * s.act_b, M)
+
+
+def _pipeline_traffic(t: Traffic, cfg: Config, chunks: list[ChunkLayout], s: _Step) -> None:
+    """Activations forward, gradients back, per micro-batch and chunk boundary."""
+    message = s.A // (s.T if cfg.parallel.sequence_parallel else 1) * s.act_b
     for c in chunks:
-        sends = (c.index < C - 1) + (c.index > 0)
-        t.add("pp", Op.SEND, 2, message, M * sends)  # a send moves D whatever the group
-        t.add("pp", Op.RECV, 2, 0, M * sends)
+        sends = (c.index < s.C - 1) + (c.index > 0)
+        t.add("pp", Op.SEND, 2, message, s.M * sends)  # a send moves D whatever the group
+        t.add("pp", Op.RECV, 2, 0, s.M * sends)
 
-    # Mixture of experts, per MoE layer and micro-batch forward (again when recomputed): the
-    # routing statistics summed over the batch's ranks; under ep the all-to-all of the counts per
-    # expert (the token rows' all-to-alls depend on the routing: `all_to_all_bytes`); under tp
-    # the router's partial gradient, summed in backward (with the other partial gradients above).
+
+def _moe_traffic(t: Traffic, cfg: Config, dims: ParallelDims, chunks: list[ChunkLayout],
+                 s: _Step) -> None:
+    """Mixture of experts, per MoE layer and micro-batch forward (again when recomputed): the
+    routing statistics summed over the batch's ranks; under ep the all-to-all of the counts per
+    expert (the token rows' all-to-alls depend on the routing: `all_to_all_bytes`); under tp
+    the router's partial gradient, summed in backward (with the other partial gradients)."""
     moe = sum(c.moe for c in chunks)
     if moe:
-        E = cfg.model.args().moe_experts
-        t.add("batch", Op.ALL_REDUCE, dims.batch, 8 * (3 * E + 3), M * moe * (1 + recompute))
-        t.add("ep", Op.ALL_TO_ALL, dims.ep, 8 * E, M * moe * (1 + recompute))
+        E, times = cfg.model.args().moe_experts, s.M * moe * (1 + s.recompute)
+        t.add("batch", Op.ALL_REDUCE, dims.batch, 8 * (3 * E + 3), times)
+        t.add("ep", Op.ALL_TO_ALL, dims.ep, 8 * E, times)
 
-    # Data parallelism (compressed: once compression has started).
+
+def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: PlacementRecord,
+                  s: _Step) -> None:
+    """Data parallelism (compressed: once compression has started), per flat buffer: DDP's
+    all-reduce (hierarchical: within the node, across the nodes on 1/node of it, within), or
+    ZeRO's reduce-scatter, its gathers and, hybrid, the all-reduce of the slices across groups.
+    Summed per group and op first: bus bytes are linear in the bytes, and a 7B model has a
+    thousand buckets."""
+    par, half = cfg.parallel, cfg.train.precision in HALF
     method = compression_method(cfg) if dims.shard > 1 else None
     R = dims.dp // dims.shard
-    # (Summed per group and op first: bus bytes are linear in the bytes, and a 7B model has a
-    # thousand buckets.)
     buffers = {}  # (group, op, n) -> [calls, bytes]
 
     def add(group: str, op: Op, n: int, nbytes: int, times: int = 1) -> None:
@@ -201,7 +241,7 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     else:
         param_b = 2 if half else 4
         reduce_b = 2 if half and par.reduce_dtype != "fp32" else 4
-        gathers = 1 if par.zero < 3 else (2 * M if par.reshard_after_forward else 1)
+        gathers = 1 if par.zero < 3 else (2 * s.M if par.reshard_after_forward else 1)
         for group, K, segments in flat_buffers(cfg, dims, record):
             padded = padded_numel(members_numel(segments), K)
             reduction = (method.messages(segments, padded, K, sharded=True) if method
@@ -213,14 +253,15 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     for (group, op, n), (calls, nbytes) in buffers.items():
         t.add(group, op, n, nbytes, calls=calls)
 
-    # The global gradient norm (every step: clipping, and the non-finite check): over pp, tp, ep
-    # and, under ZeRO, the sharding group (dp under ep: the dense slices' other axis is ep).
+
+def _norm_traffic(t: Traffic, cfg: Config, dims: ParallelDims) -> None:
+    """The global gradient norm (every step: clipping, and the non-finite check): over pp, tp,
+    ep and, under ZeRO, the sharding group (dp under ep: the dense slices' other axis is ep)."""
     storage = ("dp_shard", dims.shard) if dims.shard < dims.dp else \
         ("batch", dims.dp * dims.cp) if dims.cp > 1 else ("dp", dims.dp)
     for group, n in (("pp", dims.pp), ("tp", dims.tp), ("ep", dims.ep),
-                     storage if par.zero else ("dp", 1)):
+                     storage if cfg.parallel.zero else ("dp", 1)):
         t.add(group, Op.ALL_REDUCE, n, 8)
-    return t
 
 
 def _context_traffic(t: Traffic, cfg: Config, dims: ParallelDims, rows: int, blocks: int,
