@@ -210,9 +210,8 @@ class Trainer:
         saving checkpoints when `checkpoint.dir` is set."""
         cfg, summary, outputs = self.train_cfg, Summary(), outputs or Outputs()
         last = min(cfg.steps, cfg.stop_after or cfg.steps)
-        peak, flops_per_step = self._rates()
+        peak, summary.flops_per_step = self._rates()
         peak *= dist.get_world_size()
-        summary.flops_per_step = flops_per_step
         writer = MetricsWriter(outputs.metrics if self.is_logger else None,
                                outputs.tensorboard if self.is_logger else None,
                                append=self.start_step > 0)
@@ -225,54 +224,17 @@ class Trainer:
         for step in range(self.start_step, last):
             self.checkpoints.poll()
             maybe_fail("step", step)
-            LEDGER.reset()
-            if step in traced:  # the step's own work: not the logging and validation after it
-                TRACER.start(dist.get_rank())
-            start = time.perf_counter()
-            with TRACER.span(f"step {step}", STEP, step=step):
-                result = self.train_step(step)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            elapsed = time.perf_counter() - start
-            TRACER.pause()
-            # comm_bytes is the step's training traffic; the logging reduction below is not in it.
-            ledger = LEDGER.snapshot()
-            loss = self._global_mean(result["loss"])
-            summary.losses.append(loss)
-            summary.skipped_steps += result["skipped"]
+            result, elapsed, ledger = self._timed_step(step, step in traced)
             times.append(elapsed)
             comm.append(ledger["bytes"])
-            record = {
-                "step": step,
-                "loss": loss,
-                "lr": result["lr"],
-                "grad_norm": result["grad_norm"],  # before clipping (unscaled under fp16)
-                "tokens": self.tokens_per_step * (step + 1),
-                "epoch": self.data.epochs(step + 1, cfg.global_batch),  # windows visited / all
-                "step_time_s": elapsed,
-                "tokens_per_s": self.tokens_per_step / elapsed,
-                "mfu": flops_per_step / elapsed / peak,
-                "comm_bytes": ledger["bytes"],
-                "comm_calls": ledger["calls"],
-                "comm_wait_s": ledger["wait_s"],  # blocked in collectives: the exposed part
-                "data_wait_s": result["data_wait_s"],  # reading this rank's rows of the batch
-                "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
-                "activation_bytes": result["activation_bytes"],
-            }
-            if self.scaler is not None:  # the whole run's, resumes included
-                record["loss_scale"] = self.scaler.scale
-                record["skipped_steps"] = self.scaler.skipped
-            elif cfg.nan_policy == "skip":
-                record["skipped_steps"] = summary.skipped_steps
-            if self.moe.layers is not None:
-                record["moe"] = self.moe.step()
-                summary.moe.append(record["moe"])
+            mfu = summary.flops_per_step / elapsed / peak
+            record = self._record(step, result, elapsed, ledger, summary, mfu)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < last:
                 record["val_loss"] = self.evaluate()
             if step + 1 == last:
                 record["val_loss"] = summary.val_loss = self.evaluate()
             writer.write(record)
-            progress.update(step, loss, record["tokens_per_s"], record.get("val_loss"))
+            progress.update(step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
             if self.checkpoints.due(step + 1, last):
                 self.checkpoints.save(step + 1, self.parallelized, self.optimizer)
         self.checkpoints.wait()
@@ -283,8 +245,58 @@ class Trainer:
         # The first step pays one-off costs (allocations, warm caches): leave it out of rates.
         steady = statistics.median(times[1:] or times)
         summary.tokens_per_s = self.tokens_per_step / steady
-        summary.mfu = flops_per_step / steady / peak
+        summary.mfu = summary.flops_per_step / steady / peak
         summary.comm_bytes_per_step = statistics.mean(comm)
         summary.model_state_bytes = self.parallelized.state_bytes(self.optimizer)
         summary.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
         return summary
+
+    def _timed_step(self, step: int, traced: bool) -> tuple[dict, float, dict]:
+        """One training step: its result, its seconds and its collectives (the ledger's
+        snapshot: the step's training traffic, before any logging reduction)."""
+        LEDGER.reset()
+        if traced:  # the step's own work: not the logging and validation after it
+            TRACER.start(dist.get_rank())
+        start = time.perf_counter()
+        with TRACER.span(f"step {step}", STEP, step=step):
+            result = self.train_step(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        TRACER.pause()
+        return result, elapsed, LEDGER.snapshot()
+
+    def _record(self, step: int, result: dict, elapsed: float, ledger: dict, summary: Summary,
+                mfu: float) -> dict:
+        """The step's metrics line (rank 0 writes it); the loss, skips and routing also go into
+        the run's summary."""
+        cfg = self.train_cfg
+        loss = self._global_mean(result["loss"])
+        summary.losses.append(loss)
+        summary.skipped_steps += result["skipped"]
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": result["lr"],
+            "grad_norm": result["grad_norm"],  # before clipping (unscaled under fp16)
+            "tokens": self.tokens_per_step * (step + 1),
+            "epoch": self.data.epochs(step + 1, cfg.global_batch),  # windows visited / all
+            "step_time_s": elapsed,
+            "tokens_per_s": self.tokens_per_step / elapsed,
+            "mfu": mfu,
+            "comm_bytes": ledger["bytes"],
+            "comm_calls": ledger["calls"],
+            "comm_wait_s": ledger["wait_s"],  # blocked in collectives: the exposed part
+            "data_wait_s": result["data_wait_s"],  # reading this rank's rows of the batch
+            "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
+            "activation_bytes": result["activation_bytes"],
+        }
+        if self.scaler is not None:  # the whole run's, resumes included
+            record["loss_scale"] = self.scaler.scale
+            record["skipped_steps"] = self.scaler.skipped
+        elif cfg.nan_policy == "skip":
+            record["skipped_steps"] = summary.skipped_steps
+        if self.moe.layers is not None:
+            record["moe"] = self.moe.step()
+            summary.moe.append(record["moe"])
+        return record
