@@ -256,30 +256,57 @@ def parallelize(
     unsynced = record.grad_sync_axes() - {"dp", "cp", "ep", "tp"}
     if unsynced:
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
-    fill = None
-    if is_meta(chunks):
-        if source is None:
-            raise ValueError("the model is on the meta device: pass the source of its weights")
-        if cfg.zero == 3:
-            fill = Filler(source, record)  # each unit's slice, as the engine builds it
-        else:
-            materialize(chunks, record, source)  # the whole of what this rank holds
+    fill = _fill(chunks, record, source, cfg.zero)
     half = HALF.get(precision)
     engine = build_data_parallel(chunks, mesh, cfg, half, axes, record, options.wrap, fill)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
     seed_ranks(axes, cfg.sequence_parallel)  # dropout's masks (`dropout.py`)
+    loss_fn = _loss(model, options, axes["tp"])
+    train, evaluate = _executors(model, chunks, schedule, axes, cfg, half, loss_fn, engine)
+    context = ContextLayout(cfg.cp_method, axes["cp"].rank, axes["cp"].size)
+    if precision == "fp16" and scaler is None:
+        scaler = LossScaler()
+    moe = [layer for chunk in chunks.values() for layer in moe_layers(chunk).values()]
+    return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context,
+                        scaler if precision == "fp16" else None, moe)
 
-    tp = axes["tp"]
-    loss_fn = options.loss_fn or cross_entropy
+
+def _fill(chunks: nn.ModuleDict, record: PlacementRecord, source: Source | None,
+          zero: int) -> Filler | None:
+    """A model on `meta` made real, rank by rank: under ZeRO-3 a filler the engine asks for
+    each unit's slice as it builds it; otherwise the whole of what this rank holds, now."""
+    if not is_meta(chunks):
+        return None
+    if source is None:
+        raise ValueError("the model is on the meta device: pass the source of its weights")
+    if zero == 3:
+        return Filler(source, record)
+    materialize(chunks, record, source)
+    return None
+
+
+def _loss(model: nn.Module, options: ModuleOptions, tp: Axis) -> Callable:
+    """The loss of the last stage: the user's, or cross-entropy; under tp, where the plan
+    splits the head by vocabulary, plait's vocabulary-parallel cross-entropy."""
     plan = plan_of(model) if has_plan(model) else None
-    if tp.size > 1 and plan.vocab_head is not None:  # the head's output is split by vocabulary
-        if options.loss_fn is not None:
-            raise ValueError("parallel.tp splits the output head by vocabulary: the loss is "
-                             "plait's vocabulary-parallel cross-entropy; pass no loss_fn")
-        loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp.group,
-                                    vocab_size=getattr(model.args, plan.vocab_size))
-    # What passes between stages (only pp > 1, which needs a plan, sends anything): the
-    # parameters' dtype (half under ZeRO with a half precision).
+    if tp.size == 1 or plan is None or plan.vocab_head is None:
+        return options.loss_fn or cross_entropy
+    if options.loss_fn is not None:
+        raise ValueError("parallel.tp splits the output head by vocabulary: the loss is "
+                         "plait's vocabulary-parallel cross-entropy; pass no loss_fn")
+    return functools.partial(vocab_parallel_cross_entropy, group=tp.group,
+                             vocab_size=getattr(model.args, plan.vocab_size))
+
+
+def _executors(model: nn.Module, chunks: nn.ModuleDict, schedule, axes: dict[str, Axis],
+               cfg: ParallelConfig, half: torch.dtype | None, loss_fn: Callable,
+               engine) -> tuple[PipelineExecutor, PipelineExecutor]:
+    """The schedule's executor for training, and a forward-only one for evaluation, both over
+    this rank's chunks under autocast where the precision is half. What passes between stages
+    (only pp > 1, which needs a plan, sends anything) is in the parameters' dtype (half under
+    ZeRO with a half precision)."""
+    plan = plan_of(model) if has_plan(model) else None
+    tp = axes["tp"]
     width = getattr(model.args, plan.hidden_size) if plan and axes["pp"].size > 1 else 0
     activation = Activation(width, tp.size if cfg.sequence_parallel else 1,
                             half if half is not None and cfg.zero > 0 else torch.float32)
@@ -294,12 +321,7 @@ def parallelize(
     evaluate = PipelineExecutor(
         forward_only(schedule.stages, schedule.microbatches, schedule.chunks_per_stage),
         by_index, pp_group, loss_fn, activation, device, compute=compute)
-    context = ContextLayout(cfg.cp_method, axes["cp"].rank, axes["cp"].size)
-    if precision == "fp16" and scaler is None:
-        scaler = LossScaler()
-    moe = [layer for chunk in chunks.values() for layer in moe_layers(chunk).values()]
-    return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context,
-                        scaler if precision == "fp16" else None, moe)
+    return train, evaluate
 
 
 def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
