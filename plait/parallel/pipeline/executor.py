@@ -84,76 +84,97 @@ class PipelineExecutor:
         computed here, each divided by the number of micro-batches and not by `loss_scale` (0 on
         stages without the last chunk). Each action is traced (when tracing) from the end of its
         receive, so the waiting shows as idle in the timeline."""
-        s, M = self.schedule, len(microbatches)
+        s = self.schedule
         saved: dict[tuple[int, int], _Saved] = {}
         sends: list[tuple[Pending, torch.Tensor]] = []
         loss_sum = 0.0
         stage = next(iter(self.chunks)) % s.stages
         for a in s.actions[stage]:
-            key = (a.chunk, a.microbatch)
             if a.kind is Kind.F:
-                first = microbatches[a.microbatch][0]
-                if isinstance(first, Call):  # a batch as the model takes it (one stage)
-                    x = first
-                elif a.chunk == 0:
-                    x = first.to(self.device)
-                else:
-                    act = self.activation
-                    rows, seq = microbatches[a.microbatch][0].shape  # tokens (a plan's model)
-                    x = torch.empty(rows, seq // act.seq_shards, act.dim, dtype=act.dtype,
-                                    device=self.device)
-                    recv(x, s.stage_of(a.chunk - 1), self.group,
-                         tag=self._tag(False, a.chunk - 1, a.microbatch))
-                    x.requires_grad_()
-                start = time.perf_counter()  # busy from here: waiting for the message is idle
-                with self.compute():
-                    out = x(self.chunks[a.chunk], self.device) if isinstance(x, Call) \
-                        else self.chunks[a.chunk](x)
-                if a.chunk == s.chunks - 1:
-                    target = microbatches[a.microbatch][1]
-                    out = (model_loss(out) if target is None
-                           else self.loss_fn(out, to_device(target, self.device))) / M
-                    loss_sum += 0.0 if is_fake(out) else out.item()  # fake: a traced step
-                    if self.loss_scale != 1.0:  # fp16: backward from the scaled loss
-                        out = out * self.loss_scale
-                else:
-                    out = out.to(self.activation.dtype).contiguous()
-                    sent = out.detach()
-                    sends.append((send(sent, s.stage_of(a.chunk + 1), self.group, async_op=True,
-                                       tag=self._tag(False, a.chunk, a.microbatch)), sent))
-                saved[key] = _Saved(x, out)
+                loss, start = self._forward(a, microbatches, saved, sends)
+                loss_sum += loss
             elif a.kind is Kind.B:
-                item = saved[key]
-                grad = None
-                if a.chunk < s.chunks - 1:
-                    grad = torch.empty_like(item.output)
-                    recv(grad, s.stage_of(a.chunk + 1), self.group,
-                         tag=self._tag(True, a.chunk + 1, a.microbatch))
-                start = time.perf_counter()
-                if s.split_backward:
-                    item.grad = grad
-                    if a.chunk > 0:  # input gradient only; the graph is kept for W
-                        torch.autograd.backward(item.output, grad, inputs=[item.input],
-                                                retain_graph=True)
-                else:
-                    with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
-                        torch.autograd.backward(item.output, grad)
-                    del saved[key]
-                if a.chunk > 0:
-                    g = item.input.grad.contiguous()
-                    sends.append((send(g, s.stage_of(a.chunk - 1), self.group, async_op=True,
-                                       tag=self._tag(True, a.chunk, a.microbatch)), g))
-            else:  # W
-                start = time.perf_counter()
-                item = saved.pop(key)
-                params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
-                with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
-                    torch.autograd.backward(item.output, item.grad, inputs=params)
-                # Free the graph now, not at the next action: its nodes on the input's path alone
-                # (run by B, not by this pass) still hold their saved tensors.
-                del item
+                start = self._backward(a, saved, sends)
+            else:
+                start = self._weights(a, saved)
             TRACER.complete(f"{a.kind.value}{a.microbatch}", PIPELINE, start, time.perf_counter(),
                             kind=a.kind.value, microbatch=a.microbatch, chunk=a.chunk)
         for pending, _ in sends:
             pending.wait()
         return loss_sum
+
+    def _forward(self, a, microbatches: list, saved: dict, sends: list) -> tuple[float, float]:
+        """F: the chunk's input (the micro-batch on chunk 0, else received from the previous
+        chunk's stage), its forward, then the loss (last chunk) or a send to the next stage.
+        Returns (this micro-batch's loss here, 0 on other chunks; when the work began)."""
+        s, M, loss = self.schedule, len(microbatches), 0.0
+        first = microbatches[a.microbatch][0]
+        if isinstance(first, Call):  # a batch as the model takes it (one stage)
+            x = first
+        elif a.chunk == 0:
+            x = first.to(self.device)
+        else:
+            act = self.activation
+            rows, seq = first.shape  # tokens (a plan's model)
+            x = torch.empty(rows, seq // act.seq_shards, act.dim, dtype=act.dtype,
+                            device=self.device)
+            recv(x, s.stage_of(a.chunk - 1), self.group,
+                 tag=self._tag(False, a.chunk - 1, a.microbatch))
+            x.requires_grad_()
+        start = time.perf_counter()  # busy from here: waiting for the message is idle
+        with self.compute():
+            out = x(self.chunks[a.chunk], self.device) if isinstance(x, Call) \
+                else self.chunks[a.chunk](x)
+        if a.chunk == s.chunks - 1:
+            target = microbatches[a.microbatch][1]
+            out = (model_loss(out) if target is None
+                   else self.loss_fn(out, to_device(target, self.device))) / M
+            loss = 0.0 if is_fake(out) else out.item()  # fake: a traced step
+            if self.loss_scale != 1.0:  # fp16: backward from the scaled loss
+                out = out * self.loss_scale
+        else:
+            out = out.to(self.activation.dtype).contiguous()
+            sent = out.detach()
+            sends.append((send(sent, s.stage_of(a.chunk + 1), self.group, async_op=True,
+                               tag=self._tag(False, a.chunk, a.microbatch)), sent))
+        saved[(a.chunk, a.microbatch)] = _Saved(x, out)
+        return loss, start
+
+    def _backward(self, a, saved: dict, sends: list) -> float:
+        """B: the output's gradient (received from the next chunk's stage, but on the last
+        chunk), the backward (under a split backward the input's gradient only, the graph kept
+        for W), the input's gradient sent to the previous stage. Returns when the work began."""
+        s, key = self.schedule, (a.chunk, a.microbatch)
+        item, grad = saved[key], None
+        if a.chunk < s.chunks - 1:
+            grad = torch.empty_like(item.output)
+            recv(grad, s.stage_of(a.chunk + 1), self.group,
+                 tag=self._tag(True, a.chunk + 1, a.microbatch))
+        start = time.perf_counter()
+        if s.split_backward:
+            item.grad = grad
+            if a.chunk > 0:  # input gradient only; the graph is kept for W
+                torch.autograd.backward(item.output, grad, inputs=[item.input],
+                                        retain_graph=True)
+        else:
+            with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
+                torch.autograd.backward(item.output, grad)
+            del saved[key]
+        if a.chunk > 0:
+            g = item.input.grad.contiguous()
+            sends.append((send(g, s.stage_of(a.chunk - 1), self.group, async_op=True,
+                               tag=self._tag(True, a.chunk, a.microbatch)), g))
+        return start
+
+    def _weights(self, a, saved: dict) -> float:
+        """W (a split backward): the parameters' gradients from the graph B kept. Returns when
+        the work began."""
+        start = time.perf_counter()
+        item = saved.pop((a.chunk, a.microbatch))
+        params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+        with contextlib.nullcontext() if self.final[a.chunk] == a else self.no_sync():
+            torch.autograd.backward(item.output, item.grad, inputs=params)
+        # Free the graph now, not at the next action: its nodes on the input's path alone
+        # (run by B, not by this pass) still hold their saved tensors.
+        del item
+        return start
