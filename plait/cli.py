@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import os
 import socket
 import sys
 from pathlib import Path
 
-from plait.checks import validate
-from plait.cli_common import check_output_path, load
+from plait.cli_common import check_output_path, in_torchrun, load
+from plait.cli_spec import COMMANDS, add_commands
 from plait.config import AXES, Config, ConfigError
 
 
@@ -31,95 +32,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Every command, from its description in `cli_spec.py` (no handler imported yet)."""
     parser = _Parser(prog="plait", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    train = sub.add_parser("train", help="train a model on N local workers, or under torchrun")
-    train.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    train.add_argument("--nproc", type=int, help="local workers (default: the config's degrees)")
-    train.add_argument("--metrics", help="write one JSON object per step here (rank 0)")
-    train.add_argument("--tensorboard", metavar="DIR",
-                       help="also write every metric as a TensorBoard scalar here (rank 0)")
-    train.add_argument("--trace", metavar="DIR", help="write a Chrome/Perfetto trace of each "
-                       "rank's steps here (and the pipeline timeline with pp > 1)")
-    train.add_argument("--trace-steps", type=int, default=1, metavar="N",
-                       help="how many steps to trace, from the second (default 1)")
-    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                       help="restart the workers up to N times when one fails, resuming from "
-                       "the newest checkpoint in checkpoint.dir (torchrun: its own flag)")
-    train.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes of a multi-node job: this "
-                       "node's part is torchrun's, with a c10d rendezvous at --rdzv-endpoint")
-    train.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                       help="the multi-node job's rendezvous, on one of its nodes")
-    train.add_argument("--local-addr", metavar="ADDRESS", help="this node's address for the "
-                       "others (torchrun's; where nodes share a host name)")
-    train.add_argument("--verify", action="store_true",
-                       help="one step of this layout against one process from the same weights "
-                       "and batch: the largest gradient differences per parameter group; exit 1 "
-                       "beyond tolerance")
-    train.add_argument("--dry-run", action="store_true",
-                       help="print what each rank would hold and communicate; start nothing")
-    train.add_argument("overrides", nargs="*", metavar="section.key=value")
-    train.set_defaults(func=cmd_train)
-
-    run = sub.add_parser("run", help="run your own script on N local workers, as torchrun "
-                         "would (it calls plait.init(); docs/python.md)")
-    run.add_argument("--nproc", type=int, default=1, help="local workers (default 1)")
-    run.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
-    run.add_argument("--preload", action="append", default=[], metavar="MODULE",
-                     help="a module the script imports (transformers, ...), imported once "
-                     "before the workers are forked instead of by each (repeatable)")
-    run.add_argument("script", help="a Python file")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    run.set_defaults(func=cmd_run)
-
-    from plait.cli_bench import add_bench  # the bench suites' options and commands
-
-    add_bench(sub, _Parser)
-    from plait.cli_data import add_data  # `plait data prepare`
-
-    add_data(sub, _Parser)
-    compare = sub.add_parser("compare", help="two runs' losses step by step; exit 1 at the first "
-                             "step beyond tolerance")
-    compare.add_argument("a", metavar="A.jsonl")
-    compare.add_argument("b", metavar="B.jsonl")
-    compare.add_argument("--rtol", type=float, default=1e-5,
-                         help="relative tolerance on each step's loss (default 1e-5: float32 "
-                         "reduction order)")
-    compare.set_defaults(func=cmd_compare)
-    plan = sub.add_parser("plan", help="choose the layout for a model on a cluster: memory, "
-                          "time, warnings; before any GPU-hour")
-    plan.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    plan.add_argument("--gpus", type=int, help="devices in the job (required unless --calibrate)")
-    plan.add_argument("--gpus-per-node", type=int, default=8)
-    plan.add_argument("--gpu", default="h100",
-                      help="a100, h100, h200, b200, rtx4090, a10, l4, a6000, l40s, or cpu "
-                           "(this machine)")
-    plan.add_argument("--gpu-memory-gb", type=float,
-                      help="the device's memory in GB, for a device of another size")
-    plan.add_argument("--intra-node-gbps", type=float, help="GB/s each way within a node")
-    plan.add_argument("--inter-node-gbps", type=float, help="GB/s each way per GPU between nodes")
-    plan.add_argument("--top", type=int, default=5, help="plans shown")
-    plan.add_argument("--json", action="store_true", help="print the plans as a JSON list")
-    plan.add_argument("--write-recipe", metavar="FILE", help="write the best plan as a recipe")
-    plan.add_argument("--calibrate", action="store_true",
-                      help="measure this machine (matmul rate, gloo alpha-beta) for --gpu cpu")
-    plan.add_argument("overrides", nargs="*", metavar="section.key=value")
-    plan.set_defaults(func=cmd_plan)
-    report = sub.add_parser("report", help="PNGs of a run's metrics: loss, throughput, "
-                            "communication, memory")
-    report.add_argument("metrics", metavar="METRICS",
-                        help="a metrics file (plait train --metrics), or the folder holding it")
-    report.add_argument("--out", help="folder for the PNGs (default: report/ beside the file)")
-    report.set_defaults(func=cmd_report)
-    convert = sub.add_parser("convert", help="a checkpoint to a Hugging Face Llama folder "
-                             "(--to hf OUT CKPT), or one into a checkpoint (--from hf HF_DIR OUT)")
-    way = convert.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to", choices=["hf"], help="export CKPT (any layout) into the folder OUT")
-    way.add_argument("--from", dest="source", choices=["hf"],
-                     help="import the Hugging Face folder HF_DIR as the checkpoint OUT")
-    convert.add_argument("first", metavar="OUT|HF_DIR")
-    convert.add_argument("second", metavar="CKPT|OUT_CKPT")
-    convert.set_defaults(func=cmd_convert)
+    add_commands(sub, _Parser, COMMANDS)
     return parser
 
 
@@ -157,8 +73,6 @@ def check_inputs(cfg: Config, out=None) -> None:
 def speaks() -> bool:
     """Whether this process reports to the user: always, except under torchrun, where every
     worker runs the same checks and rank 0 alone says what they find."""
-    from plait.launch import in_torchrun
-
     return not in_torchrun() or os.environ.get("RANK", "0") == "0"
 
 
@@ -173,38 +87,11 @@ def fit_to_world(cfg: Config, world: int, say: bool = True) -> Config:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from plait.launch import ChildFailedError, in_torchrun, launch
-
-    torchrun = in_torchrun()
     cfg = load(args, say=speaks())
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts", f"a count >= 0, got {args.max_restarts}")
-    if torchrun:  # we are one of torchrun's workers
-        if args.nproc is not None:
-            raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
-        if args.max_restarts:
-            raise ConfigError("--max-restarts", "under torchrun, give torchrun --max-restarts")
-        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) and \
-                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            raise ConfigError("--max-restarts", "torchrun's shared store keeps a dead attempt's "
-                              "keys, which hang the restart (pytorch#135712): run torchrun with "
-                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
-        cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
-        dims = validate(cfg, int(os.environ["WORLD_SIZE"]))
-        from plait.mesh import TP_ACROSS, across_nodes, ranks_per_node
-
-        node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)
-        if "tp" in across_nodes(dims, node) and speaks():
-            print(f"plait: warning: {TP_ACROSS}", file=sys.stderr)
-        out = outputs(args)
-        if not speaks():  # every worker writes its trace, rank 0 alone the rest
-            out = dataclasses.replace(out, metrics=None, tensorboard=None)
-        check_inputs(cfg, out)
-        from plait.train.run import run_training
-
-        verdict = run_training(cfg, out, args.verify)  # metrics: rank 0 alone writes them
-        if args.verify:
-            _verdict(verdict, speaks())
+    if in_torchrun():  # we are one of torchrun's workers
+        _train_as_torchrun_worker(args, cfg)
         return
     nproc = default_world(cfg) if args.nproc is None else args.nproc
     nodes = _nodes(args)
@@ -216,6 +103,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if nodes and not cfg.parallel.ranks_per_node:  # what the checks and --dry-run see
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     ranks_per_node=nproc))
+    from plait.checks import validate
+
     cfg = fit_to_world(cfg, nproc * (nodes or 1))
     dims = validate(cfg, nproc * (nodes or 1))
     check_inputs(cfg, None if args.dry_run else outputs(args))
@@ -224,14 +113,51 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.dry_run:
         from plait.train.dry_run import print_dry_run
 
-
         print_dry_run(cfg, dims)
         return
+    _launch_local(args, cfg, nproc)
+
+
+def _train_as_torchrun_worker(args: argparse.Namespace, cfg: Config) -> None:
+    """One of torchrun's workers: checked for the world torchrun made, then trained in this
+    process (rank 0 alone writes the metrics and TensorBoard; every rank its trace)."""
+    if args.nproc is not None:
+        raise ConfigError("--nproc", "torchrun starts the workers; drop --nproc under torchrun")
+    if args.max_restarts:
+        raise ConfigError("--max-restarts", "under torchrun, give torchrun --max-restarts")
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ConfigError("--max-restarts", "torchrun's shared store keeps a dead attempt's "
+                          "keys, which hang the restart (pytorch#135712): run torchrun with "
+                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    from plait.checks import validate
+
+    cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
+    dims = validate(cfg, int(os.environ["WORLD_SIZE"]))
+    from plait.mesh import TP_ACROSS, across_nodes, ranks_per_node
+
+    node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)
+    if "tp" in across_nodes(dims, node) and speaks():
+        print(f"plait: warning: {TP_ACROSS}", file=sys.stderr)
+    out = outputs(args)
+    if not speaks():
+        out = dataclasses.replace(out, metrics=None, tensorboard=None)
+    check_inputs(cfg, out)
+    from plait.train.run import run_training
+
+    verdict = run_training(cfg, out, args.verify)
+    if args.verify:
+        _verdict(verdict, speaks())
+
+
+def _launch_local(args: argparse.Namespace, cfg: Config, nproc: int) -> None:
+    """`--nproc N` local workers through the elastic launcher; a failure ends this process with
+    status 1 and the workers' report (the first to fail as the cause)."""
+    from plait.launch import ChildFailedError, launch
+    from plait.model.hf import PRELOAD
     from plait.train.run import TRAINING_STACK, run_training
 
     try:
-        from plait.model.hf import PRELOAD
-
         results = launch(nproc, run_training, cfg, outputs(args), args.verify,
                          threads=cfg.train.threads, max_restarts=args.max_restarts,
                          preload=(TRAINING_STACK, *(PRELOAD if cfg.model.hf else ())))
@@ -440,8 +366,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    try:
-        args.func(args)
+    module, name = args.handler.split(":")
+    try:  # the handler's imports (torch, ...) only now: a bad key was refused before them
+        getattr(importlib.import_module(module), name)(args)
     except ConfigError as e:
         if speaks():
             print(f"plait: error: {e}", file=sys.stderr)

@@ -13,103 +13,6 @@ from plait.comm.compression import METHODS
 from plait.config import ConfigError, load_config
 
 
-def add_bench(sub, parser_class) -> None:
-    bench = sub.add_parser("bench", help="benchmarks against the PyTorch-native peers")
-    suites = bench.add_subparsers(dest="suite", required=True, parser_class=parser_class)
-    comm = suites.add_parser("comm", help="bandwidth of each collective and all-reduce algorithm")
-    comm.add_argument("--nproc", type=int, default=4)
-    comm.add_argument("--min-seconds", type=float, default=0.2, help="time per size and collective")
-    comm.set_defaults(func=cmd_bench_comm)
-    step = suites.add_parser("step", help="plait's step against PyTorch's own: DDP, ZeRO, TP, 3-D")
-    step.add_argument("--nproc", type=int, default=4)
-    step.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    step.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    step.add_argument("overrides", nargs="*", metavar="section.key=value")
-    step.set_defaults(func=cmd_bench_step)
-    pp = suites.add_parser("pp", help="pipeline schedules: bubbles, memory, vs torch pipelining")
-    pp.add_argument("--nproc", type=int, default=2, help="pipeline stages")
-    pp.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    pp.add_argument("--steps", type=int, default=5, help="timed steps per schedule")
-    pp.add_argument("--png", default="runs/bench_pp/timeline.png", help="timeline picture")
-    pp.add_argument("overrides", nargs="*", metavar="section.key=value")
-    pp.set_defaults(func=cmd_bench_pp)
-    squeeze = suites.add_parser("compression", help="each gradient compression method on one "
-                                "recipe: loss, bytes, time; vs torch's DDP hooks")
-    squeeze.add_argument("--nproc", type=int, default=4)
-    squeeze.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    squeeze.add_argument("--methods", default=",".join(METHODS),
-                         help=f"comma-separated, from {', '.join(METHODS)}")
-    squeeze.add_argument("--png", default="runs/bench_compression/loss.png",
-                         help="loss curves picture")
-    squeeze.add_argument("overrides", nargs="*", metavar="section.key=value")
-    squeeze.set_defaults(func=cmd_bench_compression)
-    scaling = suites.add_parser("scaling", help="one recipe at several world sizes: tokens/s, "
-                                "speedup, efficiency, exposed communication; vs torch")
-    scaling.add_argument("--nproc", default="1,2,4", help="world sizes, comma-separated")
-    scaling.add_argument("--weak", action="store_true",
-                         help="fixed rows per rank (the batch grows); default: fixed global batch")
-    scaling.add_argument("--config", help="a TOML file, or the name of a recipe in configs/")
-    scaling.add_argument("--steps", type=int, default=5, help="timed steps per world size")
-    scaling.add_argument("--png", default="runs/bench_scaling/speedup.png",
-                         help="speedup picture")
-    scaling.add_argument("overrides", nargs="*", metavar="section.key=value")
-    scaling.set_defaults(func=cmd_bench_scaling)
-    ck = suites.add_parser("checkpoint", help="save and load time and bytes per rank, sync and "
-                           "async, for the default and the 3-D recipe")
-    ck.add_argument("--repeats", type=int, default=3, help="saves and loads per variant")
-    ck.add_argument("overrides", nargs="*", metavar="section.key=value")
-    ck.set_defaults(func=cmd_bench_checkpoint)
-    moe = suites.add_parser("moe", help="a mixture of experts at several ep degrees on the same "
-                            "ranks: step time, all-to-all share; vs looping over the experts")
-    moe.add_argument("--nproc", type=int, default=4)
-    moe.add_argument("--config", default="moe", help="a TOML file, or a recipe in configs/")
-    moe.add_argument("--ep", default="1,2,4", help="expert-parallel degrees, comma-separated")
-    moe.add_argument("--steps", type=int, default=5, help="timed steps per degree")
-    moe.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    moe.add_argument("--png", default="runs/bench_moe/load.png", help="expert load histogram")
-    moe.add_argument("overrides", nargs="*", metavar="section.key=value")
-    moe.set_defaults(func=cmd_bench_moe)
-    cp = suites.add_parser("cp", help="one long sequence: cp = 1 against ring attention and "
-                           "Ulysses at each cp degree")
-    cp.add_argument("--config", default="long_context",
-                    help="a TOML file, or a recipe in configs/")
-    cp.add_argument("--cp", default="2,4", help="context-parallel degrees, comma-separated")
-    cp.add_argument("--methods", default="ring,ulysses", help="ring, ulysses or both")
-    cp.add_argument("--steps", type=int, default=3, help="timed steps per variant")
-    cp.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    cp.add_argument("overrides", nargs="*", metavar="section.key=value")
-    cp.set_defaults(func=cmd_bench_cp)
-    memory = suites.add_parser("memory", help="each rank's peak host memory building a model and "
-                               "through its first step, against the formulas")
-    memory.add_argument("overrides", nargs="*", metavar="section.key=value")
-    memory.set_defaults(func=cmd_bench_memory)
-    data = suites.add_parser("data", help="plait data prepare's tokens/s per worker; training's "
-                             "memory per rank and data wait on a small and a big corpus")
-    data.add_argument("--nproc", type=int, default=2)
-    data.add_argument("--sizes-mb", default="10,1024",
-                      help="MiB of text to tokenize, then MiB of ids of each bigger corpus")
-    data.add_argument("--workers", default="1,2", help="tokenizing processes, comma-separated")
-    data.add_argument("--steps", type=int, default=20, help="timed steps per corpus")
-    data.add_argument("--dir", default="runs/bench_data", help="where the corpora are written "
-                      "(and deleted after)")
-    data.add_argument("overrides", nargs="*", metavar="section.key=value")
-    data.set_defaults(func=cmd_bench_data)
-    plan = suites.add_parser("plan", help="the planner's predictions against runs here (bytes, "
-                             "state, activations, step time) and published GPU runs")
-    plan.add_argument("--which", default="all", help="measured, published or all")
-    plan.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
-    plan.set_defaults(func=cmd_bench_plan)
-    topo = suites.add_parser("topology", help="2 emulated nodes x 2 (root): tp, dp, HSDP and pp "
-                             "inside vs across nodes at two link rates, predicted vs measured")
-    topo.add_argument("--steps", type=int, default=8, help="timed steps per layout and rate")
-    topo.add_argument("--ratios", default="18,75",
-                      help="loopback's bandwidth over the inter-node link's, comma-separated")
-    topo.add_argument("--json", action="store_true", help="print the rows as JSON instead")
-    topo.add_argument("--out", default="runs/bench_topology/topology.json",
-                      help="where the links' samples and fits and the rows are written")
-    topo.set_defaults(func=cmd_bench_topology)
-
-
 def cmd_bench_comm(args: argparse.Namespace) -> None:
     if args.nproc < 2:
         raise ConfigError("--nproc", f"a collective needs at least 2 ranks, got {args.nproc}")
@@ -142,7 +45,8 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
 def cmd_bench_compression(args: argparse.Namespace) -> None:
     if args.nproc < 2:
         raise ConfigError("--nproc", f"compression needs data parallelism: >= 2, got {args.nproc}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = list(METHODS) if args.methods is None else \
+        [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ConfigError("--methods", f"comma-separated names from {', '.join(METHODS)}; "

@@ -45,6 +45,11 @@ def check_output_path(path: str, option: str = "--metrics", folder: bool = False
     if not writable:
         raise ConfigError(option, f"{target} is not writable here; choose another path")
 
+def in_torchrun() -> bool:
+    """True inside a worker started by torchrun (or by plait's launcher)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
+
+
 def load(args: argparse.Namespace, say: bool = True) -> Config:
     """The configuration of a command: recipe, overrides, warm-up clipped to a short run (said
     once, on stderr)."""

@@ -7,44 +7,18 @@ from __future__ import annotations
 
 import argparse
 
-from plait.train.corpus import SHARD_TOKENS
-
-
-def add_data(sub, parser_class) -> None:
-    data = sub.add_parser("data", help="prepare a corpus: tokenize text into memory-mapped shards")
-    commands = data.add_subparsers(dest="data_command", required=True, parser_class=parser_class)
-    prepare = commands.add_parser(
-        "prepare", help="tokenize text files, folders, JSONL / Parquet / Arrow tables into OUT")
-    prepare.add_argument("paths", nargs="+", metavar="SRC... OUT",
-                         help="text files or folders (a file is a document), JSONL / Parquet / "
-                         "Arrow files (a row is a document); then the folder to write")
-    prepare.add_argument("--tokenizer", required=True, metavar="T",
-                         help="a tokenizer.json, a Hugging Face model folder holding one, bpe:N "
-                         "(train a byte-level BPE of N tokens on SRC) or bytes")
-    prepare.add_argument("--field", default="text", help="the text's field in table rows")
-    prepare.add_argument("--workers", type=int, default=1, help="tokenizing processes")
-    prepare.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, metavar="N",
-                         help=f"ids per shard file (default {SHARD_TOKENS:,})")
-    prepare.add_argument("--follow-links", action="store_true",
-                         help="read files that links in a source folder point to outside it")
-    prepare.set_defaults(func=cmd_data_prepare)
-    verify = commands.add_parser(
-        "verify", help="read a prepared corpus whole: each shard's sha256 and every id")
-    verify.add_argument("folder", metavar="OUT", help="a folder plait data prepare wrote")
-    verify.add_argument("--sample", type=int, default=0, metavar="N",
-                        help="N shards chosen at random (default: every shard)")
-    verify.set_defaults(func=cmd_data_verify)
-
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
     from plait.config import ConfigError
+    from plait.train.corpus import SHARD_TOKENS
     from plait.train.prepare import prepare
 
     if len(args.paths) < 2:
         raise ConfigError("OUT", "name the sources, then the folder to write (SRC... OUT)")
     *sources, out = args.paths
-    done = prepare(sources, out, args.tokenizer, args.field, args.workers,
-                   args.shard_tokens, follow_links=args.follow_links)
+    shard = SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens
+    done = prepare(sources, out, args.tokenizer, args.field, args.workers, shard,
+                   follow_links=args.follow_links)
     if done["skipped"]:
         names = ", ".join(done["skipped"][:3]) + (", ..." if len(done["skipped"]) > 3 else "")
         print(f"skipped {len(done['skipped'])} file(s) that are not UTF-8 text: {names} (all "

@@ -91,11 +91,6 @@ def _loopback_rendezvous(params: RendezvousParameters) -> DynamicRendezvousHandl
 rendezvous_handler_registry.register("plait-loopback", _loopback_rendezvous)
 
 
-def in_torchrun() -> bool:
-    """True inside a worker started by torchrun (or by `launch`)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE"} <= os.environ.keys()
-
-
 def _quiet_loopback(threads: int) -> None:
     # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
@@ -265,4 +260,4 @@ def _config(nproc: int, logs: str, max_restarts: int = 0) -> LaunchConfig:
     )
 
 
-__all__ = ["ChildFailedError", "in_torchrun", "launch", "launch_script"]
+__all__ = ["ChildFailedError", "launch", "launch_script"]

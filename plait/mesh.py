@@ -20,10 +20,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+if TYPE_CHECKING:  # torch itself is imported by what builds groups (the command line reads
+    # the degrees without it: refusing a bad key takes no second of imports)
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp", "cp", "ep", "tp")
 
@@ -124,6 +126,8 @@ def batch_axis(axes: dict[str, Axis]) -> Axis:
         return Axis("batch", axes[split[0] if split else "dp"].group, index, size)
     if axes["dp"].group is None:
         return Axis.dry("batch", index, size)
+    import torch.distributed as dist
+
     dims = ParallelDims(**{a: dist.get_world_size(axes[a].group) for a in AXES})
     lists = []
     for rank in range(dims.world_size):
@@ -137,6 +141,8 @@ def batch_axis(axes: dict[str, Axis]) -> Axis:
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """The world as a 5-D mesh named by `AXES`. Needs an initialised default process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
 
 
@@ -144,6 +150,8 @@ def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis]:
     """(shard, replicate) axes of this rank for hybrid sharding: within a dp group of size dp,
     consecutive runs of K = dims.shard ranks shard, and ranks K apart replicate. Every rank must
     call this (groups are created collectively). With K = dp the replicate axis has size 1."""
+    import torch.distributed as dist
+
     me, K = dist.get_rank(), dims.shard
     shard_lists, replicate_lists = [], []
     for rank in range(dims.world_size):

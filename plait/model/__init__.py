@@ -1,14 +1,21 @@
-"""Single-device models. No distributed code lives here."""
+"""Single-device models. No distributed code lives here.
 
-from plait.model.llama import (
-    PRESETS,
-    Llama,
-    ModelArgs,
-    build_model,
-    count_params,
-    init_weights,
-    model_args,
-)
+plait's Llama (`llama.py`) is imported when first asked for, so that reading a configuration's
+model shape (`args.py`) imports no torch."""
+
+from __future__ import annotations
+
+import importlib
+
+from plait.model.args import PRESETS, ModelArgs
+
+_LLAMA = ("Llama", "build_model", "count_params", "init_weights", "model_args")
+
+
+def __getattr__(name: str):
+    if name in _LLAMA:
+        return getattr(importlib.import_module("plait.model.llama"), name)
+    raise AttributeError(f"module 'plait.model' has no attribute {name!r}")
 
 
 def build_configured(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
@@ -18,6 +25,8 @@ def build_configured(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
         from plait.model.hf import load_hf
 
         return load_hf(hf, seed, device)
+    from plait.model.llama import build_model
+
     return build_model(args, seed, device)
 
 
@@ -26,6 +35,7 @@ def build_sharded(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
     rank materializes its parts from: `parallelize` does, after cutting it), for a model no rank
     holds whole (`plait.model.materialize`). A Hugging Face folder whose weights cannot be read
     by slices (`load_hf_sharded`) is built whole, with no source."""
+    from plait.model.llama import build_model
     from plait.model.materialize import NamedInit
 
     if hf:
