@@ -154,8 +154,8 @@ def published_rows() -> list[dict]:
     """Each published run planned: the rank of its layout among the planner's distinct layouts
     (those that fit, best first), the best plan for that layout, and the published throughput."""
     from plait.config import load_config
-    from plait.planner import rank_plans
     from plait.planner.hardware import DEVICES, Cluster
+    from plait.planner.search import rank_plans
 
     rows = []
     for name, model, gpus, gpu, batch, pins, layout, figure in PUBLISHED:

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import math
 from dataclasses import dataclass, field
 
-from plait.checks import validate
 from plait.comm import Op
-from plait.config import Config, ConfigError, microbatches
+from plait.config import Config, microbatches
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, dp_per_node
 from plait.model import ModelArgs, build_configured
 from plait.parallel import place
@@ -176,7 +173,7 @@ def stage_seconds(flops: float, traffic, zero: int, dims: ParallelDims, cluster:
     return compute / (1 - bubble) + waited + host[0], waited
 
 
-def _traced(cfg: Config, dims: ParallelDims, stage: int):
+def traced_stage(cfg: Config, dims: ParallelDims, stage: int):
     """A Hugging Face model's step on the first rank of `stage`, traced on fake tensors (its own
     operations: `plait.predict.trace`); None where it cannot be (then plait's Llama formulas of
     the same shape price it, and the plan says so)."""
@@ -189,17 +186,17 @@ def _traced(cfg: Config, dims: ParallelDims, stage: int):
 
 
 def _activations(cfg: Config, dims: ParallelDims, chunks, stage: int) -> int:
-    traced = _traced(cfg, dims, stage)
+    traced = traced_stage(cfg, dims, stage)
     return traced.activation_bytes if traced else activation_bytes(cfg, dims, chunks)
 
 
 def _flops(cfg: Config, dims: ParallelDims, record, chunks,
            stage: int = 0) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs incl. recomputation) of one step on this stage's rank."""
-    traced = _traced(cfg, dims, stage)
+    traced = traced_stage(cfg, dims, stage)
     if traced is not None:  # the model's own, and without recomputation for the model FLOPs
         plain = traced if cfg.train.activation_checkpointing == "none" else \
-            _traced(with_degrees(cfg, activation_checkpointing="none"), dims, stage)
+            traced_stage(with_degrees(cfg, activation_checkpointing="none"), dims, stage)
         return float(plain.flops), float(traced.flops)
     args = cfg.model.args()
     tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
@@ -257,7 +254,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \
         host <= HEADROOM * dev.host_memory_bytes
-    return PricedLayout(degrees=_degrees(cfg, dims), params=_count(args, cfg.model.hf),
+    return PricedLayout(degrees=layout_degrees(cfg, dims), params=_count(args, cfg.model.hf),
                 memory_bytes=memory, peak_memory_bytes=max(peak, startup), step_time_s=step,
                 tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
@@ -294,7 +291,7 @@ def _count(args: ModelArgs, hf: str = "") -> int:
     return sum(p.numel() for p in _meta_model(args, hf).parameters())
 
 
-def _degrees(cfg: Config, dims: ParallelDims) -> dict:
+def layout_degrees(cfg: Config, dims: ParallelDims) -> dict:
     par = cfg.parallel
     return {"dp": dims.dp, "dp_shard": par.dp_shard, "tp": dims.tp, "pp": dims.pp,
             "cp": dims.cp, "ep": dims.ep, "zero": par.zero, "cp_method": par.cp_method,
@@ -309,168 +306,3 @@ def with_degrees(cfg: Config, **degrees) -> Config:
     par = {k: v for k, v in degrees.items() if k not in train}
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **par),
                                train=dataclasses.replace(cfg.train, **train))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-LONG_SEQUENCE = 16384  # tokens from which context parallelism is searched
-MIN_CP_CHUNK = 1024  # tokens a ring chunk keeps at least (2 cp chunks per sequence)
-
-
-def meshes(cfg: Config, cluster: Cluster, fixed: dict):
-    """(tp, pp, cp, ep) layouts to search: tp within a node (across nodes only when pinned: its
-    all-reduces in every layer would cross the slow links), pp up to one layer per stage, cp for
-    long sequences, ep for mixtures of experts; the rest of the GPUs are dp."""
-    N, G, args = cluster.gpus, cluster.gpus_per_node, cfg.model.args()
-    seq = cfg.data.seq_len
-    for tp in [fixed["tp"]] if "tp" in fixed else _divisors(math.gcd(N, G)):
-        for pp in [fixed["pp"]] if "pp" in fixed else _divisors(N // tp):
-            if N % (tp * pp) or pp > args.n_layers:
-                continue
-            rest = N // (tp * pp)
-            cps = [fixed["cp"]] if "cp" in fixed else [
-                c for c in _divisors(rest) if c == 1 or seq >= LONG_SEQUENCE
-                and seq // (2 * c) >= MIN_CP_CHUNK]
-            for cp in cps:
-                eps = [fixed["ep"]] if "ep" in fixed else [
-                    e for e in _divisors(rest // cp) if args.moe_experts % e == 0]
-                for ep in eps:
-                    if rest % (cp * ep) == 0:
-                        yield tp, pp, cp, ep, rest // (cp * ep)
-
-
-def candidates(cfg: Config, cluster: Cluster, fixed: dict):
-    """Every layout validate accepts on cluster.gpus ranks; `fixed` pins degrees. Left out
-    unless pinned, as dominated: GPipe (1F1B's bubble with more activations in flight) and tp
-    without sequence parallelism (the same bytes, more activations). Activation checkpointing
-    varies last, from none to full, so `rank_plans` can stop at the first mode that fits."""
-    G = cluster.gpus_per_node
-    for tp, pp, cp, ep, dp in meshes(cfg, cluster, fixed):
-        rows = cfg.train.global_batch // (dp * ep) or 1
-        choice = {
-            "tp": [tp], "pp": [pp], "cp": [cp], "ep": [ep], "zero": [0, 1, 2, 3],
-            "cp_method": ["ring", "ulysses"] if cp > 1 else ["ring"],
-            "pp_schedule": ["1f1b", "interleaved", "zb1"] if pp > 1 else ["1f1b"],
-            "sequence_parallel": [tp > 1],
-            # and one row per micro-batch.
-            "microbatches": sorted({pp * k for k in (1, 2, 4, 8)}
-                                   | {rows}),
-            # Hybrid sharding: shard within a node, replicate across nodes.
-            "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else []),
-            "offload": ["none"],  # `rank_plans` searches it where nothing fits without
-            "activation_checkpointing": ["none", "selective", "full"],
-        }
-        choice.update({k: [v] for k, v in fixed.items()})
-        keys = list(choice)
-        for values in itertools.product(*(choice[k] for k in keys)):
-            d = dict(zip(keys, values, strict=True))
-            if d["dp_shard"] and not d["zero"]:
-                continue
-            c = with_degrees(cfg, **d, dp=0)
-            try:
-                yield c, validate(c, cluster.gpus)
-            except ConfigError:
-                continue
-
-
-def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:
-    """Every valid layout priced, the ones that fit first, fastest first; warnings attached.
-    Of the checkpointing modes of one layout only the first that fits is kept (recomputation
-    only costs time). On a GPU, offload is searched when no layout fits without it (ZeRO-Offload
-    for a model too big for its devices, not for speed)."""
-    if "offload" not in fixed and not cluster.device.name.startswith("cpu"):
-        # Offload only where nothing fits without it: it costs host copies and a CPU update.
-        plans = rank_plans(cfg, cluster, {**fixed, "offload": "none"})
-        if not any(p.fits for p in plans):
-            plans = sorted(plans + rank_plans(cfg, cluster, {**fixed, "offload": "optimizer"})
-                           + rank_plans(cfg, cluster, {**fixed, "offload": "params"}), key=_rank)
-        return plans
-    plans, fitted = [], set()
-    for c, dims in candidates(cfg, cluster, fixed):
-        layout = tuple(v for k, v in _degrees(c, dims).items() if k != "activation_checkpointing")
-        if layout in fitted:
-            continue
-        plan = estimate(c, dims, cluster)
-        if plan.fits:
-            fitted.add(layout)
-        plan.warnings = warnings(plan, c, dims, cluster)
-        plans.append(plan)
-    return sorted(plans, key=_rank)
-
-
-def _rank(p: PricedLayout) -> tuple:
-    """Fitting first, then fastest, then the lower ZeRO stage, then the leaner."""
-    return not p.fits, -p.tokens_per_s, p.degrees["zero"], p.peak_memory_bytes
-
-
-def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:
-    """The anti-patterns of the field, as they apply to plan p (of cfg on dims)."""
-    d, out, dev = p.degrees, [], cluster.device
-    if cfg.model.hf and _traced(cfg, dims, 0) is None:
-        out.append(f"{cfg.model.hf}: its step reads values a fake tensor does not hold (a "
-                   "router's), so its activations and FLOPs are priced as plait's Llama block "
-                   "of the same shape, routed evenly")
-    if cfg.train.precision == "bf16" and not dev.bf16:
-        out.append(f"{dev.name} has no bf16 tensor cores: bf16 runs far below the "
-                   f"{dev.peak_flops / 1e12:g} TFLOP/s priced here; use train.precision='fp16' "
-                   "(loss scaling)")
-    if not cluster.within_node(1, d["tp"]):
-        out.append(f"tensor parallelism across nodes: tp={d['tp']} > {cluster.gpus_per_node} GPUs "
-                   "per node, so its all-reduces in every layer cross the inter-node links; keep "
-                   "tp within a node")
-    elif d["tp"] > 1 and dev.intra_gbps < 100:
-        out.append(f"tensor parallelism over slow links ({dev.intra_gbps:g} GB/s): its "
-                   "all-reduces in every layer dominate; prefer ZeRO or pipeline stages")
-    if cfg.train.global_batch * d["cp"] < cluster.gpus:  # cp: each GPU a shard of a sequence
-        out.append(f"{cfg.train.global_batch * d['cp'] / cluster.gpus:g} samples per GPU (a "
-                   "cp shard of a sequence counting as one): fewer samples than GPUs; raise "
-                   "train.global_batch or use fewer GPUs")
-    if d["pp"] > 1 and (d["pp"] - 1) / d["microbatches"] > 0.5:
-        out.append(f"pipeline bubble {p.bubble:.0%} of the step: {d['pp']} stages with "
-                   f"{d['microbatches']} micro-batches idle (p-1)/m = "
-                   f"{(d['pp'] - 1) / d['microbatches']:.0%} of the compute; use at least 4 x pp "
-                   "micro-batches or fewer stages")
-    if d["pp"] == 1 and d["microbatches"] > 1:
-        if estimate(with_degrees(cfg, microbatches=1), dims, cluster).fits:
-            out.append(f"gradient accumulation ({d['microbatches']} micro-batches) although the "
-                       "batch fits in one: it only adds passes")
-    if not p.fits:
-        out.append(f"does not fit: {p.peak_memory_bytes / 1e9:.1f} GB per GPU of "
-                   f"{dev.memory_bytes / 1e9:.0f} GB ({HEADROOM:.0%} usable)"
-                   + (f", or {p.host_memory_bytes / 1e9:.0f} GB of host memory per node of "
-                      f"{dev.host_memory_bytes / 1e9:.0f}" if d["offload"] != "none" else ""))
-    return out
-
-
-def reasons(p: PricedLayout, cluster: Cluster) -> list[str]:
-    """Why plan p, in the field's words."""
-    d = p.degrees
-    out = [f"{'fits in' if p.fits else 'needs'} {p.peak_memory_bytes / 1e9:.1f} of "
-           f"{cluster.device.memory_bytes / 1e9:.0f} GB per GPU with "
-           + (f"ZeRO-{d['zero']}" if d["zero"] else "plain data parallelism")
-           + (f", activation checkpointing {d['activation_checkpointing']}"
-              if d["activation_checkpointing"] != "none" else "")]
-    if d["offload"] != "none":
-        what = "optimizer state" if d["offload"] == "optimizer" else \
-            "optimizer state and parameter slices"
-        out.append(f"{what} offloaded to host memory ({p.host_memory_bytes / 1e9:.0f} GB per "
-                   "node; the update runs on the CPU)")
-    if d["tp"] > 1:
-        where = "within a node" if cluster.within_node(1, d["tp"]) else "across nodes"
-        out.append(f"tensor parallelism {d['tp']} {where}"
-                   + (" with sequence parallelism" if d["sequence_parallel"] else ""))
-    if d["pp"] > 1:
-        out.append(f"{d['pp']} pipeline stages, {d['pp_schedule']}, {d['microbatches']} "
-                   f"micro-batches: bubble {p.bubble:.0%}")
-    if d["cp"] > 1:
-        out.append(f"context parallelism {d['cp']}: each GPU holds 1/{d['cp']} of every sequence "
-                   "and its activations")
-    if d["ep"] > 1:
-        out.append(f"expert parallelism {d['ep']}: each GPU holds 1/{d['ep']} of the experts, "
-                   "tokens reach them by all-to-all")
-    if d["dp"] > 1:
-        out.append(f"data parallelism {d['dp']}" + (f" (hybrid: shards of {d['dp_shard']})"
-                                                    if d["dp_shard"] else ""))
-    return out

@@ -11,16 +11,9 @@ from rich.table import Table
 
 from plait.checks import validate
 from plait.config import Config, ConfigError
-from plait.planner import (
-    HEADROOM,
-    PricedLayout,
-    estimate,
-    meshes,
-    rank_plans,
-    reasons,
-    with_degrees,
-)
+from plait.planner import HEADROOM, PricedLayout, estimate, with_degrees
 from plait.planner.hardware import Cluster
+from plait.planner.search import meshes, rank_plans, reasons
 
 PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
             "parallel.cp_method": "cp_method", "parallel.zero": "zero",

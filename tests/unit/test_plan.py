@@ -13,8 +13,9 @@ from training import tiny_config
 from plait.checks import validate
 from plait.config import ConfigError, load_config
 from plait.model import build_model
-from plait.planner import estimate, rank_plans, with_degrees
+from plait.planner import estimate, with_degrees
 from plait.planner.hardware import DEVICES, Cluster, Device
+from plait.planner.search import rank_plans
 from plait.planner.show import PIPELINE_SAVES, choose, leanest
 from plait.predict.cost import all_to_all_bytes
 from plait.train.dry_run import describe_rank
