@@ -1,6 +1,6 @@
 """Every accounted collective: right values, and bytes equal to the ring-convention formulas.
 
-The expected bytes are written out from DESIGN.md's table here, independently of
+The expected bytes are written out from docs/design.md's convention here, independently of
 `plait.comm.bus_bytes`, so a wrong formula in the library cannot agree with itself.
 """
 
@@ -86,7 +86,7 @@ def test_collectives_values_and_bytes(n):
         assert torch.equal(seen["all_to_all"][:, 0], torch.arange(n) * 100.0 + rank)
         assert torch.equal(seen["ring"], torch.full((ELEMS,), float((rank - 1) % n)))
 
-        # Bytes per rank, DESIGN.md: all-reduce 2(n-1)/n D; all-gather / reduce-scatter
+        # Bytes per rank, docs/design.md: all-reduce 2(n-1)/n D; all-gather / reduce-scatter
         # (n-1)/n of the full tensor; all-to-all (n-1)/n D; broadcast and send D.
         assert booked["all_reduce"] == (Fraction(2 * (n - 1) * D, n), {Op.ALL_REDUCE: 1})
         assert booked["all_gather"] == (Fraction((n - 1) * D * n, n), {Op.ALL_GATHER: 1})

@@ -2,7 +2,7 @@
 
 Tolerances. Ranks sum gradients in a different order than one process does, so results differ in
 the last float32 bits (~1e-7 relative):
-- losses: relative 1e-5 (DESIGN.md);
+- losses: relative 1e-5 (docs/design.md, "Predictions and their proof");
 - gradients of the first step (same weights on both sides): relative 1e-5, absolute 1e-8. This is
   the check that catches a wrong scale (summing instead of averaging), to which Adam is blind;
 - parameters after 5 steps: absolute 1e-5, but for at most 1 element in 1,000 per tensor
