@@ -61,25 +61,27 @@ def _os_error(e: BaseException) -> OSError | None:
     return None
 
 
-def write_failed(path: Path, error: BaseException, is_rank0: bool) -> CheckpointWriteError:
-    """What a failed save says, once every rank's write has ended (DCP gathered them all): the
-    path, the cause and the ranks; rank 0 removes the partial step folder, which would keep the
-    disk full. A full disk shows as ENOSPC on some rank, or only as a short write inside
-    torch.save's zip writer ("unexpected pos"): the free space, read before the removal, says."""
+def write_failed(path: Path, error: BaseException, is_rank0: bool) -> CheckpointWriteError | None:
+    """What a save that the file system refused says, once every rank's write has ended (DCP
+    gathered them all): the path, the system's reason and the ranks; rank 0 removes the partial
+    step folder, which would keep the disk full. A full disk shows as ENOSPC on some rank, or
+    only as a short write inside torch.save's zip writer ("unexpected pos"): the free space,
+    read before the removal, says. None for any other failure (a peer lost mid-save: its own
+    traceback says more), after the same removal."""
     failures = {r: e for r, (e, _) in error.failures.items()} \
         if isinstance(error, CheckpointException) else {None: error}
-    found = [e for e in map(_os_error, failures.values()) if e is not None]
+    found = [e for e in map(_os_error, failures.values()) if e is not None and e.errno]
     free = shutil.disk_usage(path.parent).free if path.parent.exists() else None
-    if any(e.errno in (errno.ENOSPC, errno.EDQUOT) for e in found) or \
-            (free is not None and free < FULL):
-        why = f"{os.strerror(errno.ENOSPC)} ({free / 2**20:.1f} MiB free)"
-    elif found:
-        why = os.strerror(found[0].errno) if found[0].errno else str(found[0])
-    else:
-        first = next(iter(failures.values()))
-        why = f"{type(first).__name__}: {str(first).splitlines()[0] if str(first) else ''}"
     if is_rank0:
         shutil.rmtree(path, ignore_errors=True)
+    if any(e.errno in (errno.ENOSPC, errno.EDQUOT) for e in found) or \
+            (free is not None and free < FULL):
+        why = os.strerror(errno.ENOSPC) + (f" ({free / 2**20:.1f} MiB free)" if free is not None
+                                          else "")
+    elif found:
+        why = os.strerror(found[0].errno)
+    else:
+        return None
     ranks = ", ".join(str(r) for r in failures if r is not None)
     return CheckpointWriteError(
         f"the checkpoint could not be written to {path}: {why}"
@@ -124,7 +126,10 @@ class Checkpointer:
             try:
                 dcp.save(state, **args)
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-                raise write_failed(path, e, self.is_rank0) from None
+                said = write_failed(path, e, self.is_rank0)
+                if said is None:
+                    raise
+                raise said from None
             self._finish(path, info)
             return
         response = dcp.async_save(state, async_stager=CopyStager(), **args)
@@ -148,5 +153,8 @@ class Checkpointer:
             try:
                 future.result()
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-                raise write_failed(path, e, self.is_rank0) from None
+                said = write_failed(path, e, self.is_rank0)
+                if said is None:
+                    raise
+                raise said from None
             self._finish(path, info)
