@@ -283,7 +283,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         check_hf_folder(cfg.model.hf)
     cluster = Cluster(args.gpus, args.gpus_per_node,
                       device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus,
-                             args.gpu_memory_gb))
+                             args.gpu_memory_gb, args.gpu_tflops))
     plans = choose(cfg, cluster, pinned(cfg, args.overrides))
     if args.json:
         print(as_json(plans, args.top))

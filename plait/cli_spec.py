@@ -186,6 +186,8 @@ PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time
         help="a100, h100, h200, b200, rtx4090, a10, l4, a6000, l40s, or cpu (this machine)"),
     arg("--gpu-memory-gb", type=float,
         help="the device's memory in GB, for a device of another size"),
+    arg("--gpu-tflops", type=float,
+        help="the device's dense bf16 peak in TFLOP/s, for a variant of another rate"),
     arg("--intra-node-gbps", type=float, help="GB/s each way within a node"),
     arg("--inter-node-gbps", type=float, help="GB/s each way per GPU between nodes"),
     arg("--top", type=int, default=5, help="plans shown"),

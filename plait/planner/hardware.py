@@ -102,13 +102,18 @@ def cpu_device(ranks: int = 1) -> Device:
 
 
 def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None = None,
-           ranks: int = 1, memory_gb: float | None = None) -> Device:
-    """A named device (KeyError if unknown), links and memory overridden where given; `cpu` is
-    this machine for a job of `ranks` ranks."""
+           ranks: int = 1, memory_gb: float | None = None,
+           tflops: float | None = None) -> Device:
+    """A named device (KeyError if unknown), links, memory and dense bf16 peak (`tflops`, a
+    variant's own: a 96 GB / 500 W H100 is not the SXM datasheet's) overridden where given;
+    `cpu` is this machine for a job of `ranks` ranks."""
     found = cpu_device(ranks) if name == "cpu" else DEVICES[name]
     if memory_gb is not None:
         found = replace(found, name=f"{found.name} at {memory_gb:g} GB",
                         memory_bytes=memory_gb * GB)
+    if tflops is not None:
+        found = replace(found, name=f"{found.name} at {tflops:g} TFLOP/s",
+                        peak_flops=tflops * 1e12)
     if intra_gbps is not None:
         found = replace(found, intra_gbps=intra_gbps)
     if inter_gbps is not None:
@@ -157,7 +162,8 @@ def check_options(args) -> None:
             raise ConfigError(option, f"at least 1, got {value}")
     for option, value in (("--intra-node-gbps", args.intra_node_gbps),
                           ("--inter-node-gbps", args.inter_node_gbps),
-                          ("--gpu-memory-gb", args.gpu_memory_gb)):
+                          ("--gpu-memory-gb", args.gpu_memory_gb),
+                          ("--gpu-tflops", args.gpu_tflops)):
         if value is not None and not 0 < value < float("inf"):
             raise ConfigError(option, f"a finite number > 0, got {value}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:

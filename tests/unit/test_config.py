@@ -318,6 +318,7 @@ OTHER_BAD_INPUT = [
     (["plan", "--gpus", "8", "--inter-node-gbps", "0"], "--inter-node-gbps"),
     (["plan", "--gpus", "8", "--gpu-memory-gb", "-24"], "--gpu-memory-gb"),
     (["plan", "--gpus", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
+    (["plan", "--gpus", "8", "--gpu-tflops", "0"], "--gpu-tflops"),
     (["plan", "--gpus", "8", "--gpus-per-node", "3"], "--gpus-per-node"),
     (["plan", "--gpus", "8", "model.hf='{files}/empty_dir'"], "model.hf"),
     (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),

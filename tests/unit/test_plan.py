@@ -354,3 +354,18 @@ def test_a_model_far_beyond_its_gpus_is_refused_by_the_bound_before_the_search(m
     cfg = load_config(None, ["model.preset='405b'", "train.global_batch=16"])
     with pytest.raises(ConfigError, match="its model state alone needs over 835.0 GB per GPU"):
         choose(cfg, Cluster(1, 8, DEVICES["h100"]), {})
+
+
+def test_a_device_variant_of_another_peak_is_priced_at_it():
+    """`--gpu-tflops`: the dense bf16 peak a published run's devices had, not the datasheet's."""
+    from plait.planner.hardware import device
+
+    slow = device("h100", tflops=494.5)
+    assert slow.peak_flops == 494.5e12 and "494.5 TFLOP/s" in slow.name
+    cfg = load_config(None, ["model.preset='7b'", "train.global_batch=16", "data.seq_len=1024",
+                             "parallel.zero=3"])
+    dims = validate(cfg, 8)
+    fast = estimate(cfg, dims, Cluster(8, 8, DEVICES["h100"]))
+    priced = estimate(cfg, dims, Cluster(8, 8, slow))
+    assert priced.step_time_s > fast.step_time_s
+    assert priced.memory_bytes == fast.memory_bytes  # a rate, not a size
