@@ -151,7 +151,8 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
             results = elastic_launch(config, _worker)(entrypoint, *args)
         except ChildFailedError as e:
             raise _with_root_cause(e, Path(logs), ends.stop()) from None
-        ends.stop()
+        finally:
+            ends.stop()  # whatever ended the launch (stopping twice is harmless)
     return [results[r] for r in sorted(results)]
 
 
@@ -234,13 +235,12 @@ def _with_root_cause(error: ChildFailedError, logs: Path,
         if d in raised:  # pid unknown (-1) unless torch polled that worker
             failures[rank] = error.failures.get(rank) or ProcessFailure(rank, -1, 1,
                                                                          str(d / "error.json"))
-        else:
-            failures[rank] = _EndedSilently(rank, int((d / "pid").read_text()), "?", "<N/A>")
-            failures[rank].timestamp = t // 10**9
-    for rank, failure in error.failures.items():  # torch saw it end: its exit status
+        else:  # torch's record where it polled that worker (its exit status), else ours
+            failures[rank] = error.failures.get(rank) or \
+                _EndedSilently(rank, int((d / "pid").read_text()), "?", "<N/A>")
+            failures[rank].timestamp = t // 10**9  # when it ended: first, as it was
+    for rank, failure in error.failures.items():  # one torch saw and we did not
         failures.setdefault(rank, failure)
-        if isinstance(failures[rank], _EndedSilently):
-            failures[rank] = failure
     return ChildFailedError(error.name, failures)
 
 
