@@ -8,7 +8,14 @@ import math
 from pathlib import Path
 
 from plait.checks_run import check_checkpoint, check_data, check_train
-from plait.comm.compression import METHODS, WITH_ERROR_FEEDBACK
+from plait.choices import (
+    COMPRESSIONS,
+    CP_METHODS,
+    HALF_PRECISIONS,
+    PP_SCHEDULES,
+    ROUTERS,
+    WITH_ERROR_FEEDBACK,
+)
 from plait.config import (
     Config,
     ConfigError,
@@ -17,12 +24,8 @@ from plait.config import (
 )
 from plait.mesh import AXES, ParallelDims, dp_per_node, ranks_per_node
 from plait.model.args import ModelArgs
-from plait.model.hf import architecture
 from plait.model.llama_plan import LLAMA
-from plait.model.moe import ROUTERS
 from plait.model.plan import tp_misfit
-from plait.parallel.context_parallel import METHODS as CP_METHODS
-from plait.parallel.loss_scaling import HALF
 
 
 def validate(cfg: Config, world_size: int) -> ParallelDims:
@@ -84,9 +87,9 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
 
 def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
     par = cfg.parallel
-    if par.pp_schedule not in ("gpipe", "1f1b", "interleaved", "zb1"):
+    if par.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule",
-                          f"one of gpipe, 1f1b, interleaved, zb1; got '{par.pp_schedule}'")
+                          f"one of {', '.join(PP_SCHEDULES)}; got '{par.pp_schedule}'")
     m = microbatches(par, dims)
     rows = cfg.train.global_batch // dims.rows
     if m < 1 or rows % m:
@@ -126,13 +129,13 @@ def _check_hybrid(par: ParallelConfig, dims: ParallelDims) -> ParallelDims:
 def _check_parallel(par: ParallelConfig, precision: str) -> None:
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"a ZeRO stage is 0, 1, 2 or 3, got {par.zero}")
-    if par.reduce_dtype not in ("fp32", *HALF):
+    if par.reduce_dtype not in ("fp32", *HALF_PRECISIONS):
         raise ConfigError("parallel.reduce_dtype",
                           f"'fp32', 'bf16' or 'fp16', got '{par.reduce_dtype}'")
     if par.reduce_dtype != "fp32" and par.reduce_dtype != precision:
         raise ConfigError("parallel.reduce_dtype", f"'{par.reduce_dtype}' reduces in the half "
                           f"dtype of train.precision, which is '{precision}': use 'fp32'"
-                          + (f" or '{precision}'" if precision in HALF else ""))
+                          + (f" or '{precision}'" if precision in HALF_PRECISIONS else ""))
     if par.offload not in ("none", "optimizer", "params"):
         raise ConfigError(
             "parallel.offload", f"'none', 'optimizer' or 'params', got '{par.offload}'"
@@ -174,8 +177,8 @@ def _check_nodes(par: ParallelConfig, dims: ParallelDims) -> None:
 
 def _check_compression(par: ParallelConfig, dims: ParallelDims) -> None:
     field, method = "parallel.compression", par.compression
-    if method not in METHODS:
-        raise ConfigError(field, f"one of {', '.join(METHODS)}; got '{method}'")
+    if method not in COMPRESSIONS:
+        raise ConfigError(field, f"one of {', '.join(COMPRESSIONS)}; got '{method}'")
     for key, ok, want in (("ratio", 0 < par.compression_ratio <= 1, "a fraction in (0, 1]"),
                           ("rank", par.compression_rank >= 1, "must be >= 1"),
                           ("start", par.compression_start >= 0, "must be >= 0 steps")):
@@ -270,7 +273,7 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
     """A Hugging Face folder: readable, its family's plan has what the degrees need, and nothing
     the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
     sequence)."""
-    from plait.model.hf import HF_PLANS
+    from plait.model.hf import HF_PLANS, architecture
 
     raw, config = check_hf_folder(cfg.model.hf)
     arch = architecture(raw) or config.model_type
@@ -305,12 +308,12 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
 def check_hf_folder(where: str) -> tuple[dict, object]:
     """A `model.hf` folder that transformers' save_pretrained wrote for a causal LM: its
     config.json as JSON and as transformers reads it."""
-    from plait.model.hf import hf_args, read_config
-
     folder = Path(where)
     if not (folder / "config.json").is_file():
         raise ConfigError("model.hf", f"{folder} has no config.json; give a folder that "
                           "transformers' save_pretrained wrote")
+    from plait.model.hf import hf_args, read_config
+
     try:
         raw = read_config(folder)
     except ValueError as e:
@@ -352,6 +355,8 @@ def _check_causal_lm(folder: Path, raw: dict) -> None:
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
+
+    from plait.model.hf import architecture
 
     where = f"{folder}/config.json"
     if raw.get("auto_map"):

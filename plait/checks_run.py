@@ -7,20 +7,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
+from plait.choices import HALF_PRECISIONS
 from plait.config import Config, ConfigError, DataConfig, TrainConfig, model_section
 from plait.mesh import ParallelDims
 from plait.model.args import ModelArgs
-from plait.parallel.loss_scaling import HALF
 
+
+def _has_cuda() -> bool:
+    import torch  # only for train.device = "cuda": a refusal of anything else needs no torch
+
+    return torch.cuda.is_available()
 
 def check_train(train: TrainConfig, dims: ParallelDims) -> None:
     if train.steps < 1:
         raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
     if not 0 <= train.warmup_steps <= train.steps:
         raise ConfigError("train.warmup_steps", f"must be in [0, train.steps={train.steps}]")
-    if train.device == "cuda" and not torch.cuda.is_available():
+    if train.device == "cuda" and not _has_cuda():
         raise ConfigError("train.device", "no CUDA device here; use 'auto' or 'cpu'")
     if train.lr <= 0:
         raise ConfigError("train.lr", f"must be > 0, got {train.lr}")
@@ -40,7 +43,7 @@ def check_train(train: TrainConfig, dims: ParallelDims) -> None:
                           f"got {train.eval_every}")
     if train.eval_batches < 1:
         raise ConfigError("train.eval_batches", f"must be >= 1, got {train.eval_batches}")
-    if train.precision not in ("fp32", *HALF):
+    if train.precision not in ("fp32", *HALF_PRECISIONS):
         raise ConfigError("train.precision",
                           f"'fp32', 'bf16' or 'fp16', got '{train.precision}'")
     _check_loss_scale(train)
@@ -118,10 +121,7 @@ def check_checkpoint(cfg: Config) -> None:
             where = where.parent
         if not where.is_dir() or not os.access(where, os.W_OK):
             raise ConfigError("checkpoint.dir", f"cannot write in {where}; choose another folder")
-    # Imported here: torch.distributed.checkpoint takes seconds to import, which every command
-    # that validates a configuration would pay (`plait plan`, `--dry-run`, the launcher).
     from plait.checkpoint import find, read_meta
-    from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
 
     source = find(ck.resume, ck.dir)  # a path given as `resume` is looked in alone
     if ck.resume not in ("auto", "never") and source is None:
@@ -129,6 +129,10 @@ def check_checkpoint(cfg: Config) -> None:
                           "checkpoint folder (with COMPLETE) or a folder of them, 'auto' or "
                           "'never'")
     if source is not None:
+        # Imported here: torch.distributed.checkpoint takes seconds to import, which every
+        # refusal and every command that validates a configuration would pay otherwise.
+        from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
+
         try:
             read_metadata(source)
         except UnsafeCheckpoint as e:

@@ -268,7 +268,6 @@ def cmd_compare(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from plait.checks import check_hf_folder
     from plait.planner.hardware import Cluster, check_options, device
-    from plait.planner.show import as_json, choose, pinned, print_plans, write_recipe
 
     if args.calibrate:
         from plait.bench.calibrate import calibrate_and_print
@@ -281,6 +280,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = load(args)
     if cfg.model.hf:
         check_hf_folder(cfg.model.hf)
+    from plait.planner.show import as_json, choose, pinned, print_plans, write_recipe
+
     cluster = Cluster(args.gpus, args.gpus_per_node,
                       device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus,
                              args.gpu_memory_gb, args.gpu_tflops))
@@ -313,7 +314,6 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> None:
     from plait.checkpoint import find
-    from plait.checkpoint.hf import export_hf, import_hf
 
     if args.to:  # plait convert --to hf OUT CKPT
         out, source = args.first, find(args.second, "")
@@ -322,6 +322,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
         from plait.checkpoint import read_meta
+        from plait.checkpoint.hf import export_hf
         from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
         from plait.config import model_section
 
@@ -344,7 +345,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
-    from plait.checkpoint.hf import unrepresentable
+    from plait.checkpoint.hf import import_hf, unrepresentable
     from plait.model.hf import read_config
 
     why = unrepresentable(read_config(hf))

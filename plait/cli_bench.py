@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from plait.choices import COMPRESSIONS, CP_METHODS
 from plait.cli_common import check_output_path, load, recipe_path
-from plait.comm.compression import METHODS
 from plait.config import ConfigError, load_config
 
 
@@ -45,11 +45,11 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
 def cmd_bench_compression(args: argparse.Namespace) -> None:
     if args.nproc < 2:
         raise ConfigError("--nproc", f"compression needs data parallelism: >= 2, got {args.nproc}")
-    methods = list(METHODS) if args.methods is None else \
+    methods = list(COMPRESSIONS) if args.methods is None else \
         [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in COMPRESSIONS]
     if unknown or not methods:
-        raise ConfigError("--methods", f"comma-separated names from {', '.join(METHODS)}; "
+        raise ConfigError("--methods", f"comma-separated names from {', '.join(COMPRESSIONS)}; "
                           f"got {args.methods!r}")
     from plait.bench import run_compression
 
@@ -146,8 +146,6 @@ def cmd_bench_moe(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_cp(args: argparse.Namespace) -> None:
-    from plait.parallel.context_parallel import METHODS as CP_METHODS
-
     try:
         degrees = [int(n) for n in args.cp.split(",")]
     except ValueError:

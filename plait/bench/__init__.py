@@ -142,12 +142,13 @@ def run_3d_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
 
 
 def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
-    from plait.parallel.pipeline.schedules import SCHEDULES, build_schedule
+    from plait.choices import PP_SCHEDULES
+    from plait.parallel.pipeline.schedules import build_schedule
     from plait.parallel.pipeline.simulator import simulate, textbook_bubble
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=nproc, dp=0))
     schedules, skipped = [], []
-    for name in SCHEDULES:
+    for name in PP_SCHEDULES:
         try:
             validate(with_schedule(cfg, name), nproc)
             schedules.append(name)

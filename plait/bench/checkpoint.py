@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
-from plait.checkpoint import load, step_path, training_state
+from plait.checkpoint import step_path
+from plait.checkpoint.rank_state import load, training_state
 from plait.config import Config
 from plait.train.checkpointing import CopyStager
 from plait.train.trainer import Trainer

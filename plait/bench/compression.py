@@ -26,7 +26,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.bench.step import start_worker
-from plait.comm.compression import METHODS
 from plait.config import Config, microbatches
 from plait.model import build_model
 from plait.train.data import TokenData
@@ -135,5 +134,5 @@ def draw_curves(runs: dict[str, dict], png: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["METHODS", "PEERS", "bench_plait", "bench_torch_hook", "draw_curves", "final_loss",
+__all__ = ["PEERS", "bench_plait", "bench_torch_hook", "draw_curves", "final_loss",
            "with_method"]

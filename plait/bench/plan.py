@@ -102,8 +102,8 @@ def measure_run(cfg, steps: int) -> dict | None:
 def predicted(cfg, ranks: int, device) -> dict:
     """The plan's numbers for rank 0 of cfg on `ranks` ranks of one machine."""
     from plait.checks import validate
-    from plait.planner import estimate
     from plait.planner.hardware import Cluster
+    from plait.planner.price import estimate
 
     plan = estimate(cfg, validate(cfg, ranks), Cluster(ranks, ranks, device))
     memory = plan.memory_bytes

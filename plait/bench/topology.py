@@ -161,7 +161,7 @@ def configured(overrides: list[str]):
 
 
 def predict(overrides: list[str], cluster) -> dict:
-    from plait.planner import estimate
+    from plait.planner.price import estimate
 
     plan = estimate(*configured(overrides), cluster)
     return {"step_s": plan.step_time_s, "comm_s": plan.comm_s}

@@ -22,7 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from plait.checkpoint import finish, load_full, meta, one_process, read_meta
+from plait.checkpoint import finish, meta, read_meta
+from plait.checkpoint.rank_state import load_full, one_process
 from plait.config import Config, ModelConfig, model_section
 from plait.model.args import ModelArgs
 from plait.model.hf import HF_PLANS, architecture, hf_name, read_config

@@ -59,7 +59,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from plait.model.args import ModelArgs
 from plait.model.feed_forward import FeedForward
 
-ROUTERS = ("token_choice", "expert_choice")
 RANK_STEP = 2.0**-16  # the precision at which routing compares probabilities
 
 

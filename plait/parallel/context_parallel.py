@@ -35,12 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from plait.choices import CP_METHODS
 from plait.comm import shift
 from plait.comm.autograd import heads_to_seq, seq_to_heads
 from plait.mesh import Axis
 from plait.model.plan import needs_plan
-
-METHODS = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -287,8 +286,8 @@ class UlyssesAttentionKernel(nn.Module):
 def apply_cp(chunk: nn.Module, cp: Axis, method: str) -> ContextLayout:
     """Make a model or pipeline chunk attend across the sequence shards of the cp ranks, in place;
     returns the layout of this rank's shard (the trainer cuts the data by it)."""
-    if method not in METHODS:
-        raise ValueError(f"cp_method is one of {', '.join(METHODS)}, got {method!r}")
+    if method not in CP_METHODS:
+        raise ValueError(f"cp_method is one of {', '.join(CP_METHODS)}, got {method!r}")
     layout = ContextLayout(method, cp.rank, cp.size)
     if cp.size == 1:
         return layout

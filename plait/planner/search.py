@@ -1,6 +1,6 @@
 """The planner's search: which layouts to price (`meshes`, `candidates`), their ranking, and
 what `plait plan` says of each (`warnings`) and of the best (`reasons`). Pricing one layout is
-`plait.planner.estimate`."""
+`plait.planner.price.estimate`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import math
 from plait.checks import validate
 from plait.config import Config, ConfigError
 from plait.mesh import ParallelDims
-from plait.planner import (
+from plait.planner.hardware import Cluster
+from plait.planner.price import (
     HEADROOM,
     PricedLayout,
     estimate,
@@ -18,7 +19,6 @@ from plait.planner import (
     traced_stage,
     with_degrees,
 )
-from plait.planner.hardware import Cluster
 
 
 def _divisors(n: int) -> list[int]:

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from plait.checks import validate
 from plait.config import Config, ConfigError
-from plait.planner import HEADROOM, PricedLayout, estimate, with_degrees
 from plait.planner.hardware import Cluster
+from plait.planner.price import HEADROOM, PricedLayout, estimate, with_degrees
 from plait.planner.search import meshes, rank_plans, reasons
 
 PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",

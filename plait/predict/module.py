@@ -93,8 +93,8 @@ def _trace_module(model, batch, parallel, dims, rank, M, precision, options, dev
 def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: str,
                    gpus_per_node: int) -> None:
     """Each rank's step on `gpu` by the planner's time model (`plait.planner.stage_seconds`)."""
-    from plait.planner import stage_seconds
     from plait.planner.hardware import DEVICES, Cluster
+    from plait.planner.price import stage_seconds
 
     if has_plan(model):
         raise ValueError("gpu: the step time of a model with a plan is `plait plan`'s (its "

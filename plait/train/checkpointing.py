@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from plait.checkpoint import finish, meta, step_path, training_state
+from plait.checkpoint import finish, meta, step_path
 from plait.checkpoint.layout import Boxes, SaveBoxes
+from plait.checkpoint.rank_state import training_state
 from plait.config import Config
 from plait.train.faults import maybe_fail
 

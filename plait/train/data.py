@@ -13,9 +13,9 @@ and after a resume on another one.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from plait.config import ConfigError, DataConfig
 from plait.train.corpus import (
@@ -26,6 +26,9 @@ from plait.train.corpus import (
     sample_ids,
     verify_shards,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _MASK64 = (1 << 64) - 1
 
@@ -111,6 +114,8 @@ class TokenData:
                 f"{cfg.seq_len} and a validation split of {cfg.val_fraction}; use more text")
 
     def _rows(self, first: int, windows: np.ndarray) -> tuple[torch.Tensor, ...]:
+        import torch  # here: `check_source` refuses a bad corpus before torch is imported
+
         window = torch.from_numpy(self.corpus.read(first + windows * self.seq_len,
                                                    self.seq_len + 1))
         return window[:, :-1], window[:, 1:]  # inputs, targets: (rows, seq)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from plait.checkpoint import find, load
+from plait.checkpoint import find
+from plait.checkpoint.rank_state import load
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
 from plait.config import Config, microbatches

@@ -12,7 +12,8 @@ from harness import run_world
 from training import assert_params_close, held_params, tiny_config
 
 from plait.checks import validate
-from plait.checkpoint import complete_checkpoints, load_full, read_meta
+from plait.checkpoint import complete_checkpoints, read_meta
+from plait.checkpoint.rank_state import load_full
 from plait.mesh import build_mesh
 from plait.train.trainer import Trainer
 

@@ -28,13 +28,13 @@ from compression_reference import Simulation
 from harness import run_world
 from training import run_steps, tiny_config
 
-from plait.comm.compression import METHODS
+from plait.choices import COMPRESSIONS
 from plait.checks import validate
 
 START = 1
 BASE = ["train.steps=3", "parallel.bucket_mb=0.05", f"parallel.compression_start={START}",
         "parallel.compression_ratio=0.05", "parallel.compression_rank=2"]
-COMPRESSED = [m for m in METHODS if m != "none"]
+COMPRESSED = [m for m in COMPRESSIONS if m != "none"]
 STATELESS = ["fp16", "bf16", "int8"]
 
 LAYOUTS = [

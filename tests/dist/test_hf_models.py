@@ -23,7 +23,7 @@ from training import assert_params_close, run_steps
 
 from plait.checks import validate
 from plait.model.hf import hf_name
-from plait.planner import estimate
+from plait.planner.price import estimate
 from plait.planner.hardware import DEVICES, Cluster
 from plait.train.dry_run import describe_rank
 

@@ -11,7 +11,8 @@ import torch
 from hf_models import write_model
 from test_cli import plait_here, read_metrics
 
-from plait.checkpoint import complete_checkpoints, load_full
+from plait.checkpoint import complete_checkpoints
+from plait.checkpoint.rank_state import load_full
 
 COMMON = ["data.seq_len=32", "train.global_batch=8", "train.steps=4", "train.warmup_steps=1",
           "train.eval_batches=1"]

@@ -14,7 +14,7 @@ import torch
 from test_cli import TINY, plait_here, read_metrics
 from training import assert_params_close
 
-from plait.checkpoint import load_full
+from plait.checkpoint.rank_state import load_full
 from plait.nodes import EmulatedNodes, available
 
 WHY = available()

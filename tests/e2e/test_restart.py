@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_cli import plait, plait_here, read_metrics
 
-from plait.checkpoint import load_full
+from plait.checkpoint.rank_state import load_full
 from plait.train.faults import ENV
 
 RUN = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000", "train.eval_batches=1",

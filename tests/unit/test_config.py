@@ -3,8 +3,11 @@ starts."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -467,6 +470,47 @@ def test_bad_input_from_a_real_process():
         "plait: error: parallel.tp: tp=5 must divide n_heads=6, n_kv_heads=2, ffn_dim=512, "
         "vocab_size=256"
     ]
+
+
+# What a refusal in a fresh process reports after its one line: whether it imported torch.
+PROBE = ("import sys\nfrom plait import cli\ntry:\n    cli.main(sys.argv[1:])\nfinally:\n"
+         "    print('torch' if 'torch' in sys.modules else 'no torch')")
+
+
+def _may_import_torch(argv: list[str], field: str) -> bool:
+    """The refusals whose check may read through torch or a library that imports it; every other
+    one is made from the configuration, the file system and numpy alone."""
+    return (argv[:2] == ["data", "prepare"] and ".jsonl" in argv[2]  # `datasets` reads JSON lines
+            or "checkpoint.resume={files}/ck_tiny" in argv  # DCP's metadata of a checkpoint
+            or field == "plan"  # the search found no layout: it priced them
+            or argv[0] == "bench" and not field.startswith("--"))  # a bench's own layouts
+
+
+def test_refusals_import_no_torch_and_say_how_long_they_take(files, capsys):
+    """Every bad input of both tables, as a user meets it: a fresh process, status 2. Importing
+    torch takes seconds here, most of a refusal's time, so those that need no torch must not
+    import it. The median time is printed (timings are never asserted)."""
+    rows = [(["train", *a], f) for a, f in BAD_INPUT] + OTHER_BAD_INPUT
+
+    def refuse(row):
+        argv = [a.replace("{files}", str(files)) for a in row[0]]
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True,
+                              text=True, timeout=120)
+        return time.perf_counter() - start, proc
+
+    with ThreadPoolExecutor(2) as pool:  # one process per core
+        results = list(pool.map(refuse, rows))
+    assert [proc.returncode for _, proc in results] == [2] * len(rows)
+    imported = [row for row, (_, proc) in zip(rows, results, strict=True)
+                if proc.stdout.splitlines()[-1] == "torch"]
+    assert [row for row in imported if not _may_import_torch(*row)] == []
+    seconds = sorted(t for t, _ in results)
+    with capsys.disabled():
+        print(f"\n{len(rows)} bad inputs refused, each in a fresh process: median "
+              f"{statistics.median(seconds):.2f} s, 90th percentile "
+              f"{seconds[int(0.9 * len(seconds))]:.2f} s, slowest {seconds[-1]:.2f} s "
+              f"({len(imported)} import torch: a checkpoint, JSON lines, layouts to price)")
 
 
 def test_context_parallel_refusals_name_the_fix():

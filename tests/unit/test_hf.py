@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from plait import cli
-from plait.checkpoint import finish, load_full, meta, one_process
+from plait.checkpoint import finish, meta
+from plait.checkpoint.rank_state import load_full, one_process
 from plait.checks import validate
 from plait.config import load_config
 from plait.model import build_model
-from plait.planner import DEGREES, with_degrees
+from plait.planner.price import DEGREES, with_degrees
 from plait.train.dry_run import describe_rank
 
 transformers = pytest.importorskip("transformers")

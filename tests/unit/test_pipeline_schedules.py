@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from plait.choices import PP_SCHEDULES
 from plait.parallel.pipeline.schedules import (
-    SCHEDULES,
     Action,
     Kind,
     ScheduleError,
@@ -15,7 +15,7 @@ from plait.parallel.pipeline.schedules import (
 )
 from plait.parallel.pipeline.simulator import check, simulate, textbook_bubble
 
-CASES = [(name, P, M) for name in SCHEDULES for P in (2, 4) for M in (P, 2 * P, 4 * P)]
+CASES = [(name, P, M) for name in PP_SCHEDULES for P in (2, 4) for M in (P, 2 * P, 4 * P)]
 
 
 @pytest.mark.parametrize("name,P,M", CASES)

@@ -13,8 +13,8 @@ from training import tiny_config
 from plait.checks import validate
 from plait.config import ConfigError, load_config
 from plait.model import build_model
-from plait.planner import estimate, with_degrees
 from plait.planner.hardware import DEVICES, Cluster, Device
+from plait.planner.price import estimate, with_degrees
 from plait.planner.search import rank_plans
 from plait.planner.show import PIPELINE_SAVES, choose, leanest
 from plait.predict.cost import all_to_all_bytes
@@ -309,7 +309,7 @@ def test_the_hierarchical_all_reduce_is_priced_per_link():
     links, the node's 4 dp ranks (stride 1) on the intra-node one, the 2 nodes' (stride 4) on the
     inter-node one, each call by the alpha-beta model; over the slow link it moves 1/7 of the flat
     ring's bus bytes (2 (n-1)/n of D/4 at n = 2, against of D at n = 8)."""
-    from plait.planner import _comm_seconds, _group_shape
+    from plait.planner.price import _comm_seconds, _group_shape
 
     cluster, priced = Cluster(8, 4, TOY), {}
     for allreduce in ("ring", "hierarchical"):

@@ -197,10 +197,6 @@ class Method(Protocol):
         ...
 
 
-METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")
-WITH_ERROR_FEEDBACK = ("topk", "powersgd", "sign")
-
-
 class Compression:
     """A method and when it applies: from optimizer step `start` on (PowerSGD's authors start after
     some uncompressed steps; error feedback starts empty then), and only where the group has more
@@ -254,6 +250,6 @@ def build_compression(method: str, ratio: float = 0.01, rank: int = 4,
     return Compression(build(), start)
 
 
-__all__ = ["METHODS", "WITH_ERROR_FEEDBACK", "Chain", "Compression", "GatheredWithFeedback",
+__all__ = ["Chain", "Compression", "GatheredWithFeedback",
            "Method", "Segment", "all_gather_sum", "build_compression", "layout", "members_numel",
            "own_chunk", "sum_in_rank_order"]

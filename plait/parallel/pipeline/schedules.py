@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from plait.choices import PP_SCHEDULES
+
 
 class Kind(enum.Enum):
     F = "F"
@@ -153,7 +155,5 @@ def build_schedule(name: str, stages: int, microbatches: int, chunks_per_stage: 
         return interleaved_1f1b(stages, microbatches, chunks_per_stage)
     if name == "zb1":
         return zb_h1(stages, microbatches)
-    raise ScheduleError(f"unknown schedule '{name}'; one of gpipe, 1f1b, interleaved, zb1")
+    raise ScheduleError(f"unknown schedule '{name}'; one of {', '.join(PP_SCHEDULES)}")
 
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")

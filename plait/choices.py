@@ -1,0 +1,10 @@
+"""The values a configuration key may take, where they are a closed list. The engines key their
+implementations by these names; keeping the names here, in a module that imports nothing, lets
+the checks refuse a misspelt one without importing an engine (or torch) first."""
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")  # parallel.pp_schedule
+CP_METHODS = ("ring", "ulysses")  # parallel.cp_method
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")  # parallel.compression
+WITH_ERROR_FEEDBACK = ("topk", "powersgd", "sign")  # the lossy ones that keep a residual
+ROUTERS = ("token_choice", "expert_choice")  # model.moe_router
+HALF_PRECISIONS = ("bf16", "fp16")  # train.precision, besides "fp32"

@@ -1,0 +1,288 @@
+"""One layout priced: its memory per stage, its step time and what it communicates (the model
+the package's docstring describes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from plait.comm import Op
+from plait.config import Config, microbatches
+from plait.mesh import AXES, Axis, ParallelDims, batch_axis, dp_per_node
+from plait.model import ModelArgs, build_configured
+from plait.parallel import place
+from plait.parallel.pipeline.simulator import bubble_formula
+from plait.parallel.pipeline.stage import chunk_sizes
+from plait.planner.hardware import Cluster
+from plait.predict import cost
+from plait.predict.activations import activation_bytes
+from plait.predict.cost import ChunkLayout, routed_traffic
+from plait.predict.trace import Untraceable, trace_class
+
+HEADROOM = 0.9  # of device memory a plan may use
+# Message steps of a ring collective on n ranks, in units of n - 1 (send: one step).
+STEPS = {Op.ALL_REDUCE: 2, Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_TO_ALL: 1}
+DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "cp_method", "microbatches",
+           "pp_schedule", "activation_checkpointing", "sequence_parallel", "offload")
+
+
+@dataclass
+class PricedLayout:
+    degrees: dict
+    params: int
+    memory_bytes: dict  # rank 0: params, grads, optimizer (end of step), the model state's peak
+    # during the step, activations, total (end of step + activations)
+    peak_memory_bytes: int  # the worst stage's device bytes at their most: what must fit
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble: float
+    comm_bytes: float  # rank 0, per step
+    comm_s: float = 0.0  # the slowest stage's communication not hidden by compute, per step
+    startup_bytes: int = 0  # the worst stage's device bytes while it builds its part
+    host_memory_bytes: int = 0  # per node: what offload keeps in host memory
+    warnings: list[str] = field(default_factory=list)
+    fits: bool = True
+
+    def as_json(self) -> dict:
+        return {**self.degrees, **{k: v for k, v in dataclasses.asdict(self).items()
+                                   if k != "degrees"}}
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_model(args: ModelArgs, hf: str = ""):
+    """The model on `meta` (plait's Llama of `args`, or the Hugging Face folder `hf`: its own
+    modules), built once for what only reads it."""
+    return build_configured(args, 0, "meta", hf)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sizes(args: ModelArgs, chunks: int, split: tuple, hf: str = "") -> tuple[int, ...]:
+    """Layers per pipeline chunk, as `apply_pp` cuts them."""
+    if chunks == 1:
+        return (args.n_layers,)
+    return split or tuple(chunk_sizes(_meta_model(args, hf), chunks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stages(args: ModelArgs, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayout], tuple]]:
+    """Per stage, its chunks as the formulas see them (chunk c on stage c % pp) and its kind:
+    what its model state and traffic depend on (per chunk which of its blocks are MoE, whether
+    it holds the embedding, the head, which neighbours it sends to). Stages of one kind price
+    alike: a 64-stage pipeline has three or four kinds."""
+    C, out = len(sizes), []
+    starts = [sum(sizes[:c]) for c in range(C)]
+    for stage in range(pp):
+        chunks, kind = [], []
+        for c in range(stage, C, pp):
+            moe = tuple(args.is_moe(i) for i in range(starts[c], starts[c] + sizes[c]))
+            chunks.append(ChunkLayout(c, sizes[c], c == 0, c == C - 1, sum(moe)))
+            kind.append((moe, c == 0, c == C - 1, c > 0, c < C - 1))
+        out.append((chunks, tuple(kind)))
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int,
+            sp: bool = False, hf: str = ""):
+    """One stage's placement record (what the formulas need), the chunks cut as `sizes` says;
+    `sp`: sequence parallelism (which parameters' gradients are partial over tp)."""
+    from plait.config import ParallelConfig
+
+    virtual = len(sizes) // pp
+    par = ParallelConfig(pp=pp, tp=tp, ep=ep, pp_schedule="interleaved" if virtual > 1 else "1f1b",
+                         pp_virtual=virtual, pp_split=list(sizes) if len(sizes) > 1 else [],
+                         sequence_parallel=sp and tp > 1)
+    degrees = {"pp": pp, "tp": tp, "ep": ep}
+    axes = {a: Axis.dry(a, stage if a == "pp" else 0, degrees.get(a, 1)) for a in AXES}
+    axes["batch"] = batch_axis(axes)
+    _, _, record = place(build_configured(args, 0, "meta", hf), axes, par, pp)  # it cuts it
+    return record
+
+
+def _group_shape(dims: ParallelDims, group: str, node: int = 1) -> tuple[int, int]:
+    """(stride, size) on the row-major mesh of a group the traffic names; `node`: the dp ranks
+    on one node, which the hierarchical all-reduce's groups ("dp_node", "dp_nodes") split dp by."""
+    stride = {a: 1 for a in AXES}
+    for inner, outer in zip(AXES[::-1], AXES[::-1][1:], strict=False):
+        stride[outer] = stride[inner] * getattr(dims, inner)
+    K = dims.shard
+    return {"dp_shard": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K),
+            "dp_node": (stride["dp"], node), "dp_nodes": (stride["dp"] * node, dims.dp // node),
+            "batch": (stride["ep"], dims.batch)}.get(  # dp x cp x ep: one run of stride tp
+        group, (stride.get(group, 1), getattr(dims, group, 1)))
+
+
+def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster,
+                  node: int = 1) -> dict[str, float]:
+    """Seconds per group: each call's latency steps plus its bytes over the group's link. gloo
+    reduce-scatters by all-reducing (twice the steps and bytes; `plait bench topology` measured
+    it so)."""
+    out = {}
+    for group, ops in traffic.groups.items():
+        stride, size = _group_shape(dims, group, node)
+        bandwidth, alpha = cluster.link(stride, size)
+        out[group] = 0.0
+        for op, (calls, moved) in ops.items():
+            if op == Op.REDUCE_SCATTER and cluster.device.gloo:
+                op, moved = Op.ALL_REDUCE, 2 * moved
+            out[group] += calls * STEPS.get(op, 1) * (size - 1) * alpha + float(moved) / bandwidth
+    return out
+
+
+def stage_seconds(flops: float, traffic, zero: int, dims: ParallelDims, cluster: Cluster,
+                  passes: float = 1.0, node: int = 1, bubble: float = 0.0,
+                  host: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+    """(step seconds, communication seconds not hidden) of a rank that executes `flops` and
+    moves `traffic` (a `cost.Traffic`) in a step: the matmuls at the device's peak times its
+    efficiency, plus its overheads per step and per pass of a micro-batch through the whole
+    model (`passes`); tensor-, pipeline-, context- and expert-parallel traffic on the critical
+    path, data-parallel traffic hidden behind the backward (ZeRO-3: the whole step) as far as it
+    lasts; a pipeline's `bubble` stretching the pipelined part; `host`: offload's seconds on the
+    critical path and those that hide like data-parallel traffic."""
+    dev = cluster.device
+    compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
+               + dev.microbatch_overhead_s * passes)
+    comm = _comm_seconds(traffic, dims, cluster, node)
+    data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
+    data += host[1]  # parameter slices copied in before their gathers
+    hidden = 0.0 if not dev.overlap else compute if zero == 3 else compute * 2 / 3
+    exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
+    waited = exposed / (1 - bubble) + max(0.0, data - hidden)
+    return compute / (1 - bubble) + waited + host[0], waited
+
+
+def traced_stage(cfg: Config, dims: ParallelDims, stage: int):
+    """A Hugging Face model's step on the first rank of `stage`, traced on fake tensors (its own
+    operations: `plait.predict.trace`); None where it cannot be (then plait's Llama formulas of
+    the same shape price it, and the plan says so)."""
+    if not cfg.model.hf:
+        return None
+    try:
+        return trace_class(cfg, dims, dims.rank(pp=stage))
+    except Untraceable:
+        return None
+
+
+def _activations(cfg: Config, dims: ParallelDims, chunks, stage: int) -> int:
+    traced = traced_stage(cfg, dims, stage)
+    return traced.activation_bytes if traced else activation_bytes(cfg, dims, chunks)
+
+
+def _flops(cfg: Config, dims: ParallelDims, record, chunks,
+           stage: int = 0) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs incl. recomputation) of one step on this stage's rank."""
+    traced = traced_stage(cfg, dims, stage)
+    if traced is not None:  # the model's own, and without recomputation for the model FLOPs
+        plain = traced if cfg.train.activation_checkpointing == "none" else \
+            traced_stage(with_degrees(cfg, activation_checkpointing="none"), dims, stage)
+        return float(plain.flops), float(traced.flops)
+    args = cfg.model.args()
+    tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
+    layers = sum(c.layers for c in chunks)
+    # An expert's weights see top_k / E of the tokens of its ep group's ep ranks.
+    routed = args.moe_top_k * dims.ep / args.moe_experts if args.moe_experts else 1.0
+    matmul = sum(p.local_numel * (routed if ".experts." in n else 1)
+                 for n, p in record.params.items() if not n.startswith("tok_embeddings"))
+    attention = 12 * layers * cfg.data.seq_len * args.dim / dims.tp
+    model = tokens * (6 * matmul + attention)
+    extra = {"full": tokens * (2 * matmul + attention / 3),  # one more forward
+             "selective": tokens * attention / 3}.get(cfg.train.activation_checkpointing, 0.0)
+    return model, model + extra
+
+
+def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
+    """Price one configuration (validated for dims.world_size)."""
+    par, dev, args = cfg.parallel, cluster.device, cfg.model.args()
+    M = microbatches(par, dims)
+    schedule = par.pp_schedule if dims.pp > 1 else "1f1b"
+    virtual = par.pp_virtual if schedule == "interleaved" else 1
+    bubble = bubble_formula(schedule, dims.pp, M, virtual) if dims.pp > 1 else 0.0
+    sizes = _sizes(args, dims.pp * virtual, tuple(par.pp_split), cfg.model.hf)
+    priced, per_stage, step, comm_s = {}, [], 0.0, 0.0
+    node = dp_per_node(dims, par.ranks_per_node or cluster.per_node)  # hierarchical's groups
+    for stage, (chunks, kind) in enumerate(_stages(args, dims.pp, sizes)):
+        if kind not in priced:
+            record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage,
+                             par.sequence_parallel, cfg.model.hf)
+            traffic = cost.step_traffic(cfg, dims, record, chunks)
+            routed_traffic(traffic, cfg, dims, chunks)
+            model_flops, flops = _flops(cfg, dims, record, chunks, stage)
+            share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
+            state = cost.state_bytes(cfg, dims, record)
+            offloaded, host_s, hidden_host_s = _offload(state, cfg, dims, cluster)
+            time, waited = stage_seconds(flops, traffic, par.zero, dims, cluster, M * share,
+                                         node, bubble, (host_s, hidden_host_s))
+            priced[kind] = (state, traffic, model_flops, time, offloaded,
+                            cost.startup_bytes(cfg, dims, record), waited)
+        state, traffic, model_flops, time, offloaded, startup, waited = priced[kind]
+        if time > step:
+            step, comm_s = time, waited
+        per_stage.append((state, _activations(cfg, dims, chunks, stage), traffic, model_flops,
+                          offloaded, startup))
+    state, act, traffic, *_ = per_stage[0]
+    memory = {**{k: state[k] for k in ("params", "grads", "optimizer", "peak")},
+              "activations": act}
+    memory["total"] = sum(v for k, v in state.items() if k != "peak") + act
+    # On the device: the step's peak and activations, less what offload keeps in host memory;
+    # and, before the first step, what building the rank's part of the model takes.
+    peak = max(s["peak"] - off + a for s, a, _, _, off, _ in per_stage)
+    startup = max(st for *_, st in per_stage)
+    host = cluster.per_node * max(off for *_, off, _ in per_stage)
+    model_flops = sum(f[3] for f in per_stage) * dims.batch * dims.tp
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \
+        host <= HEADROOM * dev.host_memory_bytes
+    return PricedLayout(degrees=layout_degrees(cfg, dims), params=_count(args, cfg.model.hf),
+                memory_bytes=memory, peak_memory_bytes=max(peak, startup), step_time_s=step,
+                tokens_per_s=tokens / step,
+                mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
+                comm_bytes=float(traffic.total), comm_s=comm_s, startup_bytes=startup,
+                host_memory_bytes=host, fits=fits)
+
+
+def _offload(state: dict, cfg: Config, dims: ParallelDims,
+             cluster: Cluster) -> tuple[int, float, float]:
+    """(bytes offload keeps in host memory per rank, seconds it adds to the step on the critical
+    path, seconds of copies that can hide behind compute). "optimizer" (ZeRO-Offload): the fp32
+    masters and moments in host memory; per step the gradient slice goes down and the updated
+    parameter slice comes back over PCIe, and the CPU runs AdamW (memory-bound: 32 bytes per
+    element at the node's host bandwidth, shared by its GPUs). "params" (ZeRO-3): the parameter
+    slices too, each copied to the device before each of its gathers."""
+    par, dev = cfg.parallel, cluster.device
+    if par.offload == "none":
+        return 0, 0.0, 0.0
+    param_b, reduce_b = cost.dtype_bytes(cfg)
+    sliced = state["optimizer"] // (12 if param_b == 2 else 8)  # elements of this rank's slices
+    pcie = dev.pcie_gbps * 1e9
+    cpu = sliced * 32 / (dev.host_gbps * 1e9 / cluster.per_node)
+    host, seconds = state["optimizer"], sliced * (reduce_b + param_b) / pcie + cpu
+    hidden = 0.0
+    if par.offload == "params":
+        host += state["params"]  # ZeRO-3's slices at the end of a step
+        gathers = 1 if not par.reshard_after_forward else 2 * microbatches(par, dims)
+        hidden = gathers * state["params"] / pcie
+    return host, seconds, hidden
+
+
+@functools.lru_cache(maxsize=64)
+def _count(args: ModelArgs, hf: str = "") -> int:
+    return sum(p.numel() for p in _meta_model(args, hf).parameters())
+
+
+def layout_degrees(cfg: Config, dims: ParallelDims) -> dict:
+    par = cfg.parallel
+    return {"dp": dims.dp, "dp_shard": par.dp_shard, "tp": dims.tp, "pp": dims.pp,
+            "cp": dims.cp, "ep": dims.ep, "zero": par.zero, "cp_method": par.cp_method,
+            "microbatches": microbatches(par, dims), "pp_schedule": par.pp_schedule,
+            "activation_checkpointing": cfg.train.activation_checkpointing,
+            "sequence_parallel": par.sequence_parallel, "offload": par.offload}
+
+
+def with_degrees(cfg: Config, **degrees) -> Config:
+    """cfg with the given plan degrees (train.activation_checkpointing among them)."""
+    train = {k: v for k, v in degrees.items() if k == "activation_checkpointing"}
+    par = {k: v for k, v in degrees.items() if k not in train}
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **par),
+                               train=dataclasses.replace(cfg.train, **train))
