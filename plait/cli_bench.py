@@ -90,12 +90,14 @@ def _counts(text: str, option: str) -> list[int]:
 
 def cmd_bench_data(args: argparse.Namespace) -> None:
     sizes, workers = _counts(args.sizes_mb, "--sizes-mb"), _counts(args.workers, "--workers")
+    launch_gb = _counts(args.launch_gb, "--launch-gb")
     if args.steps < 2:
         raise ConfigError("--steps", f"at least 2 (the first is warm-up), got {args.steps}")
     cfg = load_config(None, [*DATA_MODEL, *args.overrides])
-    from plait.bench.data import run_data
+    from plait.bench.data import run_data, run_launch
 
     run_data(cfg, args.nproc, sizes, workers, args.steps, Path(args.dir))
+    run_launch([*DATA_MODEL, *args.overrides], launch_gb, Path(args.dir))
 
 
 def cmd_bench_checkpoint(args: argparse.Namespace) -> None:

@@ -48,10 +48,14 @@ def cmd_data_verify(args: argparse.Namespace) -> None:
     try:
         manifest = read_manifest(folder)
         shards = manifest["shards"]
-        picked = random.sample(shards, args.sample) if 0 < args.sample < len(shards) else shards
-        verify_shards(folder, {**manifest, "shards": picked}, checksums=True, key="OUT")
+        picked = sorted(random.sample(range(len(shards)), args.sample)) \
+            if 0 < args.sample < len(shards) else list(range(len(shards)))
+        unchecked = verify_shards(folder, manifest, checksums=True, key="OUT", only=picked)
     except CorpusError as e:
         raise ConfigError(e.key, e.message) from None
+    if unchecked:
+        print(f"note: {unchecked}")
     print(f"{folder}: {len(picked)} of {len(shards)} shard(s), "
-          f"{sum(s['tokens'] for s in picked):,} ids: checksums and ids as prepared "
+          f"{sum(shards[i]['tokens'] for i in picked):,} ids: "
+          f"{'sha256, block checksums' if not unchecked else 'sha256'} and ids as prepared "
           f"({time.perf_counter() - start:.1f} s)")

@@ -134,6 +134,8 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                     help="MiB of text to tokenize, then MiB of ids of each bigger corpus"),
                 arg("--workers", default="1,2", help="tokenizing processes, comma-separated"),
                 steps(20, "corpus"),
+                arg("--launch-gb", default="1,100",
+                    help="GiB of each sparse corpus a launch is timed on"),
                 arg("--dir", default="runs/bench_data",
                     help="where the corpora are written (and deleted after)"), OVERRIDES)),
     Command("plan", "the planner's predictions against runs here (bytes, state, activations, "

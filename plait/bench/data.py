@@ -9,8 +9,11 @@ whose per-epoch permutation is held in full by every rank.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from plait.bench.step import start_worker
 from plait.config import Config
-from plait.train.corpus import stdlib_files
+from plait.train.corpus import (
+    BLOCK_BYTES,
+    CHECKSUMS,
+    INDEX,
+    MANIFEST,
+    SHARD_TOKENS,
+    stdlib_files,
+)
 from plait.train.data import TokenData
 from plait.train.host_memory import anonymous_bytes
 from plait.train.prepare import prepare
@@ -59,6 +69,41 @@ def big_corpus(out: Path, id_bytes: int, workers: int) -> dict:
     repeats = max(1, round(id_bytes / 2 / size))
     return prepare(sources * repeats, str(out), "bytes", workers=workers, progress=False)
 
+
+
+def sparse_corpus(out: Path, id_bytes: int) -> dict:
+    """A prepared corpus of about `id_bytes` bytes of ids (rounded up to whole checksummed blocks)
+    in shards of `SHARD_TOKENS` ids, as `plait data prepare` lays them out, written as sparse
+    files: every id 0, one document per shard, nothing on disk. What a launch costs on a corpus
+    of that size, made in a second; its checksums are those of its zeros."""
+    width = np.dtype(np.uint16).itemsize
+    tokens = -(-id_bytes // BLOCK_BYTES) * BLOCK_BYTES // width
+    sizes = [min(SHARD_TOKENS, tokens - at) for at in range(0, tokens, SHARD_TOKENS)]
+    out.mkdir(parents=True, exist_ok=True)
+    shards, digests = [], {}
+    for i, n in enumerate(sizes):
+        with open(out / f"shard-{i:05d}.bin", "wb") as f:
+            f.truncate(n * width)
+        if n not in digests:
+            digests[n] = _zeros_sha256(n * width)
+        shards.append({"file": f"shard-{i:05d}.bin", "tokens": n, "bytes": n * width,
+                       "sha256": digests[n]})
+    np.save(out / INDEX, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+    np.save(out / CHECKSUMS, np.full(tokens * width // BLOCK_BYTES,
+                                     zlib.crc32(bytes(BLOCK_BYTES)), dtype=np.uint32))
+    manifest = {"format": "plait-tokens/1", "vocab_size": 256, "dtype": "uint16",
+                "documents": len(sizes), "tokens": tokens, "eot": None, "tokenizer": "bytes",
+                "sources": ["sparse zeros"], "skipped": [], "block_bytes": BLOCK_BYTES,
+                "checksums": CHECKSUMS, "shards": shards}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _zeros_sha256(size: int) -> str:
+    digest, zeros = hashlib.sha256(), bytes(1 << 24)
+    for at in range(0, size, len(zeros)):
+        digest.update(zeros[: min(len(zeros), size - at)])
+    return digest.hexdigest()
 
 class Windows(Dataset):
     """torch's recipe: the same training windows, one per index, read from the same memory map."""
@@ -169,3 +214,57 @@ def run_data(cfg: Config, nproc: int, sizes_mb: list[int], workers: list[int], s
 
 def _mb(n: float) -> str:
     return f"{n / (1 << 20):,.1f} MiB"
+
+
+def run_launch(overrides: list[str], sizes_gb: list[int], folder: Path) -> list[dict]:
+    """`plait train --nproc 1` for one step on sparse corpora of each size (`sparse_corpus`): the
+    time from the process's start to its first step's metrics line, and the corpus bytes read
+    meanwhile (the page cache's count, every process included), beside what each launch read
+    before its checks sampled: every shard whole for its sha256, timed here the same way."""
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    from plait.train.host_memory import cached_bytes  # noqa: PLC0415
+
+    rows = []
+    for gb in sizes_gb:
+        corpus = folder / f"sparse_{gb}gb"
+        shutil.rmtree(corpus, ignore_errors=True)
+        manifest = sparse_corpus(corpus, gb << 30)
+        shards = sorted(corpus.glob("shard-*.bin"))
+        metrics = folder / f"launch_{gb}gb.jsonl"
+        start = time.time()
+        proc = subprocess.run([sys.executable, "-m", "plait", "train", "--nproc", "1",
+                               "--metrics", str(metrics), *overrides, f"data.source={corpus}",
+                               "train.steps=1", "train.eval_batches=1", "train.warmup_steps=0"],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"plait train on {corpus} failed:\n{proc.stderr[-3000:]}")
+        launch = os.stat(metrics).st_mtime - start
+        read = sum(cached_bytes(f) for f in shards)
+        start = time.perf_counter()
+        for shard in shards:  # what every launch did before: each shard read for its sha256
+            digest = hashlib.sha256()
+            with open(shard, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+        whole = time.perf_counter() - start
+        rows.append({"gib": gb, "shards": len(manifest["shards"]), "launch_s": launch,
+                     "read_bytes": read, "sha256_s": whole})
+        shutil.rmtree(corpus, ignore_errors=True)
+    table = Table(title="plait train --nproc 1, one step, on prepared corpora of sparse shards: "
+                  "process start to the first step's metrics line")
+    for col in ("corpus", "shards", "launch", "corpus read", "before: + sha256 of every shard",
+                "before"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(f"{r['gib']:,} GiB", f"{r['shards']:,}", f"{r['launch_s']:.1f} s",
+                      _mb(r["read_bytes"]), f"{r['sha256_s']:.1f} s",
+                      f"{r['launch_s'] + r['sha256_s']:.1f} s")
+    Console(width=150).print(table)
+    return rows

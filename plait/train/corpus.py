@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,9 @@ MANIFEST = "manifest.json"
 INDEX = "documents.npy"  # int64: each document's first position, then the number of tokens
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SHARD_TOKENS = 1 << 28  # ids per shard file that `plait data prepare` writes (512 MiB of uint16)
+CHECKSUMS = "checksums.npy"  # uint32: the crc32 of every block of every shard, shard by shard
+BLOCK_BYTES = 1 << 16  # the checksummed block: what a training read verifies on first touch
+SAMPLE_BLOCKS = 32  # blocks a launch verifies: the corpus's first, last, evenly between
 
 
 class CorpusError(ValueError):
@@ -107,6 +111,10 @@ def _manifest_problem(m) -> str | None:
                     f"{shard.get('bytes')!r} disagree with dtype {m['dtype']}")
         if not isinstance(shard.get("sha256"), str):
             return f"shards[{i}] has no sha256"
+    if ("block_bytes" in m or "checksums" in m) and m.get("checksums") != CHECKSUMS:
+        return f"checksums {m.get('checksums')!r} is not {CHECKSUMS}"
+    if "block_bytes" in m and (not _whole(m["block_bytes"], width) or m["block_bytes"] % width):
+        return f"block_bytes {m['block_bytes']!r} is not a whole number of {m['dtype']} ids"
     if not any(shard["tokens"] for shard in shards):
         return "its shards hold no token"
     if not _whole(m.get("documents"), 1) or m.get("tokens") != sum(s["tokens"] for s in shards):
@@ -119,34 +127,128 @@ SAMPLE_IDS = 4096  # ids per sampled block
 
 
 def verify_shards(folder: Path, manifest: dict, checksums: bool = False,
-                  key: str = "data.source") -> None:
-    """Every shard present and of its recorded size, and a few blocks of its ids below the
-    vocabulary (`sample_ids`): what a launch checks, in time independent of the corpus's size.
-    With `checksums` (`plait data verify`), each shard read whole (~1 GB/s): its sha256 and
-    every id."""
-    for shard in manifest["shards"]:
-        path = folder / shard["file"]
-        if not path.is_file():
-            raise CorpusError(key, f"shard {path} is missing; prepare {folder} again")
-        size = path.stat().st_size
-        if size != shard["bytes"]:
-            raise CorpusError(key, f"shard {path} has {size} bytes, the manifest says "
-                              f"{shard['bytes']} (truncated?); prepare {folder} again")
-        ids = _map(path, DTYPES[manifest["dtype"]]) if shard["tokens"] else None
-        if ids is None:
-            continue
-        sample_ids(ids, manifest["vocab_size"], str(path), key,
-                   blocks=None if checksums else 2)
-        if not checksums:
-            continue
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-        if digest.hexdigest() != shard["sha256"]:
-            raise CorpusError(key, f"shard {path} fails its checksum (sha256 differs from the "
-                              f"manifest's); prepare {folder} again")
+                  key: str = "data.source", only: list[int] | None = None) -> str:
+    """Every shard present and of its recorded size, then blocks of its ids against their crc32
+    (`CHECKSUMS`) and below the vocabulary: at a launch `SAMPLE_BLOCKS` blocks spread over the
+    corpus, in time independent of its size; with `checksums` (`plait data verify`; `only`: these
+    shards) every shard read whole (~1 GB/s): its sha256, every block and every id. Returns a
+    note where the corpus has no block checksums (prepared by an older plait), "" otherwise."""
+    shards, dtype, vocab = manifest["shards"], DTYPES[manifest["dtype"]], manifest["vocab_size"]
+    picked = range(len(shards)) if only is None else only
+    for i in picked:
+        _check_present(folder, shards[i], key)
+    blocks = shard_blocks(folder, manifest, key)
+    if checksums:
+        for i in picked:
+            _check_whole(folder / shards[i]["file"], shards[i]["sha256"], dtype, vocab,
+                         blocks and blocks[i], key)
+    elif blocks is None:
+        for i in (i for i in picked if shards[i]["tokens"]):
+            path = folder / shards[i]["file"]
+            sample_ids(map_ids(path, dtype, scattered=True), vocab, str(path), key)
+    else:
+        for i, b in _sampled(blocks):
+            blocks[i].verify(b, key)
+            beyond(blocks[i].ids[b * blocks[i].per : (b + 1) * blocks[i].per],
+                   b * blocks[i].per, vocab, blocks[i].name, key)
     read_index(folder, manifest, key, whole=checksums)
+    return "" if blocks is not None else (
+        f"{folder} has no block checksums ({CHECKSUMS}: prepared by an older plait), so a launch "
+        "checks its sizes and a sample of ids, and training every id's range but not its bytes; "
+        "prepare it again to have every block read verified")
+
+
+def _check_present(folder: Path, shard: dict, key: str) -> None:
+    path = folder / shard["file"]
+    if not path.is_file():
+        raise CorpusError(key, f"shard {path} is missing; prepare {folder} again")
+    size = path.stat().st_size
+    if size != shard["bytes"]:
+        raise CorpusError(key, f"shard {path} has {size} bytes, the manifest says "
+                          f"{shard['bytes']} (truncated?); prepare {folder} again")
+
+
+def _check_whole(path: Path, sha256: str, dtype, vocab: int, blocks: ShardBlocks | None,
+                 key: str) -> None:
+    """One sequential pass over a shard: its sha256, each block's crc32, every id's range."""
+    digest, at = hashlib.sha256(), 0
+    size = blocks.per * np.dtype(dtype).itemsize if blocks is not None else 1 << 16
+    with open(path, "rb") as f:
+        while chunk := f.read(size * 256):
+            digest.update(chunk)
+            for i in range(0, len(chunk), size) if blocks is not None else ():
+                b = (at + i) // size
+                if zlib.crc32(memoryview(chunk)[i : i + size]) != int(blocks.sums[b]):
+                    raise blocks.changed(b, key)
+            ids = np.frombuffer(chunk, dtype=dtype)
+            beyond(ids, at // ids.itemsize, vocab, str(path), key)
+            at += len(chunk)
+    if digest.hexdigest() != sha256:
+        raise CorpusError(key, f"shard {path} fails its checksum (sha256 differs from the "
+                          f"manifest's); prepare {path.parent} again")
+
+
+class ShardBlocks:
+    """A shard's ids in checksummed blocks (`block_bytes` each, the last maybe shorter), each
+    verified against its crc32 the first time a read touches it: a byte changed since `plait data
+    prepare` stops the run where it is read, naming the shard and the block's offset."""
+
+    def __init__(self, ids: np.ndarray, sums: np.ndarray, block_bytes: int, name: str):
+        self.ids, self.sums, self.name = ids, sums, name
+        self.per = block_bytes // ids.itemsize  # ids per block
+        self.done = np.zeros(len(sums), dtype=bool)
+
+    def check(self, offset: int, length: int, key: str = "data.source") -> None:
+        """Ids `offset` ... `offset + length - 1` lie in verified blocks (verified now if not)."""
+        for b in range(offset // self.per, (offset + max(length, 1) - 1) // self.per + 1):
+            if not self.done[b]:
+                self.verify(b, key)
+
+    def verify(self, b: int, key: str = "data.source") -> None:
+        if zlib.crc32(self.ids[b * self.per : (b + 1) * self.per]) != int(self.sums[b]):
+            raise self.changed(b, key)
+        self.done[b] = True
+
+    def changed(self, b: int, key: str) -> CorpusError:
+        at = b * self.per * self.ids.itemsize
+        end = min(at + self.per * self.ids.itemsize, self.ids.nbytes)
+        return CorpusError(key, f"{self.name}: block {b} (bytes {at:,} to {end:,}) fails its "
+                           f"checksum ({CHECKSUMS}): the shard changed since it was prepared; "
+                           "prepare the corpus again (plait data verify reads every block)")
+
+
+def shard_blocks(folder: Path, manifest: dict, key: str = "data.source") -> list | None:
+    """Each shard's `ShardBlocks` (memory-mapped ids and checksums), in the manifest's order; None
+    for a corpus prepared without block checksums."""
+    if "block_bytes" not in manifest:
+        return None
+    size, shards, path = manifest["block_bytes"], manifest["shards"], folder / CHECKSUMS
+    counts = [-(-shard["bytes"] // size) for shard in shards]
+    try:
+        sums = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise CorpusError(key, f"{path} does not read as block checksums ("
+                          f"{str(e).splitlines()[0][:120]}); prepare {folder} again") from None
+    if sums.dtype != np.uint32 or sums.shape != (sum(counts),):
+        raise CorpusError(key, f"{path} holds {sums.dtype} of shape {sums.shape}, not the "
+                          f"{sum(counts)} uint32 checksums of the manifest's shards; prepare "
+                          f"{folder} again")
+    ends = np.cumsum(counts).tolist()
+    dtype = DTYPES[manifest["dtype"]]
+    return [ShardBlocks(map_ids(folder / shard["file"], dtype, scattered=True) if shard["tokens"]
+                        else np.empty(0, dtype), sums[end - n : end], size,
+                        str(folder / shard["file"]))
+            for shard, n, end in zip(shards, counts, ends, strict=True)]
+
+
+def _sampled(blocks: list[ShardBlocks]) -> list[tuple[int, int]]:
+    """`SAMPLE_BLOCKS` (shard, block) pairs spread evenly over the corpus's blocks, the first and
+    the last among them."""
+    counts = np.array([len(b.sums) for b in blocks], dtype=np.int64)
+    total, ends = int(counts.sum()), np.cumsum(counts)
+    picks = np.unique(np.linspace(0, total - 1, min(total, SAMPLE_BLOCKS)).astype(np.int64))
+    shard = np.searchsorted(ends, picks, side="right")
+    return [(int(i), int(g - (ends[i] - counts[i]))) for i, g in zip(shard, picks, strict=True)]
 
 
 def read_index(folder: Path, manifest: dict, key: str = "data.source",
@@ -213,6 +315,7 @@ class Corpus:
     vocab_size: int  # ids are below it
     note: str = ""  # a limit the user asked for, said once by whoever opens the corpus first
     names: list[str] | None = None  # each segment's file, for a damaged id's message
+    blocks: list[ShardBlocks] | None = None  # each segment's checksummed blocks, if prepared so
 
     def __post_init__(self):
         self.ends = np.cumsum([len(s) for s in self.segments], dtype=np.int64)
@@ -242,6 +345,8 @@ class Corpus:
             offset = start - (ends[at - 1] if at else 0)
             while filled < length:
                 piece = self.segments[at][offset : offset + length - filled]
+                if self.blocks is not None:  # its bytes as prepared, then its ids' range
+                    self.blocks[at].check(offset, len(piece))
                 beyond(piece, offset, self.vocab_size,  # every id checked as it is read
                        self.names[at] if self.names else f"segment {at}", "data.source")
                 out[row, filled : filled + len(piece)] = piece
@@ -266,11 +371,16 @@ def _limit(segments: list[np.ndarray], max_bytes: int, what: str,
                   f"{total:,} bytes of {what}")
 
 
-def _map(path: Path, dtype) -> np.ndarray:
+def map_ids(path: Path, dtype, scattered: bool = False) -> np.ndarray:
     """A read-only view of the file's ids, paged in on use (mmap without np.memmap's overhead,
-    which matters for the standard library's 1,800 files)."""
+    which matters for the standard library's 1,800 files). `scattered`: read where touched and no
+    more (MADV_RANDOM): training reads windows at random, around which the kernel would otherwise
+    read megabytes ahead (8 MiB a window measured here)."""
     with open(path, "rb") as f:
-        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=dtype)
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if scattered and hasattr(mmap, "MADV_RANDOM"):
+        view.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(view, dtype=dtype)
 
 
 def open_corpus(source: str, max_bytes: int = 0) -> Corpus:
@@ -280,22 +390,27 @@ def open_corpus(source: str, max_bytes: int = 0) -> Corpus:
         manifest = read_manifest(path)
         dtype = DTYPES[manifest["dtype"]]
         shards = [s for s in manifest["shards"] if s["tokens"]]
-        segments = [_map(path / s["file"], dtype) for s in shards]
+        blocks = shard_blocks(path, manifest)
+        if blocks is None:
+            segments = [map_ids(path / s["file"], dtype, scattered=True) for s in shards]
+        else:  # one map per shard: the blocks' (whole, for their checksums), cut below
+            blocks = [b for b, s in zip(blocks, manifest["shards"], strict=True) if s["tokens"]]
+            segments = [b.ids for b in blocks]
         starts = read_index(path, manifest)
         segments, note = _limit(segments, max_bytes, source)
         if note:  # documents past the cut are gone; the one cut short ends the stream
             kept = sum(len(s) for s in segments)
             starts = np.append(starts[starts < kept], kept) if starts is not None else None
         return Corpus(segments, starts, int(manifest["vocab_size"]), note,
-                      [str(path / s["file"]) for s in shards])
+                      [str(path / s["file"]) for s in shards], blocks)
     if source.endswith(".bin"):
-        segments, note = _limit([_map(path, np.uint16)], max_bytes, source)
+        segments, note = _limit([map_ids(path, np.uint16, scattered=True)], max_bytes, source)
         return Corpus(segments, None, 1 << 16, note, [source])
     files = stdlib_files() if source == "stdlib" else files_of(path)
     sizes = np.cumsum([f.stat().st_size for f in files])
     if max_bytes:  # map only the files the limit reaches
         files = files[: int(np.searchsorted(sizes, max_bytes)) + 1]
-    segments = [_map(f, np.uint8) for f in files if f.stat().st_size]
+    segments = [map_ids(f, np.uint8) for f in files if f.stat().st_size]
     segments, note = _limit(segments, max_bytes, source, total=int(sizes[-1]) if files else 0)
     starts = np.cumsum([0] + [len(s) for s in segments], dtype=np.int64)
     return Corpus(segments, starts, 256, note)

@@ -21,6 +21,7 @@ from plait.config import ConfigError, DataConfig
 from plait.train.corpus import (
     CorpusError,
     is_prepared,
+    map_ids,
     open_corpus,
     read_manifest,
     sample_ids,
@@ -171,9 +172,12 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
     """Before any worker starts, in time independent of the corpus's size: the source reads (a
     prepared folder's manifest, each shard present, of its size, and a sample of its ids below
     the vocabulary; a `.bin` whole ids and a sample of them below the model's vocabulary, which
-    `vocab_key` names), and its training split holds one global batch of windows. Checksums
-    are `plait data verify`'s; every id is checked again as training reads it. Returns the note
-    a limit the user asked for makes ("" when none); raises ConfigError naming the key."""
+    `vocab_key` names), and its training split holds one global batch of windows. A prepared
+    folder's sampled blocks are checked against their crc32s; training checks each block it
+    reads, and every id's range (`corpus.py`); the whole corpus is `plait data verify`'s. Returns
+    the notes a limit the user asked for, or a corpus without block checksums, makes ("" when
+    none); raises ConfigError naming the key."""
+    unchecked = ""
     try:
         if is_prepared(cfg.source):
             manifest = read_manifest(Path(cfg.source))
@@ -181,7 +185,7 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
                 raise ConfigError(vocab_key, f"the tokenizer of {cfg.source} has "
                                   f"{manifest['vocab_size']} tokens, the model {vocab_size}; "
                                   f"set {vocab_key} >= {manifest['vocab_size']}")
-            verify_shards(Path(cfg.source), manifest)
+            unchecked = verify_shards(Path(cfg.source), manifest)
         elif cfg.source.endswith(".bin"):
             _check_bin(Path(cfg.source), vocab_size, vocab_key)
         data = TokenData(cfg, seed=0)
@@ -196,7 +200,7 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
                           f"of seq_len + 1 = {cfg.seq_len + 1} tokens, fewer than one global batch "
                           f"(train.global_batch = {global_batch}); use more text, a shorter "
                           "data.seq_len or a smaller batch")
-    return data.corpus.note
+    return "\n".join(note for note in (unchecked, data.corpus.note) if note)
 
 
 def _check_bin(path: Path, vocab_size: int, vocab_key: str) -> None:
@@ -206,7 +210,7 @@ def _check_bin(path: Path, vocab_size: int, vocab_key: str) -> None:
         raise ConfigError("data.source", f"{path} has {size} bytes, not a whole number of uint16 "
                           "token ids (2 bytes each): cut, or not ids?")
     try:
-        sample_ids(np.memmap(path, dtype=np.uint16, mode="r"), vocab_size, str(path), vocab_key,
+        sample_ids(map_ids(path, np.uint16, scattered=True), vocab_size, str(path), vocab_key,
                    blocks=64)
     except CorpusError as e:
         raise ConfigError(vocab_key, f"{e.message}; raise {vocab_key} or fix the data") from None

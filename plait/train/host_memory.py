@@ -66,3 +66,35 @@ def peak_resident_bytes() -> int:
 def reset_peak() -> None:
     """Start the peak over from the resident memory now (Linux: clear_refs 5)."""
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def cached_bytes(path: str | Path) -> int:
+    """Bytes of the file at `path` in the page cache now (mincore over a map of it): what any
+    process has read of it since it was written, or since the cache was dropped."""
+    import mmap
+
+    size = os.path.getsize(path)
+    if not size:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            raise OSError(ctypes.get_errno(), f"mmap of {path}")
+        try:
+            pages = ctypes.create_string_buffer((size + page - 1) // page)
+            if libc.mincore(addr, size, pages):
+                raise OSError(ctypes.get_errno(), f"mincore of {path}")
+            # Each page's byte: its lowest bit says resident (the others are reserved).
+            return pages.raw.translate(bytes(b & 1 for b in range(256))).count(1) * page
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)

@@ -8,7 +8,9 @@ by Hugging Face `datasets` as a stream (no cache copy of the corpus). The tokeni
 of N tokens trained on SRC), or `bytes` (each byte a token, no end-of-text token). Each document's
 ids are followed by the end-of-text token. Ids go into shards of uint16 (vocabulary <= 65,536) or
 uint32, with `manifest.json` (vocab_size, dtype, documents, tokens, eot, shards with sizes and
-sha256), `documents.npy` (each document's first position, then the total) and `tokenizer.json`.
+sha256), `documents.npy` (each document's first position, then the total), `checksums.npy` (the
+crc32 of each 64 KiB block of each shard: what a launch samples and training checks as it reads)
+and `tokenizer.json`.
 The manifest is written last: a folder without one is not a corpus.
 """
 
@@ -20,6 +22,7 @@ import multiprocessing
 import os
 import shutil
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ import numpy as np
 
 from plait.config import ConfigError
 from plait.train import tokenize_worker
-from plait.train.corpus import INDEX, MANIFEST, SHARD_TOKENS, files_of
+from plait.train.corpus import BLOCK_BYTES, CHECKSUMS, INDEX, MANIFEST, SHARD_TOKENS, files_of
 from plait.train.outputs import creatable
 
 TABLES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -178,12 +181,14 @@ def _chunks(docs: Iterator[str | bytes]) -> Iterator[list]:
 
 
 class _ShardWriter:
-    """Appends ids to shard files of at most `shard_tokens` ids, hashing as it writes."""
+    """Appends ids to shard files of at most `shard_tokens` ids, hashing as it writes: each
+    shard's sha256, and the crc32 of each of its `block_bytes` blocks (`sums`, shard by shard)."""
 
-    def __init__(self, out: Path, dtype, shard_tokens: int):
+    def __init__(self, out: Path, dtype, shard_tokens: int, block_bytes: int = BLOCK_BYTES):
         self.out, self.dtype, self.limit = out, dtype, shard_tokens
         self.shards: list[dict] = []
         self.file = None
+        self.block, self.sums, self.crc, self.filled = block_bytes, [], 0, 0
 
     def write(self, ids: np.ndarray) -> None:
         ids = ids.astype(self.dtype)
@@ -192,8 +197,10 @@ class _ShardWriter:
                 self._open()
             room = self.limit - self.shards[-1]["tokens"]
             piece, ids = ids[:room], ids[room:]
-            self.file.write(piece.tobytes())
-            self.hash.update(piece.tobytes())
+            data = piece.tobytes()
+            self.file.write(data)
+            self.hash.update(data)
+            self._blocks(memoryview(data))
             self.shards[-1]["tokens"] += len(piece)
             self.shards[-1]["bytes"] += piece.nbytes
 
@@ -203,11 +210,23 @@ class _ShardWriter:
         self.file, self.hash = open(self.out / name, "wb"), hashlib.sha256()  # noqa: SIM115
         self.shards.append({"file": name, "tokens": 0, "bytes": 0})
 
+    def _blocks(self, data: memoryview) -> None:
+        while len(data):
+            take = min(self.block - self.filled, len(data))
+            self.crc, self.filled = zlib.crc32(data[:take], self.crc), self.filled + take
+            data = data[take:]
+            if self.filled == self.block:
+                self.sums.append(self.crc)
+                self.crc, self.filled = 0, 0
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.shards[-1]["sha256"] = self.hash.hexdigest()
             self.file = None
+            if self.filled:  # the shard's last block, shorter
+                self.sums.append(self.crc)
+                self.crc, self.filled = 0, 0
 
 
 def prepare(sources: list[str], out: str, tokenizer: str, field: str = "text", workers: int = 1,
@@ -236,7 +255,7 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
     if tok.json is not None:
         (folder / "tokenizer.json").write_text(tok.json)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    writer, lengths = _ShardWriter(folder, dtype, shard_tokens), []
+    writer, lengths = _ShardWriter(folder, dtype, shard_tokens, BLOCK_BYTES), []
     total = None if tables else sum(f.stat().st_size for f in files)
     with _pool(workers, tok.json) as pool, _Bar(total, progress) as bar:
         pool.starmap(tokenize_worker.encode, [([], None)] * workers)  # started: time from here
@@ -257,12 +276,13 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
     seconds = time.perf_counter() - start
     lengths = np.concatenate(lengths)
     np.save(folder / INDEX, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    np.save(folder / CHECKSUMS, np.array(writer.sums, dtype=np.uint32))
     manifest = {"format": "plait-tokens/1", "vocab_size": tok.vocab_size,
                 "dtype": np.dtype(dtype).name, "documents": len(lengths),
                 "tokens": int(lengths.sum()), "eot": tok.eot,
                 "tokenizer": "tokenizer.json" if tok.json is not None else tokenizer,
                 "sources": [str(s) for s in sources], "skipped": skipped or [],
-                "shards": writer.shards}
+                "block_bytes": writer.block, "checksums": CHECKSUMS, "shards": writer.shards}
     (folder / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(folder / (MANIFEST + ".tmp"), folder / MANIFEST)  # last: the folder is now whole
     return {**manifest, "seconds": seconds, "tokens_per_s": manifest["tokens"] / seconds}

@@ -93,3 +93,40 @@ def test_a_corpus_of_uint32_ids_trains(tmp_path):
                      "train.global_batch=2", "train.steps=1", "train.eval_batches=1")
     assert run.returncode == 0, run.stderr
     assert read_metrics(metrics)[0]["loss"] == pytest.approx(math.log(70_001), abs=0.3)
+
+
+def test_a_50_gb_corpus_launches_and_trains_reading_a_bounded_part_of_it(tmp_path):
+    """A prepared corpus of 50 GiB (sparse shards of zeros, as prepare lays them out) launches
+    and trains a step while what is read of it stays bounded by what the checks and the step
+    touch, whatever the corpus's size. Counted as the shards' bytes in the page cache afterwards
+    (mincore: fresh files have none, and reading a hole caches it), so every process is seen."""
+    from plait.bench.data import sparse_corpus
+    from plait.train.corpus import BLOCK_BYTES, SAMPLE_BLOCKS
+    from plait.train.host_memory import cached_bytes
+
+    probe = tmp_path / "probe.bin"
+    with open(probe, "wb") as f:
+        f.truncate(1 << 30)
+    with open(probe, "rb") as f:
+        f.seek(1 << 29)
+        f.read(1 << 20)
+    if cached_bytes(probe) < 1 << 20:
+        pytest.skip("this file system keeps no page cache for a sparse file's holes")
+    folder = tmp_path / "big"
+    manifest = sparse_corpus(folder, 50 << 30)
+    shards = sorted(folder.glob("shard-*.bin"))
+    assert sum(f.stat().st_size for f in shards) >= 50 << 30 and len(shards) == 100
+    assert sum(cached_bytes(f) for f in shards) == 0
+    batch, evals = 32, 1
+    proc = plait_here("train", "--nproc", "1", f"data.source={folder}", *SMALL[:3],
+                      "train.steps=1", f"train.global_batch={batch}",
+                      f"train.eval_batches={evals}", "train.warmup_steps=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read = sum(cached_bytes(f) for f in shards)
+    # The launch's sample (in the launcher and again in the worker: the page cache counts it
+    # once), then the step's and the validation's windows: each of 33 ids lies in at most two
+    # blocks, and each block touched is read whole (for its checksum), nothing around it.
+    bound = (SAMPLE_BLOCKS + 2 * batch * (1 + evals)) * BLOCK_BYTES
+    assert 0 < read <= bound, (read, bound)
+    print(f"\n{manifest['tokens'] * 2 / (1 << 30):.0f} GiB corpus: {read / (1 << 20):.1f} MiB "
+          f"read by the launch and one step (bound {bound / (1 << 20):.1f} MiB)")

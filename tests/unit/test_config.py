@@ -60,6 +60,8 @@ MANIFESTS = {
     "not_object": lambda m: [m],
     "documents_text": lambda m: {**m, "documents": "4"},
     "tokens_off": lambda m: {**m, "tokens": m["tokens"] + 1},
+    "block_odd": lambda m: {**m, "block_bytes": 3},  # not whole uint16 ids
+    "checksums_elsewhere": lambda m: {**m, "checksums": "../checksums.npy"},
 }
 # The documents' index (documents.npy) damaged: a launch read it in its workers (a pickle's
 # traceback, or a wrong split and a misleading count of windows).
@@ -280,6 +282,9 @@ BAD_INPUT = [
     (["data.source={files}/bpe"], "model.vocab_size"),  # 300 tokens, the model 256
     (["data.source={files}/no_shard"], "data.source"),
     (["data.source={files}/cut_shard"], "data.source"),
+    (["data.source={files}/flipped"], "data.source"),  # in a sampled block: its crc32 differs
+    (["data.source={files}/checksums_short"], "data.source"),
+    (["data.source={files}/checksums_garbage"], "data.source"),
     (["data.source={files}/prepared", "train.global_batch=128"], "data.source"),  # 43 windows
     (["data.source={files}/no_manifest_fields"], "data.source"),
     # Manifests that passed the check and crashed a worker: wrong types and values, a dtype
@@ -390,7 +395,8 @@ def _prepared_corpora(root):
         (text / f"{i}.txt").write_text(f"document {i}: " + "plait " * 115)
     prepare([str(text)], str(root / "prepared"), "bytes", progress=False)
     prepare([str(text)], str(root / "bpe"), "bpe:300", progress=False)
-    for name in ("no_shard", "cut_shard", "flipped", "no_manifest_fields"):
+    for name in ("no_shard", "cut_shard", "flipped", "no_manifest_fields", "checksums_short",
+                 "checksums_garbage"):
         shutil.copytree(root / "prepared", root / name)
     (root / "no_shard" / "shard-00000.bin").unlink()
     shard = root / "cut_shard" / "shard-00000.bin"
@@ -400,6 +406,8 @@ def _prepared_corpora(root):
     ids[100] ^= 1
     shard.write_bytes(bytes(ids))
     (root / "no_manifest_fields" / "manifest.json").write_text('{"dtype": "uint16"}')
+    np.save(root / "checksums_short" / "checksums.npy", np.zeros(0, dtype=np.uint32))
+    (root / "checksums_garbage" / "checksums.npy").write_bytes(b"not an array")
     (root / "rows.jsonl").write_text('{"body": "a row"}\n')
     (root / "bad.jsonl").write_text('{"text": "a row"}\nnot json\n')
     (root / "linked").mkdir()

@@ -173,37 +173,84 @@ def test_a_model_folders_tokenizer_and_its_vocabulary(tmp_path):
     assert e.value.field.startswith("model.hf")
 
 
-def test_a_damaged_id_is_found_as_training_reads_it(tmp_path):
-    """A launch samples a few blocks of each shard (time independent of the corpus's size); an
-    id beyond the vocabulary elsewhere stops the run when a batch reads it, naming the shard and
-    the id's offset. `plait data verify` reads every id and checksum."""
-    import numpy as np
-    import pytest
+@pytest.fixture
+def blocky(tmp_path, monkeypatch):
+    """A corpus of 1,500 checksummed blocks of 128 ids (256 bytes: small, so that most blocks are
+    outside a launch's sample of 32), 3 shards."""
+    import plait.train.prepare
 
-    from plait import cli
-    from plait.config import load_config
-    from plait.train.corpus import SAMPLE_IDS, CorpusError
-    from plait.train.data import TokenData, check_source
-    from plait.train.prepare import prepare
-
+    monkeypatch.setattr(plait.train.prepare, "BLOCK_BYTES", 256)
     text = tmp_path / "text"
     text.mkdir()
     for i in range(8):
         (text / f"{i}.txt").write_text(f"document {i}: " + "plait " * 4000)
-    prepare([str(text)], str(tmp_path / "c"), "bytes", progress=False)
-    shard = tmp_path / "c" / "shard-00000.bin"
+    prepare([str(text)], str(tmp_path / "c"), "bytes", progress=False, shard_tokens=80_000)
+    return tmp_path / "c"
+
+
+def _flip(folder, block: int, ids_per_block: int = 128) -> None:
+    """One bit of the first id of checksummed block `block` of the first shard."""
+    shard = folder / "shard-00000.bin"
     ids = np.fromfile(shard, dtype=np.uint16)
-    bad = 3 * SAMPLE_IDS + 17  # between the sampled blocks (the first and the last)
-    assert len(ids) > 2 * bad
+    ids[block * ids_per_block] ^= 1
+    ids.tofile(shard)
+
+
+def test_a_changed_block_outside_the_sample_stops_training_where_it_is_read(blocky):
+    """A launch verifies 32 blocks spread over the corpus (time independent of its size); a
+    block changed elsewhere passes it, and stops the run when a batch reads it, naming the shard
+    and the block's bytes. `plait data verify` reads every block and exits 2."""
+    from plait import cli
+    from plait.config import load_config
+    from plait.train.corpus import CorpusError, _sampled, read_manifest, shard_blocks
+    from plait.train.data import check_source
+
+    sampled = _sampled(shard_blocks(blocky, read_manifest(blocky)))
+    assert len(sampled) == 32 and (0, 0) in sampled
+    block = next(b for b in range(300, 600) if (0, b) not in sampled)
+    _flip(blocky, block)
+    cfg = load_config(None, [f"data.source={blocky}", "data.seq_len=64"])
+    assert check_source(cfg.data, 256, 64) == ""  # the sample does not see it
+    data = TokenData(cfg.data, seed=0, vocab_size=256)
+    shard = blocky / "shard-00000.bin"
+    with pytest.raises(CorpusError, match=rf"data.source: {shard}: block {block} \(bytes "
+                       rf"{block * 256:,} to {(block + 1) * 256:,}\) fails its checksum"):
+        for step in range(10_000):
+            data.batch(step, 64)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["data", "verify", str(blocky)])
+    assert e.value.code == 2
+
+
+def test_a_changed_block_in_the_sample_is_refused_before_launch(blocky):
+    from plait.config import ConfigError, load_config
+    from plait.train.data import check_source
+
+    _flip(blocky, 0)
+    cfg = load_config(None, [f"data.source={blocky}", "data.seq_len=64"])
+    with pytest.raises(ConfigError, match=r"shard-00000.bin: block 0 \(bytes 0 to 256\) fails"):
+        check_source(cfg.data, 256, 64)
+
+
+def test_a_corpus_without_block_checksums_still_checks_each_ids_range(blocky):
+    """A corpus an older plait prepared (no checksums.npy): said once at launch; an id beyond the
+    vocabulary still stops the run where a batch reads it, naming the shard and the id."""
+    from plait.config import load_config
+    from plait.train.corpus import MANIFEST, SAMPLE_IDS, CorpusError
+    from plait.train.data import check_source
+
+    manifest = json.loads((blocky / MANIFEST).read_text())
+    del manifest["block_bytes"], manifest["checksums"]
+    (blocky / MANIFEST).write_text(json.dumps(manifest))
+    shard = blocky / "shard-00000.bin"
+    ids = np.fromfile(shard, dtype=np.uint16)
+    bad = 3 * SAMPLE_IDS + 17  # between the sampled blocks of ids (the first and the last)
     ids[bad] = 300
     ids.tofile(shard)
-    cfg = load_config(None, [f"data.source={tmp_path / 'c'}"])
-    check_source(cfg.data, 256, cfg.train.global_batch)  # the sample does not see it
+    cfg = load_config(None, [f"data.source={blocky}", "data.seq_len=64"])
+    assert "has no block checksums" in check_source(cfg.data, 256, 64)
     data = TokenData(cfg.data, seed=0, vocab_size=256)
     with pytest.raises(CorpusError, match=rf"data.source: token id 300 at id {bad} of {shard} "
                        r"is >= 256"):
         for step in range(10_000):
             data.batch(step, 64)
-    with pytest.raises(SystemExit) as e:
-        cli.main(["data", "verify", str(tmp_path / "c")])
-    assert e.value.code == 2
