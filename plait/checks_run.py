@@ -5,6 +5,7 @@ layout's. Each raises `ConfigError(field, fix)`."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from plait.choices import HALF_PRECISIONS
@@ -105,6 +106,39 @@ def check_data(data: DataConfig, args: ModelArgs) -> None:
                           f"{data.max_bytes}")
     if data.source != "stdlib" and not Path(data.source).exists():
         raise ConfigError("data.source", f"no such file or folder '{data.source}'; or use 'stdlib'")
+    if data.sources:
+        _check_sources(data)
+
+
+def _check_sources(data: DataConfig) -> None:
+    """`data.sources`: tables of a path, a weight and maybe a name, the names distinct."""
+    if data.source != "stdlib":
+        raise ConfigError("data.sources", "a mixture replaces data.source: set one of them")
+    if data.max_bytes:
+        raise ConfigError("data.max_bytes", "cuts data.source; a mixture's sources are whole "
+                          "(set it to 0, or weigh the sources)")
+    names = set()
+    for i, entry in enumerate(data.sources):
+        key = f"data.sources[{i}]"
+        unknown = sorted(set(entry) - {"path", "weight", "name"})
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}", "unknown key; a source has path, weight "
+                              "and name")
+        path, weight = entry.get("path"), entry.get("weight")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{key}.path", "the folder plait data prepare wrote, as a string")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not 0 < weight < float("inf"):
+            raise ConfigError(f"{key}.weight", f"a finite number > 0 (the weights need not sum "
+                              f"to 1), got {weight!r}")
+        name = entry.get("name", path.rstrip("/").rsplit("/", 1)[-1])
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ConfigError(f"{key}.name", f"letters, digits, '_', '.' or '-' (it names the "
+                              f"source's metrics, epoch/<name>), got {name!r}")
+        if name in names:
+            raise ConfigError(f"{key}.name", f"'{name}' names two sources; give each its own "
+                              "name")
+        names.add(name)
 
 
 def check_checkpoint(cfg: Config) -> None:

@@ -121,6 +121,9 @@ class DataConfig:
     seq_len: int = 64
     val_fraction: float = 0.05  # of the documents (whole), or of the tokens of a single document
     max_bytes: int = 0  # train on the first bytes of `source` only (said when it cuts); 0: all
+    # A weighted mixture of prepared folders instead of `source` (train/mixture.py): each
+    # {path = "...", weight = 0.7, name = "web"} (name: the folder's own unless given)
+    sources: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -265,8 +268,10 @@ def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
             raise ConfigError(key, f"expected a word or a number, got {value!r}")
         want = type(value) if isinstance(value, tuple(words)) else float
     if get_origin(want) is list:
-        if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
-            raise ConfigError(key, f"expected a list of integers, got {value!r}")
+        item = get_args(want)[0]
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            kind = "integers" if item is int else "tables ({path = ..., weight = ...})"
+            raise ConfigError(key, f"expected a list of {kind}, got {value!r}")
         return value
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -94,8 +94,9 @@ FULL = 2**20  # bytes free below which a failed write is taken for a full disk
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config):
-        self.cfg, self.ck = cfg, cfg.checkpoint
+    def __init__(self, cfg: Config, extra: dict | None = None):
+        """`extra`: entries of each checkpoint's plait.json besides `meta`'s."""
+        self.cfg, self.ck, self.extra = cfg, cfg.checkpoint, extra or {}
         self._group = None
         self.is_rank0 = dist.get_rank() == 0
         self.pending: tuple[Future, object, dict] | None = None  # a background save
@@ -120,7 +121,7 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)  # an unfinished earlier attempt
         dist.barrier(group=self.group)
         state = training_state(parallelized, optimizer, step)
-        info = meta(self.cfg, step, dist.get_world_size())
+        info = {**meta(self.cfg, step, dist.get_world_size()), **self.extra}
         planner = SaveBoxes(functools.partial(maybe_fail, "save", step))
         args = dict(checkpoint_id=str(path), planner=planner, process_group=self.group)
         if not self.ck.async_:

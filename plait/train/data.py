@@ -115,13 +115,16 @@ class TokenData:
                 f"{cfg.seq_len} and a validation split of {cfg.val_fraction}; use more text")
 
     def _rows(self, first: int, windows: np.ndarray) -> tuple[torch.Tensor, ...]:
-        import torch  # here: `check_source` refuses a bad corpus before torch is imported
+        return as_rows(self.read(first, windows))
 
-        window = torch.from_numpy(self.corpus.read(first + windows * self.seq_len,
-                                                   self.seq_len + 1))
-        return window[:, :-1], window[:, 1:]  # inputs, targets: (rows, seq)
+    def read(self, first: int, windows: np.ndarray) -> np.ndarray:
+        """The windows' ids, (len(windows), seq_len + 1); `first`: 0 (training) or `split`."""
+        return self.corpus.read(first + windows * self.seq_len, self.seq_len + 1)
 
-    def _train_windows(self, visit: np.ndarray) -> np.ndarray:
+    def metrics(self, steps: int, global_batch: int) -> dict:
+        return {"epoch": self.epochs(steps, global_batch)}  # windows visited / all
+
+    def windows_at(self, visit: np.ndarray) -> np.ndarray:
         """The training windows at these positions of the endless sequence of epochs."""
         epoch, index = np.divmod(visit, self.train_windows)
         if epoch[0] == epoch[-1]:  # the usual case: one epoch
@@ -133,7 +136,7 @@ class TokenData:
 
     def windows(self, step: int, global_batch: int) -> np.ndarray:
         """The training windows of `step`'s global batch, in row order."""
-        return self._train_windows(_positions(step, global_batch))
+        return self.windows_at(positions(step, global_batch))
 
     def epochs(self, steps: int, global_batch: int) -> float:
         """Epochs completed after `steps` steps: windows visited / windows in the training split."""
@@ -146,24 +149,35 @@ class TokenData:
         runs of rows and the rank takes its share of each, in order: micro-batch m over all
         ranks is the global batch's m-th run (what a mixture of experts routes together). Only
         this rank's rows are drawn and read."""
-        visit = _positions(step, global_batch)
-        return self._rows(0, self._train_windows(_share(visit, rank, ranks, microbatches)))
+        visit = positions(step, global_batch)
+        return self._rows(0, self.windows_at(share(visit, rank, ranks, microbatches)))
 
     def val_batch(self, index: int, global_batch: int, rank: int = 0, ranks: int = 1,
                   microbatches: int = 1):
         """A fixed validation batch (same rows for every run with this data and seed); a split of
         fewer windows than the batch repeats them."""
-        visit = _positions(index, global_batch)
-        visit = _share(visit, rank, ranks, microbatches) % self.val_windows
-        return self._rows(self.split, permute(visit, self.val_windows, _key(self.seed, -1)))
+        visit = share(positions(index, global_batch), rank, ranks, microbatches)
+        return self._rows(self.split, self.val_windows_at(visit))
+
+    def val_windows_at(self, visit: np.ndarray) -> np.ndarray:
+        """The validation windows at these positions: one fixed order, repeated."""
+        return permute(visit % self.val_windows, self.val_windows, _key(self.seed, -1))
 
 
-def _positions(index: int, global_batch: int) -> np.ndarray:
+def as_rows(windows: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Windows of seq_len + 1 ids as (inputs, targets), each (rows, seq_len)."""
+    import torch  # here: `check_source` refuses a bad corpus before torch is imported
+
+    window = torch.from_numpy(windows)
+    return window[:, :-1], window[:, 1:]
+
+
+def positions(index: int, global_batch: int) -> np.ndarray:
     """Batch `index`'s places in the endless sequence of windows: B index ... B index + B - 1."""
     return index * global_batch + np.arange(global_batch, dtype=np.int64)
 
 
-def _share(rows: np.ndarray, rank: int, ranks: int, microbatches: int) -> np.ndarray:
+def share(rows: np.ndarray, rank: int, ranks: int, microbatches: int) -> np.ndarray:
     return rows.reshape(microbatches, ranks, -1)[:, rank].reshape(-1)
 
 
@@ -177,6 +191,10 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
     reads, and every id's range (`corpus.py`); the whole corpus is `plait data verify`'s. Returns
     the notes a limit the user asked for, or a corpus without block checksums, makes ("" when
     none); raises ConfigError naming the key."""
+    if cfg.sources:
+        from plait.train.mixture import check_sources  # it builds on this module
+
+        return check_sources(cfg, vocab_size, vocab_key)
     unchecked = ""
     try:
         if is_prepared(cfg.source):

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -31,10 +32,10 @@ from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.predict.trace import Untraceable, model_flops
 from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
-from plait.train.data import TokenData
 from plait.train.faults import maybe_fail
 from plait.train.host_memory import STEADY_THRESHOLD, release_freed_memory
 from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
+from plait.train.mixture import MIXTURE, mixture_history, open_data
 from plait.train.optim import build_optimizer, lr_at, set_lr
 from plait.train.outputs import Outputs
 from plait.train.progress import Progress
@@ -92,7 +93,12 @@ class Trainer:
             release_freed_memory(STEADY_THRESHOLD)
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
-        self.data = TokenData(cfg.data, cfg.train.seed, args.vocab_size)
+        self.resumed_from = find(cfg.checkpoint.resume, cfg.checkpoint.dir)
+        history, changed = mixture_history(cfg.data, self.resumed_from)
+        if changed and dist.get_rank() == 0:
+            print(f"plait: note: {changed}", file=sys.stderr)
+        self.data = open_data(cfg.data, cfg.train.seed, args.vocab_size, history,
+                              cfg.train.global_batch)
         # The ranks that split the batch: its rows over dp x ep (expert parallelism's ranks route
         # their own tokens), each row's sequence over cp (`context`).
         batch = self.parallelized.axes["batch"]
@@ -108,9 +114,8 @@ class Trainer:
         routed = dataclasses.replace(args, moe_experts=0) if cfg.model.hf else args
         self.moe = RouterMetrics(routed, self.model, self.pp_group, device)
         self.is_logger = dist.get_rank() == 0
-        self.checkpoints = Checkpointer(cfg)
+        self.checkpoints = Checkpointer(cfg, {MIXTURE: history} if history else None)
         self.start_step = 0  # optimizer steps already done (a resumed run's checkpoint's)
-        self.resumed_from = find(cfg.checkpoint.resume, cfg.checkpoint.dir)
         if self.resumed_from is not None:
             self.start_step = load(self.resumed_from, self.parallelized, self.optimizer,
                                    self.checkpoints.group)
@@ -281,7 +286,7 @@ class Trainer:
             "lr": result["lr"],
             "grad_norm": result["grad_norm"],  # before clipping (unscaled under fp16)
             "tokens": self.tokens_per_step * (step + 1),
-            "epoch": self.data.epochs(step + 1, cfg.global_batch),  # windows visited / all
+            **self.data.metrics(step + 1, cfg.global_batch),  # epoch (per source: mixture.py)
             "step_time_s": elapsed,
             "tokens_per_s": self.tokens_per_step / elapsed,
             "mfu": mfu,

@@ -130,3 +130,49 @@ def test_a_50_gb_corpus_launches_and_trains_reading_a_bounded_part_of_it(tmp_pat
     assert 0 < read <= bound, (read, bound)
     print(f"\n{manifest['tokens'] * 2 / (1 << 30):.0f} GiB corpus: {read / (1 << 20):.1f} MiB "
           f"read by the launch and one step (bound {bound / (1 << 20):.1f} MiB)")
+
+
+@pytest.mark.slow
+def test_a_mixture_resumes_bit_exact_after_a_kill_and_says_a_reweighing(tmp_path):
+    """Two prepared corpora at 0.25 / 0.75 on 2 ranks: rank 1 SIGKILLed at step 5 restarts from
+    step 4 and ends with the uninterrupted run's parameters, bit for bit (a step's rows are a
+    function of the step); resumed again with other weights, the run says so once."""
+    import os
+
+    import torch
+    from test_cli import plait
+
+    from plait.checkpoint.rank_state import load_full
+    from plait.train.faults import ENV
+
+    for name, letters in (("web", "abcde"), ("code", "vwxyz")):
+        (tmp_path / name).mkdir()
+        for i in range(4):
+            (tmp_path / name / f"{i}.txt").write_text(f"{letters}{i} " * 400)
+        assert plait_here("data", "prepare", str(tmp_path / name), str(tmp_path / f"{name}_ids"),
+                          "--tokenizer", "bytes").returncode == 0
+
+    def mixture(web: float, code: float) -> str:
+        return (f'data.sources=[{{path="{tmp_path / "web_ids"}", weight={web}, name="web"}}, '
+                f'{{path="{tmp_path / "code_ids"}", weight={code}, name="code"}}]')
+
+    run = [*SMALL, "model.vocab_size=256", "train.global_batch=8", "train.steps=6",
+           "checkpoint.every=2", "checkpoint.keep=4", mixture(0.25, 0.75)]
+    straight = plait_here("train", "--nproc", "2", "--metrics", str(tmp_path / "m.jsonl"), *run,
+                          f"checkpoint.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "m.jsonl")
+    assert {"epoch/web", "epoch/code", "tokens/web", "tokens/code"} <= set(metrics[-1])
+    assert metrics[-1]["tokens/web"] + metrics[-1]["tokens/code"] == 6 * 8 * 32
+    killed = plait("train", "--nproc", "2", "--max-restarts", "1", *run,
+                   f"checkpoint.dir={tmp_path / 'killed'}", env={**os.environ, ENV: "step:1:5"})
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    want = load_full(tmp_path / "straight" / "step-00000006")
+    got = load_full(tmp_path / "killed" / "step-00000006")
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    more = plait("train", "--nproc", "2", *run[:-3], "train.steps=8", mixture(0.5, 0.5),
+                 f"checkpoint.dir={tmp_path / 'straight'}")
+    assert more.returncode == 0, more.stderr[-3000:]
+    said = "data.sources reweighed from step 6: code 0.5 (was 0.75), web 0.5 (was 0.25)"
+    assert (more.stdout + more.stderr).count(said) == 1

@@ -283,6 +283,22 @@ BAD_INPUT = [
     (["data.source={files}/no_shard"], "data.source"),
     (["data.source={files}/cut_shard"], "data.source"),
     (["data.source={files}/flipped"], "data.source"),  # in a sampled block: its crc32 differs
+    # A mixture (data.sources): each entry, then each folder as data.source's, one tokenizer.
+    (["data.sources=[1, 2]"], "data.sources"),
+    (['data.sources=[{path="{files}/prepared", weight=0}]'], "data.sources[0].weight"),
+    (['data.sources=[{path="{files}/prepared", weight=1, size=3}]'], "data.sources[0].size"),
+    (['data.sources=[{path="{files}/prepared", weight=1, name="a b"}]'], "data.sources[0].name"),
+    (['data.sources=[{path="{files}/prepared", weight=1}, {path="{files}/prepared", weight=2}]'],
+     "data.sources[1].name"),  # two sources named "prepared"
+    (["data.source={files}/prepared", 'data.sources=[{path="{files}/prepared", weight=1}]'],
+     "data.sources"),
+    (["data.max_bytes=1000", 'data.sources=[{path="{files}/prepared", weight=1}]'],
+     "data.max_bytes"),
+    (['data.sources=[{path="{files}/nothing", weight=1}]'], "data.sources[0].path"),
+    (['data.sources=[{path="{files}/tiny.txt", weight=1}]'], "data.sources[0].path"),
+    (['data.sources=[{path="{files}/flipped", weight=1}]'], "data.sources[0].path"),
+    (['data.sources=[{path="{files}/prepared", weight=1}, {path="{files}/bpe", weight=1}]',
+      "model.vocab_size=512"], "data.sources[1].path"),  # tokenized otherwise
     (["data.source={files}/checksums_short"], "data.source"),
     (["data.source={files}/checksums_garbage"], "data.source"),
     (["data.source={files}/prepared", "train.global_batch=128"], "data.source"),  # 43 windows
