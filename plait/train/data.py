@@ -124,6 +124,10 @@ class TokenData:
     def metrics(self, steps: int, global_batch: int) -> dict:
         return {"epoch": self.epochs(steps, global_batch)}  # windows visited / all
 
+    def validation_sets(self) -> list[tuple[str, TokenData]]:
+        """What validation reports on, by the suffix of its metric: the split alone."""
+        return [("", self)]
+
     def windows_at(self, visit: np.ndarray) -> np.ndarray:
         """The training windows at these positions of the endless sequence of epochs."""
         epoch, index = np.divmod(visit, self.train_windows)

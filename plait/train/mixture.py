@@ -148,6 +148,11 @@ class Mixture:
         return self._gather(source, lambda k, mine: self.parts[k].val_windows_at(visit[mine]),
                             lambda k: self.parts[k].split)
 
+    def validation_sets(self) -> list[tuple[str, TokenData | Mixture]]:
+        """The mixture's validation (`val_loss`), then each source's own (`val_loss/<name>`)."""
+        return [("", self), *((f"/{name}", part) for name, part in zip(self.names, self.parts,
+                                                                        strict=True))]
+
     def rows_given(self, steps: int, global_batch: int) -> np.ndarray:
         """Rows each source gave in the first `steps` steps."""
         rows = steps * global_batch

@@ -166,12 +166,20 @@ class Trainer:
     def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.parallelized.split(inputs, targets, self.microbatches)
 
+    def validate(self) -> dict:
+        """`val_loss`; with a mixture also each source's own, on its validation split alone
+        (`val_loss/<name>`)."""
+        return {f"val_loss{suffix}": self.evaluate(data)
+                for suffix, data in self.data.validation_sets()}
+
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, data=None) -> float:
+        """The mean loss of `eval_batches` validation batches of `data` (the run's by default)."""
+        data = self.data if data is None else data
         self.model.eval()
         total = 0.0
         for i in range(self.train_cfg.eval_batches):
-            inputs, targets = self.data.val_batch(
+            inputs, targets = data.val_batch(
                 i, self.train_cfg.global_batch, self.rows_rank, self.rows, self.microbatches
             )
             total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
@@ -236,9 +244,10 @@ class Trainer:
             mfu = summary.flops_per_step / elapsed / peak
             record = self._record(step, result, elapsed, ledger, summary, mfu)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < last:
-                record["val_loss"] = self.evaluate()
+                record.update(self.validate())
             if step + 1 == last:
-                record["val_loss"] = summary.val_loss = self.evaluate()
+                record.update(self.validate())
+                summary.val_loss = record["val_loss"]
             writer.write(record)
             progress.update(step, record["loss"], record["tokens_per_s"], record.get("val_loss"))
             if self.checkpoints.due(step + 1, last):

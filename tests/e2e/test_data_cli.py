@@ -162,7 +162,9 @@ def test_a_mixture_resumes_bit_exact_after_a_kill_and_says_a_reweighing(tmp_path
                           f"checkpoint.dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-3000:]
     metrics = read_metrics(tmp_path / "m.jsonl")
-    assert {"epoch/web", "epoch/code", "tokens/web", "tokens/code"} <= set(metrics[-1])
+    assert {"epoch/web", "epoch/code", "tokens/web", "tokens/code", "val_loss/web",
+            "val_loss/code"} <= set(metrics[-1])
+    assert metrics[-1]["val_loss/web"] != metrics[-1]["val_loss/code"]  # each its own split
     assert metrics[-1]["tokens/web"] + metrics[-1]["tokens/code"] == 6 * 8 * 32
     killed = plait("train", "--nproc", "2", "--max-restarts", "1", *run,
                    f"checkpoint.dir={tmp_path / 'killed'}", env={**os.environ, ENV: "step:1:5"})
