@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from plait import checkpoint as ckpt
+from plait.checkpoint import rank_state
 from plait.checkpoint.layout import SaveBoxes
 from plait.checks import validate_parallel
 from plait.comm import LEDGER, all_reduce, broadcast
@@ -229,7 +230,7 @@ class Prepared:
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
-        state = ckpt.training_state(self.parallelized, optimizer, step)
+        state = rank_state.training_state(self.parallelized, optimizer, step)
         dcp.save(state, checkpoint_id=str(path), planner=SaveBoxes())
         if dist.get_rank() == 0:
             info = {"step": step, "world_size": dist.get_world_size(),
@@ -241,7 +242,7 @@ class Prepared:
 
     def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> int:
         """Read a checkpoint made on any layout; returns its step."""
-        return ckpt.load(path, self.parallelized, optimizer)
+        return rank_state.load(path, self.parallelized, optimizer)
 
 
 def prepare(

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.bench.comm import SIZES, bench_comm
+from plait.bench.load import BUSY, OtherLoad
 from plait.bench.pp import bench_pp, measured_bubble, with_schedule
 from plait.bench.step import bench_step, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
@@ -46,9 +47,10 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         validate(cfg, n)  # every world size is checked before any worker starts
     rows = []
     for n in each(world_sizes(nproc), "bench step: ranks"):
-        t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads,
-                   preload=PRELOAD if cfg.model.hf else ())[0]
-        rows.append({"ranks": n, **t})
+        with OtherLoad() as load:
+            t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads,
+                       preload=PRELOAD if cfg.model.hf else ())[0]
+        rows.append({"ranks": n, **t, "other_load": load.share})
     t1 = {k: rows[0][k] for k in ("plait", "torch")}
     args = cfg.model.args()
     zero = cfg.parallel.zero
@@ -66,8 +68,8 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         f"layers, global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens, bucket "
         f"{cfg.parallel.bucket_mb} MB, all-reduce {cfg.parallel.allreduce}; median of {steps} "
         "steps" + ("; and plait's own Llama of the same shape, same layout" if hf else "")))
-    columns = ["ranks", "plait (ms)", "torch (ms)", "plait / torch", "exposed comm",
-               "scaling plait", "scaling torch"]
+    columns = ["ranks", "plait (ms)", "spread", "torch (ms)", "spread", "plait / torch",
+               "exposed comm", "scaling plait", "scaling torch", "other load"]
     for col in columns + (["plait's Llama (ms)", "HF / plait's Llama"] if hf else []):
         table.add_column(col, justify="right")
     for r in rows:
@@ -76,16 +78,30 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         r["exposed"] = max(0.0, r["plait"] - r["no_comm"]) / r["plait"] if "no_comm" in r else None
         r["scaling_plait"] = t1["plait"] / (n * r["plait"])
         r["scaling_torch"] = t1["torch"] / (n * r["torch"])
-        cells = [str(n), f"{r['plait'] * 1e3:,.1f}", f"{r['torch'] * 1e3:,.1f}",
-                 f"{r['ratio']:.3f}",
+        cells = [str(n), f"{r['plait'] * 1e3:,.1f}", f"{r['plait_spread']:.1%}",
+                 f"{r['torch'] * 1e3:,.1f}", f"{r['torch_spread']:.1%}", f"{r['ratio']:.3f}",
                  f"{r['exposed']:.1%}" if n > 1 and r["exposed"] is not None else "-",
-                 f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}"]
+                 f"{r['scaling_plait']:.2f}", f"{r['scaling_torch']:.2f}",
+                 f"{r['other_load']:.0%}" + (" !" if r["other_load"] > BUSY else "")]
         if hf:
             r["hf_vs_llama"] = r["plait"] / r["llama"]
             cells += [f"{r['llama'] * 1e3:,.1f}", f"{r['hf_vs_llama']:.3f}"]
         table.add_row(*cells)
-    Console(width=120).print(table)
+    Console(width=140).print(table)
+    _say_load(rows)
     return rows
+
+
+def _say_load(rows: list[dict]) -> None:
+    """Spread: the interquartile range of a side's steps over its median. Other load: the share of
+    the cores other processes used while the row ran (bench/load.py); a row above `BUSY` is
+    marked "!" and named, its ratio not to be trusted."""
+    busy = [r for r in rows if r["other_load"] > BUSY]
+    Console().print("spread: interquartile range / median of the timed steps; other load: "
+                    "other processes' share of the cores during the row" + (
+                        f"; [yellow]rows {', '.join(str(r['ranks']) for r in busy)} ran with "
+                        f"more than {BUSY:.0%} of the machine busy elsewhere: measure them "
+                        "again on a quiet machine[/]" if busy else ""))
 
 
 def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:

@@ -155,8 +155,10 @@ class _NoSync(torch.nn.Module):
 
 
 def time_in_turns(steps_by_name: dict, group, steps: int) -> dict[str, float]:
-    """Median seconds of each step function, the slowest rank's. The functions take turns in
-    rotating order (none always first), all ranks starting each together; two rounds warm up."""
+    """Median seconds of each step function, the slowest rank's, and its spread (`<name>_spread`:
+    the interquartile range over the median, the widest rank's). The functions take turns in
+    rotating order (none always first), all ranks starting each together; two rounds warm
+    up."""
     times = {name: [] for name in steps_by_name}
     order = list(steps_by_name)
     for i in range(steps + 2):
@@ -169,9 +171,10 @@ def time_in_turns(steps_by_name: dict, group, steps: int) -> dict[str, float]:
                 times[name].append(time.perf_counter() - start)
     medians = {}
     for name, ts in times.items():
-        t = torch.tensor([statistics.median(ts)])
+        quartiles = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+        t = torch.tensor([statistics.median(ts), (quartiles[2] - quartiles[0]) / quartiles[1]])
         comm.all_reduce(t, group, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        medians[name] = t.item()
+        medians[name], medians[f"{name}_spread"] = t.tolist()
     return medians
 
 

@@ -4,7 +4,7 @@ each process's own count (VmHWM), restarted after a tiny model's step so that th
 everything the trainer imports are the baseline. No rank grows, while it builds its part, beyond
 `cost.startup_bytes`, nor, through its first step, beyond the formula's peak model state
 (`cost.state_bytes`: its slices, the units gathered at once, the gradient staging in flight)
-plus the step's activations -- each + 16 MiB (allocator, gloo buffers) -- a bound below the
+plus the step's activations -- + 32 and 16 MiB (allocator, gloo buffers) -- a bound below the
 whole model's fp32 size: no rank ever held the model whole. Before #30 each rank built the whole
 model first, and staged its whole gradient."""
 
@@ -25,7 +25,12 @@ def test_no_rank_holds_the_whole_model_at_zero3_dp8():
     for r in launch(8, bench_memory, tiny_config(*MODEL))[0]:
         bound = r["step_formula"] + 16 * MiB  # the step's peak model state + activations
         assert bound < r["whole_fp32"], "the model is too small to show anything"
-        assert r["built"] <= r["startup_formula"] + 16 * MiB, f"rank {r['rank']}: building it"
+        # Building: + 32 MiB. One rank in a few runs peaks 15-20 MiB over the others (its
+        # peers' first messages landing in gloo's buffers while it still builds, measured up to
+        # +14 MiB over its formula, and past +16 MiB in 2 of 10 runs on this machine); the
+        # bound stays a third of the whole model.
+        assert r["built"] <= r["startup_formula"] + 32 * MiB, f"rank {r['rank']}: building it"
+        assert r["startup_formula"] + 32 * MiB < r["whole_fp32"] / 2
         assert r["stepped"] <= bound, \
             f"rank {r['rank']}: {r['stepped'] / MiB:.1f} MiB over its baseline, bound " \
             f"{bound / MiB:.1f}"
