@@ -26,9 +26,11 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
         raise ConfigError("--nproc", f"need at least one process, got {args.nproc}")
     if args.steps < 1:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    if args.repeats < 1:
+        raise ConfigError("--repeats", f"at least 1 launch per side, got {args.repeats}")
     from plait.bench import run_step
 
-    run_step(args.nproc, load(args), args.steps)
+    run_step(args.nproc, load(args), args.steps, args.repeats)
 
 
 def cmd_bench_pp(args: argparse.Namespace) -> None:

@@ -86,8 +86,11 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                 nproc(4), arg("--min-seconds", type=float, default=0.2,
                               help="time per size and collective"))),
     Command("step", "plait's step against PyTorch's own: DDP, ZeRO, TP, 3-D",
-            "plait.cli_bench:cmd_bench_step", (nproc(4), CONFIG, steps(10, "variant"),
-                                               OVERRIDES)),
+            "plait.cli_bench:cmd_bench_step", (
+                nproc(4), CONFIG, steps(10, "variant and launch"),
+                arg("--repeats", type=int, default=2,
+                    help="launches of each side, by turns (each its own processes)"),
+                OVERRIDES)),
     Command("pp", "pipeline schedules: bubbles, memory, vs torch pipelining",
             "plait.cli_bench:cmd_bench_pp", (
                 nproc(2, "pipeline stages"), CONFIG, steps(5, "schedule"),

@@ -11,7 +11,7 @@ from rich.table import Table
 from plait.bench.comm import SIZES, bench_comm
 from plait.bench.load import BUSY, OtherLoad
 from plait.bench.pp import bench_pp, measured_bubble, with_schedule
-from plait.bench.step import bench_step, with_free_dp, world_sizes
+from plait.bench.step import SIDES, bench_step, summarize, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
 from plait.checks import validate
 from plait.config import Config, ConfigError, microbatches
@@ -34,7 +34,7 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
     return rows
 
 
-def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict]:
     if cfg.model.hf and cfg.parallel.pp > 1:
         raise ConfigError("parallel.pp", "bench step compares a Hugging Face model's DDP, ZeRO "
                           "and TP steps with torch's; set pp = 1")
@@ -47,10 +47,17 @@ def run_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         validate(cfg, n)  # every world size is checked before any worker starts
     rows = []
     for n in each(world_sizes(nproc), "bench step: ranks"):
+        times, thresholds = {}, {}
         with OtherLoad() as load:
-            t = launch(n, bench_step, cfg, steps, threads=cfg.train.threads,
-                       preload=PRELOAD if cfg.model.hf else ())[0]
-        rows.append({"ranks": n, **t, "other_load": load.share})
+            for repeat in range(repeats):  # each side in processes of its own, by turns
+                for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+                    got = launch(n, bench_step, cfg, steps, side, threads=cfg.train.threads,
+                                 preload=PRELOAD if cfg.model.hf else ())[0]
+                    thresholds[side] = got.pop("malloc_threshold")
+                    for name, ts in got.items():
+                        times.setdefault(name, []).extend(ts)
+        rows.append({"ranks": n, **summarize(times), "other_load": load.share,
+                     "malloc_threshold": thresholds})
     t1 = {k: rows[0][k] for k in ("plait", "torch")}
     args = cfg.model.args()
     zero = cfg.parallel.zero

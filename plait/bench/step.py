@@ -8,10 +8,12 @@ against the same step under PyTorch's own peer, in one run:
 in the run's `train.precision`: the peers under autocast, fully_shard with a
 `MixedPrecisionPolicy`, fp16 with `torch.amp.GradScaler` / FSDP's `ShardedGradScaler`.
 
-Per world size (1, 2, 4, ... up to N; the same global batch each time, i.e. strong scaling) the
-steps take turns, in rotating order so that none always runs first: plait, torch, and (for plain
-DDP) plait with communication skipped (every micro-batch under `no_sync`, no all-reduce).
-Reported, from the medians:
+Per world size (1, 2, 4, ... up to N; the same global batch each time, i.e. strong scaling) each
+side runs in processes of its own, as its users run it (torch's never sets plait's glibc
+threshold, `train/host_memory.py`), the sides taking turns over `--repeats` launches: plait's
+step with, for plain DDP, plait with communication skipped (every micro-batch under `no_sync`,
+no all-reduce), taking turns within its processes; then torch's. Reported, from the medians of
+all their steps, with each side's spread and the machine's other load (`load.py`):
 
 - ratio plait / torch (below 1: plait is faster);
 - exposed communication: (plait step - step without communication) / plait step, the part of the
@@ -44,6 +46,7 @@ from plait.model.plan import has_plan, plan_of
 from plait.parallel import BucketedDataParallel
 from plait.parallel.loss_scaling import HALF
 from plait.train.data import TokenData
+from plait.train.host_memory import malloc_threshold
 from plait.train.trainer import Trainer, build_configured_model
 
 
@@ -154,11 +157,10 @@ class _NoSync(torch.nn.Module):
             self.model.set_requires_gradient_sync(True)
 
 
-def time_in_turns(steps_by_name: dict, group, steps: int) -> dict[str, float]:
-    """Median seconds of each step function, the slowest rank's, and its spread (`<name>_spread`:
-    the interquartile range over the median, the widest rank's). The functions take turns in
-    rotating order (none always first), all ranks starting each together; two rounds warm
-    up."""
+def step_times(steps_by_name: dict, group, steps: int) -> dict[str, list[float]]:
+    """Seconds of each timed step of each step function, the slowest rank's. The functions take
+    turns in rotating order (none always first), all ranks starting each together; two rounds
+    warm up."""
     times = {name: [] for name in steps_by_name}
     order = list(steps_by_name)
     for i in range(steps + 2):
@@ -169,13 +171,27 @@ def time_in_turns(steps_by_name: dict, group, steps: int) -> dict[str, float]:
             steps_by_name[name]()
             if i >= 2:
                 times[name].append(time.perf_counter() - start)
-    medians = {}
+    for name, ts in times.items():
+        t = torch.tensor(ts)
+        comm.all_reduce(t, group, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        times[name] = t.tolist()
+    return times
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each name's median seconds, and its spread (`<name>_spread`): the interquartile range over
+    the median."""
+    out = {}
     for name, ts in times.items():
         quartiles = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-        t = torch.tensor([statistics.median(ts), (quartiles[2] - quartiles[0]) / quartiles[1]])
-        comm.all_reduce(t, group, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        medians[name], medians[f"{name}_spread"] = t.tolist()
-    return medians
+        out[name] = statistics.median(ts)
+        out[f"{name}_spread"] = (quartiles[2] - quartiles[0]) / out[name]
+    return out
+
+
+def time_in_turns(steps_by_name: dict, group, steps: int) -> dict[str, float]:
+    """`summarize(step_times(...))`: for the benches whose sides share their processes."""
+    return summarize(step_times(steps_by_name, group, steps))
 
 
 def start_worker(cfg: Config):
@@ -187,8 +203,14 @@ def start_worker(cfg: Config):
     return dims, build_mesh(dims)
 
 
+SIDES = ("plait", "torch")  # each in processes of its own (run_step)
+
+
 @record
-def bench_step(cfg: Config, steps: int) -> dict | None:
+def bench_step(cfg: Config, steps: int, side: str) -> dict | None:
+    """One side's step times on this world: plait's ("plait", with its DDP without communication
+    and, for a Hugging Face model, plait's Llama of its shape) or the peer's ("torch"), and the
+    glibc threshold this process set (None: glibc's own, as a user of torch alone has it)."""
     # fully_shard's ShardedGradScaler replicates its one-element found-inf tensors, and says so.
     warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")
     dims, mesh = start_worker(cfg)
@@ -201,19 +223,19 @@ def bench_step(cfg: Config, steps: int) -> dict | None:
     def model():
         return build_configured_model(cfg)
 
-    runners = {
-        "plait": plait_step(cfg, dims, mesh),
-        "torch": torch_runner(model(), mesh, cfg, batches).step,
-    }
-    if cfg.model.hf:  # the cost of running someone else's module: plait's Llama of its shape
+    if side == "torch":
+        runners = {"torch": torch_runner(model(), mesh, cfg, batches).step}
+    else:
+        runners = {"plait": plait_step(cfg, dims, mesh)}
+    if side == "plait" and cfg.model.hf:  # running someone else's module: vs plait's Llama
         runners["llama"] = plait_step(as_plaits_llama(cfg), dims, mesh)
-    if not cfg.parallel.zero:
+    if side == "plait" and not cfg.parallel.zero:
         local = model()
         half = HALF.get(cfg.train.precision)
         scaler = torch.amp.GradScaler("cpu") if cfg.train.precision == "fp16" else None
         runners["no_comm"] = _Runner(BucketedDataParallel(local, group),
                                      torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
                                      communicate=False, half=half, scaler=scaler).step
-    medians = time_in_turns(runners, group, steps)
+    times = step_times(runners, group, steps)
     dist.destroy_process_group()
-    return medians if rank == 0 else None
+    return {**times, "malloc_threshold": malloc_threshold()} if rank == 0 else None

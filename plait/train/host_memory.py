@@ -29,6 +29,9 @@ THRESHOLD = 1 << 20
 STEADY_THRESHOLD = 32 << 20  # glibc's own ceiling for the rising threshold
 
 
+_set: list[int] = []  # the thresholds this process set, in order
+
+
 def release_freed_memory(threshold: int = THRESHOLD) -> bool:
     """Serve blocks of `threshold` bytes and more by `mmap`, so that freeing them returns them to
     the kernel. False where the C library is not glibc or the user set glibc's variable."""
@@ -36,9 +39,17 @@ def release_freed_memory(threshold: int = THRESHOLD) -> bool:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+        done = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):
         return False
+    if done:
+        _set.append(threshold)
+    return done
+
+
+def malloc_threshold() -> int | None:
+    """The mmap threshold this process last set (`release_freed_memory`); None: glibc's own."""
+    return _set[-1] if _set else None
 
 
 def _status(key: str) -> int:

@@ -409,6 +409,18 @@ def test_bench_step_zero_against_its_torch_peer(stage, peer):
     assert peer in proc.stdout and f"ZeRO-{stage}" in proc.stdout
 
 
+
+def test_bench_step_runs_each_side_in_processes_of_its_own():
+    """plait's ZeRO-3 fixes glibc's mmap threshold for its whole process (train/host_memory.py);
+    torch's fully_shard, launched apart, keeps glibc's own, as a user of torch alone has it."""
+    from plait.bench import run_step
+    from plait.config import load_config
+    from plait.train.host_memory import THRESHOLD
+
+    cfg = load_config(None, ["parallel.zero=3", *TINY])
+    rows = run_step(2, cfg, steps=1, repeats=1)
+    assert [r["malloc_threshold"] for r in rows] == [{"plait": THRESHOLD, "torch": None}] * 2
+
 def test_bench_step_tensor_parallel_against_dtensor():
     proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
