@@ -98,10 +98,14 @@ class Mixture:
                       for s in self.sources]
         now = {s.name: s.weight for s in self.sources}
         history = history or [(0, now)]
+        # Sources of earlier weights that this run dropped deal their rows too (to no one now),
+        # after this run's: every source's count of the rows it gave stays its own.
+        dropped = sorted({name for _, weights in history for name in weights} - set(now))
         self.segments = [Segment(step * global_batch,
-                                 [weights.get(name, 0.0) for name in self.names], seed)
+                                 [weights.get(name, 0.0) for name in [*self.names, *dropped]],
+                                 seed)
                          for step, weights in history]
-        self.given = [np.zeros(len(self.names), dtype=np.int64)]  # rows before each segment
+        self.given = [np.zeros(len(self.names) + len(dropped), dtype=np.int64)]  # before each
         for before, after in zip(self.segments, self.segments[1:], strict=False):
             rows = after.first_row - before.first_row
             self.given.append(self.given[-1] + before.counts(rows))
@@ -157,7 +161,8 @@ class Mixture:
         """Rows each source gave in the first `steps` steps."""
         rows = steps * global_batch
         j = int(np.searchsorted([s.first_row for s in self.segments], rows, side="right")) - 1
-        return self.given[j] + self.segments[j].counts(rows - self.segments[j].first_row)
+        given = self.given[j] + self.segments[j].counts(rows - self.segments[j].first_row)
+        return given[: len(self.names)]
 
     def metrics(self, steps: int, global_batch: int) -> dict:
         """`epoch` (windows visited / windows, over all sources), and per source its epochs

@@ -123,3 +123,17 @@ def test_sources_parse_from_a_command_line():
                              'name = "b"}]'])
     assert cfg.data.sources == [{"path": "/a", "weight": 1}, {"path": "/b", "weight": 3,
                                                               "name": "b"}]
+
+
+def test_a_source_dropped_on_resume_keeps_the_others_counts(corpora):
+    """Three sources until step 50, then two: the two go on from the rows they gave (their own
+    sequences unbroken), and the dropped one gives no row after."""
+    batch = 16
+    history = [[0, {"web": 1.0, "code": 1.0, "books": 2.0}], [50, {"web": 0.5, "code": 0.5}]]
+    data = Mixture(_cfg(corpora, 0.5, 0.5), seed=4, history=history, global_batch=batch)
+    source, visit = data._dealt(np.arange(100 * batch))
+    assert set(source[50 * batch :].tolist()) == {0, 1}
+    for k in range(2):
+        assert np.array_equal(np.sort(visit[source == k]), np.arange((source == k).sum()))
+    assert data.rows_given(100, batch).tolist() == np.bincount(source, minlength=3)[:2].tolist()
+    assert (source[: 50 * batch] == 2).mean() == pytest.approx(0.5, abs=0.02)
