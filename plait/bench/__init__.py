@@ -45,19 +45,8 @@ def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict
     cfg = with_free_dp(cfg)
     for n in world_sizes(nproc):
         validate(cfg, n)  # every world size is checked before any worker starts
-    rows = []
-    for n in each(world_sizes(nproc), "bench step: ranks"):
-        times, thresholds = {}, {}
-        with OtherLoad() as load:
-            for repeat in range(repeats):  # each side in processes of its own, by turns
-                for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
-                    got = launch(n, bench_step, cfg, steps, side, threads=cfg.train.threads,
-                                 preload=PRELOAD if cfg.model.hf else ())[0]
-                    thresholds[side] = got.pop("malloc_threshold")
-                    for name, ts in got.items():
-                        times.setdefault(name, []).extend(ts)
-        rows.append({"ranks": n, **summarize(times), "other_load": load.share,
-                     "malloc_threshold": thresholds})
+    rows = [_step_row(n, cfg, steps, repeats)
+            for n in each(world_sizes(nproc), "bench step: ranks")]
     t1 = {k: rows[0][k] for k in ("plait", "torch")}
     args = cfg.model.args()
     zero = cfg.parallel.zero
@@ -97,6 +86,22 @@ def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict
     Console(width=140).print(table)
     _say_load(rows)
     return rows
+
+
+def _step_row(n: int, cfg: Config, steps: int, repeats: int) -> dict:
+    """`bench step` at `n` ranks: each side in processes of its own, launched by turns, their
+    steps pooled; the machine's other load meanwhile; the glibc threshold each side set."""
+    times, thresholds = {}, {}
+    with OtherLoad() as load:
+        for repeat in range(repeats):
+            for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+                got = launch(n, bench_step, cfg, steps, side, threads=cfg.train.threads,
+                             preload=PRELOAD if cfg.model.hf else ())[0]
+                thresholds[side] = got.pop("malloc_threshold")
+                for name, ts in got.items():
+                    times.setdefault(name, []).extend(ts)
+    return {"ranks": n, **summarize(times), "other_load": load.share,
+            "malloc_threshold": thresholds}
 
 
 def _say_load(rows: list[dict]) -> None:

@@ -37,15 +37,15 @@ GOLDEN = (5**0.5 - 1) / 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class MixedSource:
     path: str
     weight: float
     name: str
 
 
-def sources_of(cfg: DataConfig) -> list[Source]:
-    """`data.sources` as `Source`s: each name given, or the folder's own."""
-    return [Source(s["path"], float(s["weight"]), s.get("name") or _folder_name(s["path"]))
+def sources_of(cfg: DataConfig) -> list[MixedSource]:
+    """`data.sources` as `MixedSource`s: each name given, or the folder's own."""
+    return [MixedSource(s["path"], float(s["weight"]), s.get("name") or _folder_name(s["path"]))
             for s in cfg.sources]
 
 
@@ -53,7 +53,7 @@ def _folder_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-class Segment:
+class WeightSpan:
     """Rows `first_row` ... dealt by one table of weights (a run's mixture until it changes)."""
 
     def __init__(self, first_row: int, weights: list[float], seed: int):
@@ -70,14 +70,14 @@ class Segment:
             self.earlier[mine] = np.arange(int(mine.sum()))
 
     def counts(self, rows: int) -> np.ndarray:
-        """How many of this segment's first `rows` rows each source gave."""
+        """How many of this span's first `rows` rows each source gave."""
         periods, rest = divmod(rows, PERIOD)
         return periods * self.per_period + np.bincount(self.table[:rest],
                                                        minlength=len(self.per_period))
 
     def deal(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For rows of this segment (their places from its first row): each one's source and its
-        place among that source's rows in the segment."""
+        """For rows of this span (their places from its first row): each one's source and its
+        place among that source's rows in the span."""
         periods, slot = np.divmod(rows, PERIOD)
         source = self.table[slot]
         return source, periods * self.per_period[source] + self.earlier[slot]
@@ -101,26 +101,26 @@ class Mixture:
         # Sources of earlier weights that this run dropped deal their rows too (to no one now),
         # after this run's: every source's count of the rows it gave stays its own.
         dropped = sorted({name for _, weights in history for name in weights} - set(now))
-        self.segments = [Segment(step * global_batch,
+        self.spans = [WeightSpan(step * global_batch,
                                  [weights.get(name, 0.0) for name in [*self.names, *dropped]],
                                  seed)
                          for step, weights in history]
         self.given = [np.zeros(len(self.names) + len(dropped), dtype=np.int64)]  # before each
-        for before, after in zip(self.segments, self.segments[1:], strict=False):
+        for before, after in zip(self.spans, self.spans[1:], strict=False):
             rows = after.first_row - before.first_row
             self.given.append(self.given[-1] + before.counts(rows))
-        self.val = Segment(0, [s.weight for s in self.sources], seed ^ 0x5EED)
+        self.val = WeightSpan(0, [s.weight for s in self.sources], seed ^ 0x5EED)
 
     def _dealt(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each global row's source and its place in that source's endless sequence."""
         source = np.empty(len(rows), dtype=np.int64)
         visit = np.empty(len(rows), dtype=np.int64)
-        starts = [s.first_row for s in self.segments]
+        starts = [s.first_row for s in self.spans]
         which = np.searchsorted(starts, rows, side="right") - 1
         for j in np.unique(which).tolist():
             mine = which == j
-            segment = self.segments[j]
-            source[mine], visit[mine] = segment.deal(rows[mine] - segment.first_row)
+            span = self.spans[j]
+            source[mine], visit[mine] = span.deal(rows[mine] - span.first_row)
             visit[mine] += self.given[j][source[mine]]
         return source, visit
 
@@ -160,8 +160,8 @@ class Mixture:
     def rows_given(self, steps: int, global_batch: int) -> np.ndarray:
         """Rows each source gave in the first `steps` steps."""
         rows = steps * global_batch
-        j = int(np.searchsorted([s.first_row for s in self.segments], rows, side="right")) - 1
-        given = self.given[j] + self.segments[j].counts(rows - self.segments[j].first_row)
+        j = int(np.searchsorted([s.first_row for s in self.spans], rows, side="right")) - 1
+        given = self.given[j] + self.spans[j].counts(rows - self.spans[j].first_row)
         return given[: len(self.names)]
 
     def metrics(self, steps: int, global_batch: int) -> dict:

@@ -1,0 +1,43 @@
+"""The shape docs/design.md promises of the code: short functions, and class names that say one
+thing (neither two of plait's classes nor one of plait's and one of torch's share a name)."""
+
+import ast
+from pathlib import Path
+
+import torch
+import torch.distributed
+import torch.distributed.checkpoint
+import torch.distributed.fsdp
+import torch.optim
+
+PLAIT = Path(__file__).resolve().parents[2] / "plait"
+
+
+def _defs(kind):
+    for path in sorted(PLAIT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, kind):
+                yield path.relative_to(PLAIT.parent), node
+
+
+def test_no_function_is_longer_than_60_lines():
+    long = [f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path, node in _defs((ast.FunctionDef, ast.AsyncFunctionDef))
+            if node.end_lineno - node.lineno + 1 > 60]
+    assert long == []
+
+
+def test_class_names_are_plaits_own_and_say_one_thing():
+    seen: dict[str, str] = {}
+    twice = []
+    for path, node in _defs(ast.ClassDef):
+        if node.name in seen:
+            twice.append(f"{node.name}: {seen[node.name]} and {path}")
+        seen[node.name] = str(path)
+    assert twice == []
+    # The namespaces a user of plait imports from (not torch's own top level, which holds the
+    # TorchScript graph's classes: Block, Node, Value).
+    torchs = {name for module in (torch.nn, torch.optim, torch.distributed,
+                                  torch.distributed.checkpoint, torch.distributed.fsdp)
+              for name in dir(module) if isinstance(getattr(module, name, None), type)}
+    assert sorted(set(seen) & torchs) == []
