@@ -19,6 +19,7 @@ def _has_cuda() -> bool:
 
     return torch.cuda.is_available()
 
+
 def check_train(train: TrainConfig, dims: ParallelDims) -> None:
     if train.steps < 1:
         raise ConfigError("train.steps", f"must be >= 1, got {train.steps}")
