@@ -27,10 +27,13 @@ def creatable(target: Path, ancestor: Path, folder: bool) -> str | None:
     done = []
     try:
         for p in reversed(made):
-            if p == target and not folder:
-                p.open("x").close()
-            else:
-                p.mkdir()
+            try:
+                if p == target and not folder:
+                    p.open("x").close()
+                else:
+                    p.mkdir()
+            except FileExistsError:  # made meanwhile by another process (the job's other node
+                continue  # checking the same path): creatable, and not ours to remove
             done.append(p)
     except OSError as e:
         return e.strerror or str(e)

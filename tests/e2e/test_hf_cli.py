@@ -82,7 +82,7 @@ def test_bench_step_runs_a_hf_model_against_torchs_peers_and_plaits_llama(tmp_pa
     assert "fully_shard" in proc.stdout and "Llama (ms)" in proc.stdout and "HF /" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
     assert [row.split("│")[1].strip() for row in rows] == ["1"]
-    assert all(len(row.split("│")) == 11 for row in rows)  # 9 columns
+    assert all(len(row.split("│")) == 14 for row in rows)  # 12 columns
     proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2",
                       f"model.hf={folder}", "data.seq_len=32", "train.global_batch=8")
     assert proc.returncode == 0, proc.stderr[-3000:]

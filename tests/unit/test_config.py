@@ -545,3 +545,15 @@ def test_context_parallel_refusals_name_the_fix():
                        r".* use cp_method = 'ring'"):
         validate(load_config(None, ["parallel.cp=4", "parallel.cp_method=ulysses",
                                      "model.preset='small'"]), 4)
+
+
+def test_an_output_path_made_meanwhile_by_another_node_is_creatable_and_left_alone(tmp_path):
+    """Each node's launcher checks the same --metrics path; one made it between the other's
+    look and its try (seen: 'cannot be created (File exists)' on the second node)."""
+    from plait.train.outputs import creatable
+
+    target = tmp_path / "runs" / "m.jsonl"
+    target.parent.mkdir()
+    target.write_text("the other node's")
+    assert creatable(target, tmp_path, folder=False) is None
+    assert target.read_text() == "the other node's"
