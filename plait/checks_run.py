@@ -113,6 +113,7 @@ def check_data(data: DataConfig, args: ModelArgs) -> None:
 
 def _check_sources(data: DataConfig) -> None:
     """`data.sources`: tables of a path, a weight and maybe a name, the names distinct."""
+    from plait.train.mixture import folder_name  # numpy's import: only for a mixture
     if data.source != "stdlib":
         raise ConfigError("data.sources", "a mixture replaces data.source: set one of them")
     if data.max_bytes:
@@ -132,7 +133,7 @@ def _check_sources(data: DataConfig) -> None:
                 or not 0 < weight < float("inf"):
             raise ConfigError(f"{key}.weight", f"a finite number > 0 (the weights need not sum "
                               f"to 1), got {weight!r}")
-        name = entry.get("name", path.rstrip("/").rsplit("/", 1)[-1])
+        name = entry.get("name", folder_name(path))
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
             raise ConfigError(f"{key}.name", f"letters, digits, '_', '.' or '-' (it names the "
                               f"source's metrics, epoch/<name>), got {name!r}")

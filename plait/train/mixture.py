@@ -45,11 +45,11 @@ class MixedSource:
 
 def sources_of(cfg: DataConfig) -> list[MixedSource]:
     """`data.sources` as `MixedSource`s: each name given, or the folder's own."""
-    return [MixedSource(s["path"], float(s["weight"]), s.get("name") or _folder_name(s["path"]))
+    return [MixedSource(s["path"], float(s["weight"]), s.get("name") or folder_name(s["path"]))
             for s in cfg.sources]
 
 
-def _folder_name(path: str) -> str:
+def folder_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
