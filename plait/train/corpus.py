@@ -149,8 +149,7 @@ def verify_shards(folder: Path, manifest: dict, checksums: bool = False,
     else:
         for i, b in _sampled(blocks):
             blocks[i].verify(b, key)
-            beyond(blocks[i].ids[b * blocks[i].per : (b + 1) * blocks[i].per],
-                   b * blocks[i].per, vocab, blocks[i].name, key)
+            beyond(blocks[i].block(b), b * blocks[i].per, vocab, blocks[i].name, key)
     read_index(folder, manifest, key, whole=checksums)
     return "" if blocks is not None else (
         f"{folder} has no block checksums ({CHECKSUMS}: prepared by an older plait), so a launch "
@@ -204,8 +203,11 @@ class ShardBlocks:
             if not self.done[b]:
                 self.verify(b, key)
 
+    def block(self, b: int) -> np.ndarray:
+        return self.ids[b * self.per : (b + 1) * self.per]
+
     def verify(self, b: int, key: str = "data.source") -> None:
-        if zlib.crc32(self.ids[b * self.per : (b + 1) * self.per]) != int(self.sums[b]):
+        if zlib.crc32(self.block(b)) != int(self.sums[b]):
             raise self.changed(b, key)
         self.done[b] = True
 
@@ -282,12 +284,11 @@ def read_index(folder: Path, manifest: dict, key: str = "data.source",
     return starts
 
 
-def sample_ids(ids: np.ndarray, limit: int, name: str, key: str,
-               blocks: int | None = 2) -> None:
+def sample_ids(ids: np.ndarray, limit: int, name: str, key: str, blocks: int = 2) -> None:
     """`blocks` blocks of `SAMPLE_IDS` ids spread over `ids` (its first, its last, evenly
-    between; None: all of them) below `limit`, or a one-line error naming where."""
+    between; all of it when that is no more) below `limit`, or a one-line error naming where."""
     n = len(ids)
-    if blocks is None or n <= blocks * SAMPLE_IDS:
+    if n <= blocks * SAMPLE_IDS:
         starts = range(0, n, 1 << 24)
         size = 1 << 24
     else:

@@ -184,7 +184,7 @@ class _ShardWriter:
     """Appends ids to shard files of at most `shard_tokens` ids, hashing as it writes: each
     shard's sha256, and the crc32 of each of its `block_bytes` blocks (`sums`, shard by shard)."""
 
-    def __init__(self, out: Path, dtype, shard_tokens: int, block_bytes: int = BLOCK_BYTES):
+    def __init__(self, out: Path, dtype, shard_tokens: int, block_bytes: int):
         self.out, self.dtype, self.limit = out, dtype, shard_tokens
         self.shards: list[dict] = []
         self.file = None
