@@ -10,6 +10,7 @@ the write has finished on every rank (or at the next save, or the end of the run
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -125,17 +126,24 @@ class Checkpointer:
         planner = SaveBoxes(functools.partial(maybe_fail, "save", step))
         args = dict(checkpoint_id=str(path), planner=planner, process_group=self.group)
         if not self.ck.async_:
-            try:
+            with self._refusal_said(path):
                 dcp.save(state, **args)
-            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-                said = write_failed(path, e, self.is_rank0)
-                if said is None:
-                    raise
-                raise said from None
             self._finish(path, info)
             return
         response = dcp.async_save(state, async_stager=CopyStager(), **args)
         self.pending = getattr(response, "upload_completion", response), path, info
+
+    @contextlib.contextmanager
+    def _refusal_said(self, path: Path):
+        """A save's failure: the file system's refusal in one line (`write_failed`), any other
+        as raised (the partial folder removed either way)."""
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            said = write_failed(path, e, self.is_rank0)
+            if said is None:
+                raise
+            raise said from None
 
     def _finish(self, path, info: dict) -> None:
         """Every rank's write is done once DCP's save returns on rank 0 (its coordinator gathers
@@ -152,11 +160,6 @@ class Checkpointer:
         """Until a background save has finished (raising its error, if any); then mark it."""
         if self.pending is not None:
             (future, path, info), self.pending = self.pending, None
-            try:
+            with self._refusal_said(path):
                 future.result()
-            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-                said = write_failed(path, e, self.is_rank0)
-                if said is None:
-                    raise
-                raise said from None
             self._finish(path, info)
