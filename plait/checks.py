@@ -288,6 +288,10 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError("parallel.tp", misfit)
     if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
         raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
+    if plan is None and cfg.data.document_mask:
+        raise ConfigError("data.document_mask", f"{arch} has no plait plan (planned: "
+                          f"{', '.join(HF_PLANS)}), and its attention takes no document mask "
+                          "from plait; set it to false")
     if plan is None and cfg.train.activation_checkpointing != "none":
         raise ConfigError("train.activation_checkpointing", f"{arch} has no plait plan naming "
                           "its blocks; set it to 'none'")

@@ -124,6 +124,9 @@ class DataConfig:
     # A weighted mixture of prepared folders instead of `source` (train/mixture.py): each
     # {path = "...", weight = 0.7, name = "web"} (name: the folder's own unless given)
     sources: list[dict] = field(default_factory=list)
+    # Attention stops at document boundaries within a window, and positions restart at each
+    # document (model/documents.py); needs a source whose documents are known
+    document_mask: bool = False
 
 
 @dataclass

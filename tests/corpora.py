@@ -13,3 +13,16 @@ def word_level_tokenizer(path: Path, size: int) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(path))
     return path
+
+
+def short_documents(folder: Path, count: int = 1500) -> str:
+    """A folder of `count` short text files, each a document of 3 to 40 bytes, so that nearly
+    every window of 32 byte tokens holds a document boundary (document masking's tests)."""
+    import random
+
+    rng = random.Random(0)
+    words = ["def", "return", "self", "import", "for", "in", "x", "=", "(", ")", ":", "1"]
+    for i in range(count):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
+        (folder / f"{i:04d}.txt").write_text(text[: rng.randint(3, 40)])
+    return str(folder)

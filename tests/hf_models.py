@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.config import load_config
+from plait.model.documents import Documents
 from plait.train.data import TokenData
 from plait.train.optim import build_optimizer, lr_at, set_lr
 
@@ -73,10 +74,13 @@ def train_reference(folder: Path, cfg, steps: int = 4) -> dict:
     for step in range(steps):
         set_lr(optimizer, lr_at(step, cfg.train))
         optimizer.zero_grad(set_to_none=True)
-        inputs, targets = data.batch(step, cfg.train.global_batch)
+        inputs, targets, *documents = data.batch(step, cfg.train.global_batch)
+        # Documents (data.document_mask): positions restarting at each one, from which
+        # transformers makes its own block-diagonal mask ("packed sequences").
+        positions = Documents.whole(documents[0]).positions() if documents else None
         with contextlib.nullcontext() if cfg.train.precision == "fp32" else \
                 torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 as plait's DDP runs it
-            logits = model(input_ids=inputs, use_cache=False).logits
+            logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from plait.model.args import ModelArgs
+from plait.model.documents import Documents
 from plait.model.materialize import Stacked
 from plait.model.plan import ModelPlan
 
@@ -136,18 +137,22 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     """transformers' attention function for plait's models: the attention module's `core`
     kernel where one was put (context parallelism's: (b, s, heads, d) in and out), else
     transformers' own SDPA function. q (b, heads, s, d), k and v (b, kv_heads, s, d), rotated;
-    returns (b, s, heads, d)."""
+    returns (b, s, heads, d). The mask is plait's `Documents` under `data.document_mask` (the
+    layers pass it through untouched): the kernel's, or the SDPA mask it makes."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     core = getattr(module, "core", None)
+    documents = attention_mask if isinstance(attention_mask, Documents) else None
     if core is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
+        mask = attention_mask if documents is None else documents.mask()
+        return sdpa_attention_forward(module, query, key, value, mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    if attention_mask is not None or dropout or scaling != query.shape[-1] ** -0.5:
-        raise ValueError("plait's attention kernels compute unmasked causal attention scaled by "
-                         "1/sqrt(head_dim), without dropout")
-    out = core(*(t.transpose(1, 2) for t in (query, key, value)))
-    return out, None
+    if (attention_mask is not None and documents is None) or dropout or \
+            scaling != query.shape[-1] ** -0.5:
+        raise ValueError("plait's attention kernels compute causal attention (within documents "
+                         "under data.document_mask) scaled by 1/sqrt(head_dim), without dropout")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return (core(q, k, v) if documents is None else core(q, k, v, documents)), None
 
 
 def arange_positions(seq_len: int, device) -> torch.Tensor:
@@ -182,28 +187,38 @@ class HFCausalLM(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens)
 
-    def block_args(self, h: torch.Tensor, seq_len: int) -> dict:
+    def block_args(self, h: torch.Tensor, seq_len: int,
+                   documents: Documents | None = None) -> dict:
         """What each decoder layer takes besides the hidden states, by keyword (the families
         order them differently): no mask (causal SDPA), the positions of the tokens (0..s-1;
         the shard's under context parallelism) and their rotary embeddings (cos, sin), as the
-        model computes them."""
-        positions = self.positions(seq_len, h.device).unsqueeze(0)
-        return {"attention_mask": None, "position_ids": positions,
+        model computes them. With `documents`: positions that restart at each document (per
+        row, as transformers' packed sequences give them) and the documents as the mask, which
+        plait's attention function (`attention`) reads."""
+        if documents is None:
+            positions = self.positions(seq_len, h.device).unsqueeze(0)
+        else:
+            documents = documents.to(h.device)
+            positions = documents.positions()
+        return {"attention_mask": documents, "position_ids": positions,
                 "position_embeddings": self.rotary_emb(h, positions)}
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None):
+                labels: torch.Tensor | None = None, documents: Documents | None = None):
         """(b, s) token ids -> (b, s, vocab) logits; as transformers' model is called, with a
         padding `attention_mask` (b, s) (transformers' `create_causal_mask` makes it the
         layers' mask; all ones is no mask) and `labels` (b, s): then `CausalLMOutput` with the
-        family's own loss (transformers' `loss_function`: shifted, -100 ignored)."""
+        family's own loss (transformers' `loss_function`: shifted, -100 ignored). Or with
+        `documents` instead of a mask: the windows' documents (`data.document_mask`)."""
         # Written against the pieces a one-chunk pipeline holds too (it runs this forward on
         # itself for a batch with a mask or labels): the class's functions, the plan's modules.
+        if attention_mask is not None and documents is not None:
+            raise ValueError("a padding attention_mask or documents, not both")
         h = HFCausalLM.embed(self, input_ids)
-        extra = HFCausalLM.block_args(self, h, input_ids.shape[1])
+        extra = HFCausalLM.block_args(self, h, input_ids.shape[1], documents)
         if attention_mask is not None:
             from transformers.masking_utils import create_causal_mask
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.model.args import PRESETS, ModelArgs, model_args  # noqa: F401 - re-exported
+from plait.model.documents import Documents
 from plait.model.feed_forward import FeedForward
 from plait.model.llama_plan import LLAMA
 from plait.model.moe import MoEFeedForward
@@ -48,17 +49,19 @@ def sequence_positions(seq_len: int, device) -> torch.Tensor:
 
 def rope_tables(positions: torch.Tensor, head_dim: int,
                 theta: float) -> tuple[torch.Tensor, ...]:
-    """cos and sin of the rotary angles (Su et al. 2021) at `positions`: each (seq, head_dim/2)."""
+    """cos and sin of the rotary angles (Su et al. 2021) at `positions` (seq) or (rows, seq,
+    each row its own: documents restart them): each (..., seq, head_dim/2)."""
     device = positions.device
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(positions.float(), inv_freq)
+    angles = positions.float()[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, seq, heads, head_dim) by position; pairs are (even, odd) features."""
+    """Rotate (batch, seq, heads, head_dim) by position; pairs are (even, odd) features. cos and
+    sin: (seq, head_dim/2), or (batch, seq, head_dim/2)."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (b, s, h, head_dim / 2)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]  # a heads dimension
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -66,10 +69,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CausalAttention(nn.Module):
     """The attention kernel: `causal_attention` as a module (no weights), the swap point of
     context parallelism (`attention.core.kernel`), which replaces it by a kernel that attends
-    across the sequence shards of the cp ranks."""
+    across the sequence shards of the cp ranks. Every kernel takes the micro-batch's `Documents`
+    too, under `data.document_mask` (model/documents.py)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return causal_attention(q, k, v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        return causal_attention(q, k, v, None if documents is None else documents.mask())
 
 
 class AttentionCore(nn.Module):
@@ -82,19 +87,24 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.kernel = CausalAttention()
 
-    def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.kernel(q, k, v).flatten(-2)
+        out = self.kernel(q, k, v) if documents is None else self.kernel(q, k, v, documents)
+        return out.flatten(-2)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim) + causal mask) v over whole sequences: q (b, s, heads, d),
     k and v (b, s, kv_heads, d), each key/value head shared by heads / kv_heads query heads
-    -> (b, s, heads, d)."""
+    -> (b, s, heads, d). `mask` (b, 1, s, s), True where a query sees a key, replaces the causal
+    one (document masking)."""
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=mask is None,
     )  # (b, heads, s, head_dim)
     return out.transpose(1, 2)
 
@@ -112,13 +122,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         # Head counts come from the weight shapes, not the config, so the same code runs on a
         # tensor-parallel shard that holds a subset of the heads.
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))  # (b, s, heads, head_dim)
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))  # (b, s, kv_heads, head_dim)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
-        return self.wo(self.core(q, k, v, cos, sin))
+        return self.wo(self.core(q, k, v, cos, sin, documents))
 
 
 class Block(nn.Module):
@@ -131,8 +142,9 @@ class Block(nn.Module):
         self.ffn_norm = RootMeanSquareNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args) if not moe else MoEFeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -159,18 +171,25 @@ class Llama(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)  # (b, s) -> (b, s, dim)
 
-    def block_args(self, h: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
+    def block_args(self, h: torch.Tensor, seq_len: int,
+                   documents: Documents | None = None) -> tuple:
         """What every block takes besides the hidden states: the rotary tables of the tokens'
-        positions (this cp rank's, under context parallelism)."""
-        positions = self.positions(seq_len, h.device)
-        return rope_tables(positions, self.args.head_dim, self.args.rope_theta)
+        positions (this cp rank's, under context parallelism); with `documents`, positions
+        that restart at each document, and the documents for the attention kernel's mask."""
+        if documents is None:
+            positions = self.positions(seq_len, h.device)
+            return rope_tables(positions, self.args.head_dim, self.args.rope_theta)
+        documents = documents.to(h.device)
+        tables = rope_tables(documents.positions(), self.args.head_dim, self.args.rope_theta)
+        return (*tables, documents)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h))  # (b, s, dim) -> (b, s, vocab)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """`documents`: where the windows' documents begin (`data.document_mask`)."""
         h = self.embed(tokens)
-        extra = self.block_args(h, tokens.shape[1])
+        extra = self.block_args(h, tokens.shape[1], documents)
         for layer in self.layers.values():
             h = layer(h, *extra)
         return self.head(h)

@@ -45,6 +45,7 @@ from plait.mesh import (
     hsdp_groups,
     ranks_per_node,
 )
+from plait.model.documents import Documents
 from plait.model.materialize import Filler, Source, is_meta, materialize
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -146,19 +147,27 @@ class Parallelized:
         self.pipeline.loss_scale = scale
         for layer in self.moe:
             layer.loss_scale = scale
-        self._whole_logits(any(target is None for _, target in microbatches))
+        self._whole_logits(any(mb[1] is None for mb in microbatches))
         loss_sum = self.pipeline.run(microbatches)
         with TRACER.span("finish gradients"):
             self.finish_gradients()
         return loss_sum, scale
 
-    def split(self, inputs: torch.Tensor, targets: torch.Tensor,
-              microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def split(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              documents: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
         """This rank's rows of token windows (inputs, targets: (rows, seq)) as the schedule takes
-        them: its part of each sequence (cp), cut into `microbatches` runs of rows."""
+        them: its part of each sequence (cp), cut into `microbatches` runs of rows. With
+        `documents` (rows, seq: each input token's document in its window, `data.document_mask`)
+        each micro-batch's `Documents` comes third: the whole windows' (every cp rank masks
+        keys from the others' shards) and where this rank's tokens lie in them."""
+        seq = inputs.shape[1]
         inputs, targets = self.context.shard(inputs), self.context.shard(targets)
         rows = len(inputs) // microbatches
-        return list(zip(inputs.split(rows), targets.split(rows), strict=True))
+        out = list(zip(inputs.split(rows), targets.split(rows), strict=True))
+        if documents is None:
+            return out
+        held = Documents(documents, self.context.index(seq, documents.device))
+        return [(*pair, docs) for pair, docs in zip(out, held.rows(microbatches), strict=True)]
 
     def _whole_logits(self, on: bool) -> None:
         """Whether a vocabulary-split head all-gathers its logits: for a model that computes its

@@ -31,14 +31,16 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from plait.choices import CP_METHODS
 from plait.comm import shift
 from plait.comm.autograd import heads_to_seq, seq_to_heads
 from plait.mesh import Axis
+from plait.model.documents import Documents
+from plait.model.llama import causal_attention
 from plait.model.plan import needs_plan
 
 
@@ -142,9 +144,13 @@ def _fused(q: torch.Tensor) -> bool:
     return FUSED_CPU and q.device.type == "cpu"
 
 
-def _block(q, k, v, causal: bool, scale: float):
+def _block(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
     """Attention of q (b, h, sq, d) over k, v (b, h, sk, d), causal on the local order (the
-    ring's own block: its positions increase along it) -> (out fp32, lse fp32 (b, h, sq))."""
+    ring's own block: its positions increase along it), or by `mask` (b, 1, sq, sk) where
+    given (documents: the plain math, which a query that sees no key of the block allows)
+    -> (out fp32, lse fp32 (b, h, sq))."""
+    if mask is not None:
+        return attend_block(q.float(), k.float(), v.float(), scale, mask)
     if _fused(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
@@ -152,15 +158,17 @@ def _block(q, k, v, causal: bool, scale: float):
     return attend_block(q.float(), k.float(), v.float(), scale, _causal(q, k, causal))
 
 
-def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
+                    mask: torch.Tensor | None = None):
     """Gradients of one block's q, k, v (fp32) given the *whole* attention's output and
     log-sum-exp for these queries: each block's share of softmax's backward."""
-    if _fused(q):
+    if _fused(q) and mask is None:
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
         return (g.float() for g in grads)
     q, k, v, dout, out = q.float(), k.float(), v.float(), dout.float(), out.float()
-    probs = torch.exp(_scores(q, k, scale, _causal(q, k, causal)) - _finite(lse)[..., None])
+    mask = _causal(q, k, causal) if mask is None else mask
+    probs = torch.exp(_scores(q, k, scale, mask) - _finite(lse)[..., None])
     delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O), per query
     dscores = probs * (dout @ v.transpose(-1, -2) - delta) * scale
     return dscores @ k, dscores.transpose(-1, -2) @ q, probs.transpose(-1, -2) @ dout
@@ -181,30 +189,34 @@ def _kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole (load-balanced) sequence: q
     (b, s, heads, d), k and v (b, s, kv_heads, d), the rank's two chunks -> (b, s, heads, d).
-    Blocks are merged in fp32; keys and values travel in their dtype, their gradients in fp32."""
+    Blocks are merged in fp32; keys and values travel in their dtype, their gradients in fp32.
+    With `documents` each block is masked by them, and a block no query may see is skipped."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group: ProcessGroup, layout: ContextLayout):
+    def forward(ctx, q, k, v, group: ProcessGroup, layout: ContextLayout,
+                documents: Documents | None = None):
         with torch.autocast(q.device.type, enabled=False):
             g, scale = q.shape[2] // k.shape[2], q.shape[-1] ** -0.5
             qh = q.transpose(1, 2)  # (b, heads, s, d)
             out = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(qh.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
             kv = torch.stack((k, v))  # the message: keys and values of the kv heads only
-            for step, (_, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
+            for step, (src, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
                 last = step == layout.size - 1
                 if not last:  # the next block's transfer, in flight during this one's compute
                     nxt = torch.empty_like(kv)
                     pending = shift(kv, nxt, group, async_op=True)
-                o, s = _block(qh[:, :, qs], _heads(kv, 0, g, ks), _heads(kv, 1, g, ks), causal,
-                              scale)
-                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
+                mask = _block_mask(documents, layout, src, qs, ks, q.shape[1])
+                if _sees_any(mask):
+                    o, s = _block(qh[:, :, qs], _heads(kv, 0, g, ks), _heads(kv, 1, g, ks),
+                                  causal, scale, mask)
+                    out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, s)
                 if not last:
                     pending.wait()
                     kv = nxt
             out = out.transpose(1, 2).contiguous().to(q.dtype)  # (b, s, heads, d)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout = group, layout
+        ctx.group, ctx.layout, ctx.documents = group, layout, documents
         return out
 
     @staticmethod
@@ -218,18 +230,21 @@ class RingAttention(torch.autograd.Function):
             dq = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
             kv = torch.stack((k, v))
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with kv
-            for step, (_, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
+            for step, (src, qs, ks, causal) in enumerate(ring_blocks(*_ring(layout, q))):
                 last = step == layout.size - 1
                 if not last:
                     nxt = torch.empty_like(kv)
                     pending = shift(kv, nxt, ctx.group, async_op=True)
-                kb, vb = (_heads(kv, i, g, ks).contiguous() for i in (0, 1))
-                dq_, dk, dv = _block_backward(
-                    dout[:, :, qs].contiguous(), qh[:, :, qs].contiguous(), kb, vb,
-                    oh[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
-                dq[:, :, qs] += dq_
-                dkv[0][:, ks] += _kv_grad(dk, kvh)
-                dkv[1][:, ks] += _kv_grad(dv, kvh)
+                mask = _block_mask(ctx.documents, layout, src, qs, ks, q.shape[1])
+                if _sees_any(mask):
+                    kb, vb = (_heads(kv, i, g, ks).contiguous() for i in (0, 1))
+                    dq_, dk, dv = _block_backward(
+                        dout[:, :, qs].contiguous(), qh[:, :, qs].contiguous(), kb, vb,
+                        oh[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale,
+                        mask)
+                    dq[:, :, qs] += dq_
+                    dkv[0][:, ks] += _kv_grad(dk, kvh)
+                    dkv[1][:, ks] += _kv_grad(dv, kvh)
                 # The block's gradient goes on with the block: the next rank works on it next.
                 arrived = torch.empty_like(dkv)
                 shift(dkv, arrived, ctx.group, tag=1)
@@ -239,21 +254,27 @@ class RingAttention(torch.autograd.Function):
                     kv = nxt
             # After C shifts each block's gradient, summed over every rank's queries, is home.
             dq = dq.transpose(1, 2).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _ring(layout: ContextLayout, q: torch.Tensor) -> tuple[int, int, int]:
     return layout.rank, layout.size, q.shape[1]
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of whole sequences on one rank: q (b, s, heads, d), k and v
-    (b, s, kv_heads, d) -> (b, s, heads, d)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                         v.transpose(1, 2), is_causal=True)
-    return out.transpose(1, 2)
+def _sees_any(mask: torch.Tensor | None) -> bool:
+    """Whether a block has a score to compute: unmasked, or a query that sees one of its keys
+    (a traced step's fake mask has no values: computed, as the shapes need)."""
+    return mask is None or is_fake(mask) or bool(mask.any())
+
+
+def _block_mask(documents: Documents | None, layout: ContextLayout, src: int, qs: slice,
+                ks: slice, local_len: int) -> torch.Tensor | None:
+    """The documents' mask of one ring block: this rank's queries `qs` against the keys `ks` of
+    rank `src`'s block, by their positions in the window (None without documents)."""
+    if documents is None:
+        return None
+    keys = layout.index(local_len * layout.size, documents.ids.device, rank=src)[ks]
+    return documents.mask(documents.index[qs], keys)
 
 
 class RingAttentionKernel(nn.Module):
@@ -264,8 +285,9 @@ class RingAttentionKernel(nn.Module):
         super().__init__()
         self.group, self.layout = cp.group, layout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return RingAttention.apply(q, k, v, self.group, self.layout)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
+        return RingAttention.apply(q, k, v, self.group, self.layout, documents)
 
 
 class UlyssesAttentionKernel(nn.Module):
@@ -275,12 +297,15 @@ class UlyssesAttentionKernel(nn.Module):
         super().__init__()
         self.group, self.size = cp.group, cp.size
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                documents: Documents | None = None) -> torch.Tensor:
         if k.shape[2] % self.size:  # too few key/value heads to split: one per query head
             group = q.shape[2] // k.shape[2]
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
-        return heads_to_seq(causal_sdpa(q, k, v), self.group)
+        # After the all-to-all each rank holds the whole window (of some heads), in order.
+        mask = None if documents is None else documents.whole_mask()
+        return heads_to_seq(causal_attention(q, k, v, mask), self.group)
 
 
 def apply_cp(chunk: nn.Module, cp: Axis, method: str) -> ContextLayout:

@@ -218,7 +218,8 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
     """The training step of rank `rank` of the configuration `cfg` (a `plait.config.Config`) on
     `dims`, as `plait train` would run it: the model it names, built on `meta` and faked, placed
     and wrapped by `parallelize`, fed this rank's rows of a global batch of token windows as the
-    trainer cuts them (inputs and targets views of one (rows, seq + 1) tensor)."""
+    trainer cuts them (inputs and targets views of one (rows, seq + 1) tensor; and the inputs'
+    documents under `data.document_mask`: the masks' shapes, whatever their values)."""
     from plait.config import microbatches
     from plait.mesh import build_mesh, rows_share
     from plait.model import build_configured
@@ -238,4 +239,6 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
             _, rows = rows_share(parallelized.axes)
             window = torch.empty(cfg.train.global_batch // rows, cfg.data.seq_len + 1,
                                  dtype=torch.int64, device=device)
-            return trace_step(parallelized, parallelized.split(window[:, :-1], window[:, 1:], M))
+            documents = torch.empty_like(window[:, :-1]) if cfg.data.document_mask else None
+            return trace_step(parallelized, parallelized.split(window[:, :-1], window[:, 1:], M,
+                                                               documents))

@@ -106,6 +106,11 @@ class TokenData:
         if vocab_size is not None:
             self.corpus.vocab_size = min(self.corpus.vocab_size, vocab_size)
         self.seq_len, self.seed = cfg.seq_len, seed
+        self.document_mask = cfg.document_mask
+        if cfg.document_mask and self.corpus.starts is None:
+            raise ConfigError("data.document_mask", f"{cfg.source} does not say where its "
+                              "documents begin (a .bin is one stream of ids); prepare it with "
+                              "plait data prepare, or set data.document_mask = false")
         self.split = self.corpus.split(cfg.val_fraction)
         self.train_windows = (self.split - 1) // self.seq_len
         self.val_windows = (self.corpus.tokens - self.split - 1) // self.seq_len
@@ -115,7 +120,18 @@ class TokenData:
                 f"{cfg.seq_len} and a validation split of {cfg.val_fraction}; use more text")
 
     def _rows(self, first: int, windows: np.ndarray) -> tuple[torch.Tensor, ...]:
-        return as_rows(self.read(first, windows))
+        """(inputs, targets), and under `data.document_mask` the inputs' documents."""
+        rows = as_rows(self.read(first, windows))
+        return (*rows, self.documents(first, windows)) if self.document_mask else rows
+
+    def documents(self, first: int, windows: np.ndarray) -> torch.Tensor:
+        """(len(windows), seq_len): each input token's document, numbered from 0 in its window
+        (its first token's), from the corpus's document starts."""
+        import torch
+
+        at = (first + windows * self.seq_len)[:, None] + np.arange(self.seq_len)
+        doc = np.searchsorted(self.corpus.starts, at, side="right")
+        return torch.from_numpy(doc - doc[:, :1])
 
     def read(self, first: int, windows: np.ndarray) -> np.ndarray:
         """The windows' ids, (len(windows), seq_len + 1); `first`: 0 (training) or `split`."""

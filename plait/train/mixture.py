@@ -125,14 +125,24 @@ class Mixture:
         return source, visit
 
     def _gather(self, source: np.ndarray, windows_of, first_of) -> tuple[torch.Tensor, ...]:
-        out = None
+        """Each row from its source: (inputs, targets), and their documents (`TokenData`)."""
+        ids = documents = None
         for k in np.unique(source).tolist():
-            mine = source == k
-            ids = self.parts[k].read(first_of(k), windows_of(k, mine))
-            if out is None:
-                out = np.empty((len(source), ids.shape[1]), dtype=ids.dtype)
-            out[mine] = ids
-        return as_rows(out)
+            mine, part = source == k, self.parts[k]
+            windows = windows_of(k, mine)
+            rows = part.read(first_of(k), windows)
+            if ids is None:
+                ids = np.empty((len(source), rows.shape[1]), dtype=rows.dtype)
+                documents = np.empty((len(source), part.seq_len), dtype=np.int64)
+            ids[mine] = rows
+            if part.document_mask:
+                documents[mine] = part.documents(first_of(k), windows).numpy()
+        rows = as_rows(ids)
+        if not self.parts[0].document_mask:
+            return rows
+        import torch
+
+        return (*rows, torch.from_numpy(documents))
 
     def batch(self, step: int, global_batch: int, rank: int = 0, ranks: int = 1,
               microbatches: int = 1):

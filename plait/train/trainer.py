@@ -142,11 +142,11 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.moe.clear()
         waited = time.perf_counter()
-        inputs, targets = self.data.batch(step, self.train_cfg.global_batch, self.rows_rank,
-                                          self.rows, self.microbatches)
+        batch = self.data.batch(step, self.train_cfg.global_batch, self.rows_rank, self.rows,
+                                self.microbatches)  # (inputs, targets[, documents])
         waited = time.perf_counter() - waited
         with self.activations:  # peak bytes saved for backward during the step
-            loss_sum, norm = self.parallelized.step(self._microbatches(inputs, targets),
+            loss_sum, norm = self.parallelized.step(self._microbatches(*batch),
                                                     self.optimizer, self.train_cfg.grad_clip)
         result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,
                   "grad_norm": norm, "skipped": not math.isfinite(norm), "data_wait_s": waited}
@@ -163,8 +163,8 @@ class Trainer:
                 "train.nan_policy = 'skip' drops such steps' updates instead")
         return result
 
-    def _microbatches(self, inputs, targets) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.parallelized.split(inputs, targets, self.microbatches)
+    def _microbatches(self, inputs, targets, documents=None) -> list[tuple]:
+        return self.parallelized.split(inputs, targets, self.microbatches, documents)
 
     def validate(self) -> dict:
         """`val_loss`; with a mixture also each source's own, on its validation split alone
@@ -179,10 +179,10 @@ class Trainer:
         self.model.eval()
         total = 0.0
         for i in range(self.train_cfg.eval_batches):
-            inputs, targets = data.val_batch(
+            batch = data.val_batch(
                 i, self.train_cfg.global_batch, self.rows_rank, self.rows, self.microbatches
             )
-            total += self.parallelized.pipeline_eval.run(self._microbatches(inputs, targets))
+            total += self.parallelized.pipeline_eval.run(self._microbatches(*batch))
         return self._global_mean(total / self.train_cfg.eval_batches)
 
     def _rates(self) -> tuple[float, float]:
@@ -207,7 +207,7 @@ class Trainer:
         """One step of this layout against one of the whole model in this process, from the same
         weights and global batch (`train/verify.py`); nothing is updated."""
         cfg = self.train_cfg
-        inputs, targets = self.data.batch(0, cfg.global_batch)
+        inputs, targets, *documents = self.data.batch(0, cfg.global_batch)
         local = self.data.batch(0, cfg.global_batch, self.rows_rank, self.rows, self.microbatches)
         self.model.train()
         compute = contextlib.nullcontext()
@@ -217,7 +217,8 @@ class Trainer:
             return verify_step(self.parallelized, self.reference.train(),
                                self._microbatches(*local), inputs.to(self.device),
                                targets.to(self.device), cross_entropy, self._global_mean,
-                               2e-2 if cfg.precision in HALF else 1e-4)
+                               2e-2 if cfg.precision in HALF else 1e-4,
+                               documents[0].to(self.device) if documents else None)
 
     def fit(self, outputs: Outputs | None = None) -> Summary:
         """Train from `start_step` until `train.steps` or `train.stop_after` steps are done,

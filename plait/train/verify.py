@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from plait.comm import all_reduce
+from plait.model.documents import Documents
 from plait.parallel.dropout import dropout_off
 
 
@@ -76,17 +77,20 @@ def group_of(name: str) -> str:
 def verify_step(parallelized, reference: nn.Module, local: list[tuple[torch.Tensor, torch.Tensor]],
                 inputs: torch.Tensor, targets: torch.Tensor,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                global_mean: Callable[[float], float], tolerance: float) -> Verdict:
+                global_mean: Callable[[float], float], tolerance: float,
+                documents: torch.Tensor | None = None) -> Verdict:
     """One step of `parallelized` on this rank's micro-batches `local` and one of `reference`
-    (the whole model, same weights) on the global batch (`inputs`, `targets`), dropout off in
-    both; their gradients compared, every rank the part it holds. Leaves gradients in both;
-    steps neither."""
+    (the whole model, same weights) on the global batch (`inputs`, `targets`, and the inputs'
+    `documents` under `data.document_mask`), dropout off in both; their gradients compared,
+    every rank the part it holds. Leaves gradients in both; steps neither."""
     with dropout_off(parallelized.module), dropout_off(reference) as turned_off:
         parallelized.module.zero_grad(set_to_none=True)
         loss = global_mean(parallelized.pipeline.run(local))
         parallelized.finish_gradients()
         reference.zero_grad(set_to_none=True)
-        ref_loss = loss_fn(reference(inputs), targets)
+        outputs = reference(inputs) if documents is None else \
+            reference(inputs, documents=Documents.whole(documents))
+        ref_loss = loss_fn(outputs, targets)
         ref_loss.backward()
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     names = [n for n, _ in reference.named_parameters()]

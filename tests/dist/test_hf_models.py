@@ -15,6 +15,7 @@ in the helper).
 
 from __future__ import annotations
 
+import corpora
 import pytest
 import torch
 from harness import run_world
@@ -46,6 +47,14 @@ ROWS = [
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),
     ("mixtral-tp2", "mixtral", 2, ["parallel.tp=2"]),
     ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
+]
+# Document masking (`data.document_mask`) on a corpus of short documents, against transformers'
+# packed sequences (its mask made from the positions, which restart at each document).
+DOCUMENT_ROWS = [
+    ("llama-documents-tp2-sp-pp2", "llama", 4, ["parallel.tp=2", "parallel.pp=2",
+                                                "parallel.sequence_parallel=true"]),
+    ("llama-documents-cp2-ring", "llama", 2, ["parallel.cp=2"]),
+    ("qwen3-documents-cp2-ulysses", "qwen3", 2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
 ]
 # The cost formulas price plait's own mixture of experts; transformers' experts' all-to-alls
 # depend on its routing and are not in them.
@@ -94,8 +103,37 @@ def test_hf_model_in_bf16_tracks_transformers_in_one_process(folders):
 def test_hf_model_equals_transformers_in_one_process(folders, references, family, ranks,
                                                      overrides):
     cfg = hf_config(folders[family], *overrides)
+    _equals_reference(cfg, family, ranks, references[family])
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    return corpora.short_documents(tmp_path_factory.mktemp("short-documents"))
+
+
+def _documents_config(folder, source, *overrides):
+    return hf_config(folder, f"data.source='{source}'", "data.max_bytes=0",
+                     "data.document_mask=true", *overrides)
+
+
+@pytest.fixture(scope="module")
+def document_references(folders, short_documents):
+    return {f: train_reference(folders[f], _documents_config(folders[f], short_documents), STEPS)
+            for f in {row[1] for row in DOCUMENT_ROWS}}
+
+
+@pytest.mark.parametrize("family,ranks,overrides", [r[1:] for r in DOCUMENT_ROWS],
+                         ids=[r[0] for r in DOCUMENT_ROWS])
+def test_hf_document_mask_equals_transformers_packed_sequences(
+        folders, short_documents, document_references, family, ranks, overrides):
+    cfg = _documents_config(folders[family], short_documents, *overrides)
+    _equals_reference(cfg, family, ranks, document_references[family])
+
+
+def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
+    """`cfg` trained on `ranks` ranks equals `ref` (losses, parameters), with its collectives,
+    model state and activations as predicted."""
     results = run_world(run_steps, ranks, cfg, STEPS, timeout=240)
-    ref = references[family]
     dims = validate(cfg, ranks)
     planned = family != "gpt2"
     seen, measured, traced = set(), {}, {}

@@ -278,6 +278,9 @@ BAD_INPUT = [
     (["data.source={files}/odd.bin"], "data.source"),
     (["data.source={files}/ids.bin"], "model.vocab_size"),
     (["data.source={files}/ids.bin", "parallel.tp=2", "--nproc", "2"], "model.vocab_size"),
+    (["data.document_mask=3"], "data.document_mask"),
+    (["data.source={files}/ids.bin", "model.vocab_size=512", "data.document_mask=true"],
+     "data.document_mask"),  # a .bin does not say where its documents begin
     # Prepared corpora (plait data prepare): too big a vocabulary, damaged shards, too few windows.
     (["data.source={files}/bpe"], "model.vocab_size"),  # 300 tokens, the model 256
     (["data.source={files}/no_shard"], "data.source"),

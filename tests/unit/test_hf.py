@@ -131,6 +131,8 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     assert _refusal(f"model.hf='{gpt2}'", "parallel.zero=1", "parallel.dp=2",
                     "train.activation_checkpointing=full", nproc=2).startswith(
         "train.activation_checkpointing: GPT2LMHeadModel has no plait plan naming its blocks")
+    assert _refusal(f"model.hf='{gpt2}'", "data.document_mask=true").startswith(
+        "data.document_mask: GPT2LMHeadModel has no plait plan (planned: ")
     assert _refusal(f"model.hf='{tmp_path}'") == \
         f"model.hf: {tmp_path} has no config.json; give a folder that transformers' " \
         "save_pretrained wrote"

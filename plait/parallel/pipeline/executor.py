@@ -1,7 +1,9 @@
 """One executor for every schedule: it runs this stage's list of actions in order.
 
     F(c, m): input = micro-batch tokens (chunk 0; or a `Call`, a batch as the model takes it,
-             with one stage) or the activation received from chunk c - 1's stage; output sent
+             with one stage) or the activation received from chunk c - 1's stage, with the
+             micro-batch's documents on every chunk (a third entry, `data.document_mask`:
+             every stage has the micro-batches, so they never travel); output sent
              on to chunk c + 1's stage, or the loss computed (last chunk): `loss_fn(output,
              target)`, or with no target the model's own (`batch.model_loss`).
     B(c, m): gradient received from chunk c + 1's stage (or the loss itself on the last chunk);
@@ -122,9 +124,15 @@ class PipelineExecutor:
                  tag=self._tag(False, a.chunk - 1, a.microbatch))
             x.requires_grad_()
         start = time.perf_counter()  # busy from here: waiting for the message is idle
+        documents = microbatches[a.microbatch][2] if len(microbatches[a.microbatch]) > 2 \
+            else None
         with self.compute():
-            out = x(self.chunks[a.chunk], self.device) if isinstance(x, Call) \
-                else self.chunks[a.chunk](x)
+            if isinstance(x, Call):
+                out = x(self.chunks[a.chunk], self.device)
+            elif documents is None:
+                out = self.chunks[a.chunk](x)
+            else:
+                out = self.chunks[a.chunk](x, documents=documents)
         if a.chunk == s.chunks - 1:
             target = microbatches[a.microbatch][1]
             out = (model_loss(out) if target is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from plait.model.documents import Documents
 from plait.model.plan import plan_of
 
 
@@ -66,7 +67,9 @@ class PipelineChunk(nn.Module):
         # by apply_tp); positions span the whole sequence (of this cp rank's shard).
         self.seq_shards = 1
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, documents: Documents | None = None, **kwargs):
+        """Tokens (first chunk) or hidden states, and the micro-batch's `documents` under
+        `data.document_mask`; or, with one chunk, a batch as the model takes it."""
         if len(args) != 1 or kwargs:  # a batch as the model takes it: the model's own forward
             if not (self.first and self.last):
                 raise ValueError("a pipeline chunk takes hidden states alone; a batch with more "
@@ -75,7 +78,10 @@ class PipelineChunk(nn.Module):
         x = args[0]
         seq = x.shape[1] if self.first else x.shape[1] * self.seq_shards
         h = self.code.embed(self, x) if self.first else x
-        extra = self.code.block_args(self, h, seq)  # positional (a tuple) or by keyword
+        # Positional (a tuple) or by keyword; the documents only where given (a model of the
+        # user's takes (h, seq_len)).
+        extra = self.code.block_args(self, h, seq) if documents is None else \
+            self.code.block_args(self, h, seq, documents)
         args, kwargs = (extra, {}) if isinstance(extra, tuple) else ((), extra)
         for block in self.get_submodule(self.plan.blocks).values():
             h = block(h, *args, **kwargs)
