@@ -24,6 +24,7 @@ ROWS = [
     ("pp2-interleaved", 2, ["parallel.pp=2", "parallel.pp_schedule=interleaved"]),
     ("ring-cp2", 2, ["parallel.cp=2"]),
     ("ulysses-cp2", 2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
+    ("ring-cp2-zero3", 2, ["parallel.cp=2", "parallel.zero=3"]),
     ("ring-cp2-tp2-ac-selective", 4, ["parallel.cp=2", "parallel.tp=2",
                                       "train.activation_checkpointing=selective"]),
     ("ulysses-cp2-pp2-zero1", 4, ["parallel.cp=2", "parallel.cp_method=ulysses",
