@@ -10,7 +10,14 @@ from rich.table import Table
 
 from plait.bench.comm import SIZES, bench_comm
 from plait.bench.load import BUSY, OtherLoad
-from plait.bench.pp import bench_pp, measured_bubble, with_schedule
+from plait.bench.pp import (
+    bench_pp,
+    measured_bubble,
+    replayed,
+    stage_costs,
+    why_bubble,
+    with_schedule,
+)
 from plait.bench.step import SIDES, bench_step, summarize, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
 from plait.checks import validate
@@ -190,10 +197,10 @@ def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
     M = cfg.parallel.microbatches or nproc
     table = Table(title=f"plait bench pp: {nproc} stages, {M} micro-batches, median of {steps} "
                         "steps (bubbles: idle share of the step, worst stage)")
-    for col in ("schedule", "simulated bubble", "formula", "measured bubble",
+    for col in ("schedule", "simulated bubble", "formula", "replayed", "measured bubble",
                 "peak in-flight", "plait (ms)", "torch (ms)", "plait / torch"):
         table.add_column(col, justify="left" if col == "schedule" else "right")
-    rows, timelines = [], {}
+    rows, timelines, why = [], {}, []
     for name in schedules:
         sim = build_schedule(name, nproc, M, cfg.parallel.pp_virtual)
         timeline = simulate(sim)
@@ -201,14 +208,18 @@ def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
         timelines[name] = spans
         plait_s, torch_s = per_rank[0][name]["plait"], per_rank[0][name]["torch"]
         row = {"schedule": name, "simulated": timeline.bubble, "formula": textbook_bubble(sim),
-               "measured": measured_bubble(spans), "peak": max(timeline.peak_in_flight),
-               "plait": plait_s, "torch": torch_s}
+               "replayed": replayed(sim, spans).bubble, "measured": measured_bubble(spans),
+               "peak": max(timeline.peak_in_flight), "plait": plait_s, "torch": torch_s}
         rows.append(row)
+        why.append(why_bubble(name, row["formula"], row["replayed"], row["measured"],
+                              stage_costs(spans)))
         table.add_row(name, f"{row['simulated']:.3f}", f"{row['formula']:.3f}",
-                      f"{row['measured']:.3f}", str(row["peak"]), f"{plait_s * 1e3:,.1f}",
-                      f"{torch_s * 1e3:,.1f}" if torch_s else "-",
+                      f"{row['replayed']:.3f}", f"{row['measured']:.3f}", str(row["peak"]),
+                      f"{plait_s * 1e3:,.1f}", f"{torch_s * 1e3:,.1f}" if torch_s else "-",
                       f"{plait_s / torch_s:.3f}" if torch_s else "-")
-    Console(width=120).print(table)
+    Console(width=130).print(table)
+    for line in why:
+        Console(width=130).print(line, soft_wrap=True)
     for note in skipped:
         Console().print(f"skipped {note}")
     draw_timelines(timelines, png)

@@ -114,6 +114,42 @@ def bench_pp(cfg: Config, schedules: list[str], steps: int) -> dict:
     return out
 
 
+def replayed(schedule, stage_spans: list[list[tuple]]):
+    """The schedule simulated with each action's measured duration and free messages (what the
+    measured bubble would be if only the compute's real costs counted: a backward dearer than
+    two forwards, the last stage's head and loss, stages of unequal cost)."""
+    from plait.parallel.pipeline.schedules import Kind
+    from plait.parallel.pipeline.simulator import simulate
+
+    took = {(Kind(kind), mb, chunk): end - start
+            for spans in stage_spans for kind, mb, chunk, start, end in spans}
+    return simulate(schedule, lambda stage, a: took[(a.kind, a.microbatch, a.chunk)])
+
+
+def stage_costs(stage_spans: list[list[tuple]]) -> list[dict[str, float]]:
+    """Per stage, the mean seconds of its actions of each kind (F, B, W)."""
+    out = []
+    for spans in stage_spans:
+        kinds: dict[str, list[float]] = {}
+        for kind, _, _, start, end in spans:
+            kinds.setdefault(kind, []).append(end - start)
+        out.append({k: statistics.fmean(v) for k, v in kinds.items()})
+    return out
+
+
+def why_bubble(name: str, formula: float, replay: float, measured: float,
+               costs: list[dict[str, float]]) -> str:
+    """One line: the formula's bubble, what the measured compute costs make of it, and what is
+    left for messages and the executor between actions."""
+    per_kind = ", ".join(f"{k} " + "/".join(f"{c[k] * 1e3:.1f}" for c in costs)
+                         for k in ("F", "B", "W") if all(k in c for c in costs))
+    ratio = statistics.fmean(c["B"] / c["F"] for c in costs)
+    return (f"{name}: formula {formula:.3f} (unit costs, B = 2F); the step's own costs (ms per "
+            f"stage: {per_kind}; B/F {ratio:.2f}) replayed with free messages make it "
+            f"{replay:.3f}; the other {measured - replay:+.3f} of the measured {measured:.3f} "
+            "is waiting on messages and the executor between actions")
+
+
 def measured_bubble(stage_spans: list[list[tuple]]) -> float:
     """Worst stage's idle share of the step's span (first start to last end over all stages)."""
     begin = min(s[3] for spans in stage_spans for s in spans)

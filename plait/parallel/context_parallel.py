@@ -22,9 +22,10 @@ the shards.
 Rotary positions follow the shard (`ContextLayout.positions`, the model's `positions`); the data
 is cut the same way (`ContextLayout.shard`). Under `data.document_mask` every rank keeps the
 whole window's documents (model/documents.py): the ring masks each block by its queries' and the
-sending rank's keys' positions and skips a block no query sees; Ulysses masks the whole window. The loss is each rank's mean over its tokens, equal
-counts on every rank, so the mean of the cp ranks' gradients (the data-parallel engine averages
-dense gradients over dp x cp) is the gradient of the mean over the whole sequence.
+sending rank's keys' positions and skips a block no query sees; Ulysses masks the whole window.
+The loss is each rank's mean over its tokens, equal counts on every rank, so the mean of the cp
+ranks' gradients (the data-parallel engine averages dense gradients over dp x cp) is the gradient
+of the mean over the whole sequence.
 """
 
 from __future__ import annotations

@@ -452,6 +452,9 @@ def test_bench_pp_tables_every_schedule_and_draws_the_timeline(tmp_path):
     assert set(rows) == {"gpipe", "1f1b", "interleaved", "zb1"}
     # Simulated and closed-form bubbles printed side by side agree (2 stages, 4 micro-batches).
     assert [c.strip() for c in rows["1f1b"].split("│")[2:4]] == ["0.200", "0.200"]
+    # Each schedule's measured bubble explained: the step's own costs replayed, then the rest.
+    for name in rows:
+        assert f"{name}: formula " in proc.stdout and "replayed with free messages" in proc.stdout
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 

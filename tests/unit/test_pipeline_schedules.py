@@ -113,3 +113,24 @@ def test_layers_are_balanced_by_parameter_count_unless_listed():
     torch.testing.assert_close(h, model(tokens))
     with pytest.raises(ValueError, match="split"):
         split_model(model, 3, sizes=[2, 2, 1, 1])
+
+
+def test_a_measured_step_replays_to_its_own_bubble():
+    """`plait bench pp`'s replay: a step's measured spans, simulated again with each action's
+    duration and free messages. Spans that are themselves a simulation (no message cost) replay
+    to the same timeline; a last stage twice as dear (the head and the loss) widens the
+    bubble beyond the formula's."""
+    from plait.bench.pp import replayed, stage_costs
+
+    def spans_of(timeline):
+        return [[(a.kind.value, a.microbatch, a.chunk, start, end) for a, start, end in stage]
+                for stage in timeline.spans]
+
+    schedule = build_schedule("1f1b", 2, 4)
+    ideal = simulate(schedule)
+    again = replayed(schedule, spans_of(ideal))
+    assert again.bubble == pytest.approx(ideal.bubble) and again.makespan == ideal.makespan
+    units = {Kind.F: 1.0, Kind.B: 2.0}
+    heavy = simulate(schedule, lambda stage, a: units[a.kind] * (2 if stage == 1 else 1))
+    assert replayed(schedule, spans_of(heavy)).bubble > textbook_bubble(schedule) + 0.1
+    assert stage_costs(spans_of(heavy)) == [{"F": 1.0, "B": 2.0}, {"F": 2.0, "B": 4.0}]

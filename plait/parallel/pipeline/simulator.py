@@ -8,6 +8,7 @@ action is named, with what it waits for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plait.parallel.pipeline.schedules import Action, Kind, Schedule, ScheduleError
@@ -44,7 +45,7 @@ class Timeline:
         return max(1 - b / self.makespan for b in self.busy)
 
 
-def _play(schedule: Schedule, costs: dict[Kind, float]) -> Timeline:
+def _play(schedule: Schedule, cost: Callable[[int, Action], float]) -> Timeline:
     finish: dict[Action, float] = {}
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(schedule.stages)]
     pos, clock = [0] * schedule.stages, [0.0] * schedule.stages
@@ -58,7 +59,7 @@ def _play(schedule: Schedule, costs: dict[Kind, float]) -> Timeline:
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[s], *(finish[d] for d in deps)])
-                clock[s] = finish[a] = start + costs[a.kind]
+                clock[s] = finish[a] = start + cost(s, a)
                 spans[s].append((a, start, clock[s]))
                 pos[s] += 1
                 remaining -= 1
@@ -155,13 +156,19 @@ def check(schedule: Schedule) -> None:
             for kind in kinds:
                 if Action(kind, m, c) not in seen:
                     raise ScheduleError(f"{schedule.name}: {Action(kind, m, c)} is missing")
-    _play(schedule, default_costs(schedule))
+    simulate(schedule)
     _check_message_order(schedule)
 
 
-def simulate(schedule: Schedule, costs: dict[Kind, float] | None = None) -> Timeline:
-    """Makespan, per-stage busy time and bubble on an ideal clock (default: unit costs)."""
-    return _play(schedule, costs or default_costs(schedule))
+def simulate(schedule: Schedule,
+             costs: dict[Kind, float] | Callable[[int, Action], float] | None = None) -> Timeline:
+    """Makespan, per-stage busy time and bubble on an ideal clock: each action costs its kind's
+    unit (default: `default_costs`), or what `costs(stage, action)` says (a measured step's
+    durations, replayed with free messages: `plait bench pp`)."""
+    if callable(costs):
+        return _play(schedule, costs)
+    units = costs or default_costs(schedule)
+    return _play(schedule, lambda stage, a: units[a.kind])
 
 
 def textbook_bubble(schedule: Schedule) -> float:
