@@ -149,25 +149,35 @@ def _fused(q: torch.Tensor) -> bool:
 
 def _block(q, k, v, causal: bool, scale: float, mask: torch.Tensor | None = None):
     """Attention of q (b, h, sq, d) over k, v (b, h, sk, d), causal on the local order (the
-    ring's own block: its positions increase along it), or by `mask` (b, 1, sq, sk) where
-    given (documents: the plain math, which a query that sees no key of the block allows)
-    -> (out fp32, lse fp32 (b, h, sq))."""
-    if mask is not None:
-        return attend_block(q.float(), k.float(), v.float(), scale, mask)
-    if _fused(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-        return out.float(), lse
-    return attend_block(q.float(), k.float(), v.float(), scale, _causal(q, k, causal))
+    ring's own block: its positions increase along it), or by `mask` (b, 1, sq, sk) where given
+    (documents) -> (out fp32, lse fp32 (b, h, sq))."""
+    if not _fused(q):
+        return attend_block(q.float(), k.float(), v.float(), scale,
+                            _causal(q, k, causal) if mask is None else mask)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal and mask is None, scale=scale, **_masked(mask, q.dtype))
+    if mask is not None:  # the kernel says 0 for a query that sees no key: no weight in a merge
+        lse = lse.masked_fill(~mask.any(-1), -math.inf)
+    return out.float(), lse
+
+
+def _masked(mask: torch.Tensor | None, dtype: torch.dtype) -> dict:
+    """The fused kernel's `attn_mask` for a boolean mask: 0 where a query sees a key, -inf
+    elsewhere, in the queries' dtype."""
+    if mask is None:
+        return {}
+    return {"attn_mask": torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            .masked_fill(~mask, -math.inf)}
 
 
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
                     mask: torch.Tensor | None = None):
     """Gradients of one block's q, k, v (fp32) given the *whole* attention's output and
     log-sum-exp for these queries: each block's share of softmax's backward."""
-    if _fused(q) and mask is None:
+    if _fused(q):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal and mask is None, scale=scale,
+            **_masked(mask, q.dtype))
         return (g.float() for g in grads)
     q, k, v, dout, out = q.float(), k.float(), v.float(), dout.float(), out.float()
     mask = _causal(q, k, causal) if mask is None else mask

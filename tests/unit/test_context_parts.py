@@ -108,3 +108,40 @@ def test_layouts_partition_the_sequence(method, C):
     layout = ContextLayout(method, C - 1, C)
     assert torch.equal(layout.shard(x), x[:, index[-1]])
     assert torch.equal(layout.positions(S // C, None), index[-1])
+
+
+def test_fused_and_math_blocks_agree_under_a_document_mask(monkeypatch):
+    """The ring's block kernel and its backward under a document mask: torch's fused CPU kernel
+    (given the mask as -inf, its log-sum-exp mended where a query sees no key of the block)
+    equals the plain math, including rows the mask hides whole, and merging both halves of the
+    keys gives full masked attention. fp32: 1e-5 (two summation orders)."""
+    from plait.model.documents import Documents
+    from plait.parallel import context_parallel as cp
+
+    g = torch.Generator().manual_seed(0)
+    s, d = 16, 8
+    q, k, v, dout = (torch.randn(2, 4, s, d, generator=g) for _ in range(4))
+    ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
+    mask = Documents.whole(ids).mask()  # (2, 1, 16, 16)
+    halves = [(slice(0, 8), slice(0, 8)), (slice(8, 16), slice(0, 8)),
+              (slice(8, 16), slice(8, 16))]  # query rows x key rows, the later keys all masked
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(cp, "FUSED_CPU", fused)
+        out = torch.zeros(2, 4, s, d)
+        lse = torch.full((2, 4, s), -math.inf)
+        for qs, ks in halves:
+            o, l_ = cp._block(q[:, :, qs], k[:, :, ks], v[:, :, ks], False, d**-0.5,
+                              mask[:, :, qs, ks])
+            out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l_)
+        grads = [cp._block_backward(dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
+                                    k[:, :, ks].contiguous(), v[:, :, ks].contiguous(),
+                                    out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(),
+                                    False, d**-0.5, mask[:, :, qs, ks]) for qs, ks in halves]
+        results[fused] = out, lse, [t for block in grads for t in block]
+    (out, lse, grads), (math_out, math_lse, math_grads) = results[True], results[False]
+    torch.testing.assert_close(out, full_attention(q, k, v, mask), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, math_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, math_lse, rtol=0, atol=1e-5)
+    for a, b in zip(grads, math_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
