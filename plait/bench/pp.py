@@ -3,7 +3,10 @@
 
 Per schedule: the simulated bubble (ideal clock, unit costs) beside the closed form; the measured
 bubble of a real step (each stage's idle share of the step's span, worst stage, from the
-executor's per-action timestamps; all ranks share one monotonic clock on one machine); the peak
+executor's per-action timestamps; all ranks share one monotonic clock on one machine), and
+between them the same step replayed on the simulator with each action's measured duration and
+free messages, which says how much of the gap is the compute's own costs (unequal stages, a
+backward that is not two forwards) and how much messages and the executor; the peak
 number of in-flight micro-batch activations per stage; the median step time of plait and of
 torch's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B (ZB-H1 has no torch peer in this
 table). The measured timelines are drawn to a PNG, one row per stage.
@@ -143,10 +146,11 @@ def why_bubble(name: str, formula: float, replay: float, measured: float,
     left for messages and the executor between actions."""
     per_kind = ", ".join(f"{k} " + "/".join(f"{c[k] * 1e3:.1f}" for c in costs)
                          for k in ("F", "B", "W") if all(k in c for c in costs))
-    ratio = statistics.fmean(c["B"] / c["F"] for c in costs)
-    return (f"{name}: formula {formula:.3f} (unit costs, B = 2F); the step's own costs (ms per "
-            f"stage: {per_kind}; B/F {ratio:.2f}) replayed with free messages make it "
-            f"{replay:.3f}; the other {measured - replay:+.3f} of the measured {measured:.3f} "
+    ratio = statistics.fmean((c["B"] + c.get("W", 0.0)) / c["F"] for c in costs)
+    units = "F = B = W" if name == "zb1" else "B = 2F"
+    return (f"{name}: formula {formula:.3f} (unit costs, {units}); the step's own costs (ms per "
+            f"stage: {per_kind}; backward / forward {ratio:.2f}) replayed with free messages make "
+            f"it {replay:.3f}; the other {measured - replay:+.3f} of the measured {measured:.3f} "
             "is waiting on messages and the executor between actions")
 
 
