@@ -46,9 +46,9 @@ def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict
         raise ConfigError("parallel.pp", "bench step compares a Hugging Face model's DDP, ZeRO "
                           "and TP steps with torch's; set pp = 1")
     if cfg.parallel.pp > 1:
-        return run_3d_step(nproc, cfg, steps)
+        return run_3d_step(nproc, cfg, steps, repeats)
     if cfg.parallel.tp > 1:
-        return run_tp_step(nproc, cfg, steps)
+        return run_tp_step(nproc, cfg, steps, repeats)
     cfg = with_free_dp(cfg)
     for n in world_sizes(nproc):
         validate(cfg, n)  # every world size is checked before any worker starts
@@ -96,19 +96,45 @@ def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict
 
 
 def _step_row(n: int, cfg: Config, steps: int, repeats: int) -> dict:
-    """`bench step` at `n` ranks: each side in processes of its own, launched by turns, their
-    steps pooled; the machine's other load meanwhile; the glibc threshold each side set."""
+    """`bench step` at `n` ranks, its sides isolated (`in_turns`)."""
+    return {"ranks": n, **in_turns(n, bench_step, cfg, steps, repeats)}
+
+
+def in_turns(n: int, worker, cfg: Config, steps: int, repeats: int) -> dict:
+    """A bench's sides (`worker(cfg, steps, side)` for each of SIDES: rank 0 returns each of its
+    step functions' times and the glibc threshold its process set), each side in processes of
+    its own with the environment a user of that side has, launched by turns over `repeats`
+    launches (the side that goes first alternating), the steps pooled: each name's median and
+    spread (`summarize`), the machine's other load meanwhile, each side's threshold."""
     times, thresholds = {}, {}
     with OtherLoad() as load:
         for repeat in range(repeats):
             for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
-                got = launch(n, bench_step, cfg, steps, side, threads=cfg.train.threads,
+                got = launch(n, worker, cfg, steps, side, threads=cfg.train.threads,
                              preload=PRELOAD if cfg.model.hf else ())[0]
                 thresholds[side] = got.pop("malloc_threshold")
                 for name, ts in got.items():
                     times.setdefault(name, []).extend(ts)
-    return {"ranks": n, **summarize(times), "other_load": load.share,
-            "malloc_threshold": thresholds}
+    return {**summarize(times), "other_load": load.share, "malloc_threshold": thresholds}
+
+
+def _variants_table(table: Table, rows: list[tuple[str, str]], t: dict) -> list[dict]:
+    """Rows of (variant, name in `t`) with their median, spread and ratio to torch's, then the
+    other load's line."""
+    for col in ("variant", "step (ms)", "spread", "plait / torch"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for variant, name in rows:
+        table.add_row(variant, f"{t[name] * 1e3:,.1f}", f"{t[name + '_spread']:.1%}",
+                      f"{t[name] / t['torch']:.3f}")
+    Console(width=120).print(table)
+    load = t["other_load"]
+    Console().print(f"spread: interquartile range / median of the timed steps; other load: "
+                    f"{load:.0%} of the cores used by other processes during the bench" + (
+                        f" [yellow](more than {BUSY:.0%}: measure again on a quiet machine)[/]"
+                        if load > BUSY else ""))
+    return [{"variant": variant, "seconds": t[name], "spread": t[name + "_spread"],
+             "other_load": load, "malloc_threshold": t["malloc_threshold"]}
+            for variant, name in rows]
 
 
 def _say_load(rows: list[dict]) -> None:
@@ -123,7 +149,7 @@ def _say_load(rows: list[dict]) -> None:
                         "again on a quiet machine[/]" if busy else ""))
 
 
-def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+def run_tp_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict]:
     tp = cfg.parallel.tp
     if nproc != tp:
         raise ConfigError("--nproc", f"the tensor-parallel bench runs tp alone: use --nproc {tp}")
@@ -131,25 +157,19 @@ def run_tp_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
         raise ConfigError("data.seq_len", f"tp={tp} must divide it (the bench also runs SP)")
     cfg = with_free_dp(cfg)
     validate(cfg, nproc)
-    t = launch(nproc, bench_tp, cfg, steps, threads=cfg.train.threads,
-               preload=PRELOAD if cfg.model.hf else ())[0]
+    t = in_turns(nproc, bench_tp, cfg, steps, repeats)
     args = cfg.model.args()
     model = f"Hugging Face {cfg.model.hf}, " if cfg.model.hf else "model "
     table = Table(title=(
         f"plait bench step, tensor parallel: tp {tp}, {model}dim {args.dim} x {args.n_layers} "
-        f"layers, batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; median of {steps} "
-        "steps"))
-    for col in ("variant", "step (ms)", "plait / torch"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    rows = [("plait TP", t["plait"]), ("plait TP + sequence parallel", t["plait_sp"]),
-            ("torch DTensor TP (parallelize_module)", t["torch"])]
-    for name, seconds in rows:
-        table.add_row(name, f"{seconds * 1e3:,.1f}", f"{seconds / t['torch']:.3f}")
-    Console(width=120).print(table)
-    return [{"variant": name, "seconds": seconds} for name, seconds in rows]
+        f"layers, batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; median of "
+        f"{steps} x {repeats} steps, each side in its own processes"))
+    return _variants_table(table, [("plait TP", "plait"),
+                                   ("plait TP + sequence parallel", "plait_sp"),
+                                   ("torch DTensor TP (parallelize_module)", "torch")], t)
 
 
-def run_3d_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
+def run_3d_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict]:
     """plait's composition against torch's (pipelining + DTensor TP + fully_shard), N ranks."""
     from plait.bench.threed import TORCH_SCHEDULES, bench_3d
 
@@ -158,22 +178,18 @@ def run_3d_step(nproc: int, cfg: Config, steps: int) -> list[dict]:
     if cfg.parallel.pp_schedule not in TORCH_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", f"torch.distributed.pipelining has no peer for "
                           f"'{cfg.parallel.pp_schedule}'; one of {', '.join(TORCH_SCHEDULES)}")
-    t = launch(nproc, bench_3d, cfg, steps, threads=cfg.train.threads)[0]
+    t = in_turns(nproc, bench_3d, cfg, steps, repeats)
     args, par = cfg.model.args(), cfg.parallel
     table = Table(title=(
         f"plait bench step, 3-D: pp {dims.pp} x dp {dims.dp} x tp {dims.tp}, {par.pp_schedule}, "
         f"{microbatches(par, dims)} micro-batches; model dim {args.dim} x {args.n_layers} layers, "
-        f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; median of {steps} steps"))
-    for col in ("variant", "step (ms)", "vs torch"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
-    rows = [(f"plait ZeRO-{par.zero}" if par.zero else "plait DDP", t["plait"])]
+        f"batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; median of {steps} x "
+        f"{repeats} steps, each side in its own processes"))
+    rows = [(f"plait ZeRO-{par.zero}" if par.zero else "plait DDP", "plait")]
     if "plait_zero3" in t:
-        rows.append(("plait ZeRO-3", t["plait_zero3"]))
-    rows.append(("torch pipelining + parallelize_module + fully_shard", t["torch"]))
-    for name, seconds in rows:
-        table.add_row(name, f"{seconds * 1e3:,.1f}", f"{seconds / t['torch']:.3f}")
-    Console(width=120).print(table)
-    return [{"variant": name, "seconds": seconds} for name, seconds in rows]
+        rows.append(("plait ZeRO-3", "plait_zero3"))
+    rows.append(("torch pipelining + parallelize_module + fully_shard", "torch"))
+    return _variants_table(table, rows, t)
 
 
 def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:

@@ -8,7 +8,9 @@ PyTorch's own, on the same model chunks, global batch and seed:
 FSDP2 is fully sharded (ZeRO-3) whatever plait's stage; it is run with reshard_after_forward
 False for plait's ZeRO-1/2 (parameters kept whole through the step) and True for ZeRO-3. The
 torch head gathers the logits (output_layouts=Replicate) for a plain cross-entropy; plait's stays
-vocabulary-parallel. Sequence parallelism is plait's only. Steps take turns in rotating order.
+vocabulary-parallel. Sequence parallelism is plait's only. Each side runs in processes of its
+own, the sides launched by turns (`bench step`'s isolation: torch's processes never carry the
+allocator setting plait's ZeRO-3 makes); plait's variants take turns within theirs.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from plait.bench.step import plait_step, start_worker, time_in_turns
+from plait.bench.step import plait_step, start_worker, step_times
 from plait.config import Config, microbatches
 from plait.model import build_model
 from plait.parallel.pipeline.stage import split_model
 from plait.parallel.tensor_parallel import block_splits
 from plait.train.data import TokenData
+from plait.train.host_memory import malloc_threshold
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                    "interleaved": ScheduleInterleaved1F1B}
@@ -100,16 +103,21 @@ def torch_3d_step(cfg: Config, dims, mesh, x, y):
 
 
 @record
-def bench_3d(cfg: Config, steps: int) -> dict | None:
+def bench_3d(cfg: Config, steps: int, side: str) -> dict | None:
+    """One side's step times on this world (each side in processes of its own): plait's layout
+    and its ZeRO-3 ("plait"), or torch's composition ("torch"); and the glibc threshold this
+    process set."""
     dims, mesh = start_worker(cfg)
     dp_rank = mesh["dp"].get_local_rank()
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch, dp_rank, dims.dp)
-    runners = {"plait": plait_step(cfg, dims, mesh)}
-    if cfg.parallel.zero != 3:  # the algorithm fully_shard implements, for a like-for-like row
-        zero3 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=3))
-        runners["plait_zero3"] = plait_step(zero3, dims, mesh)
-    runners["torch"] = torch_3d_step(cfg, dims, mesh, x, y)
-    medians = time_in_turns(runners, dist.group.WORLD, steps)
+    if side == "plait":
+        runners = {"plait": plait_step(cfg, dims, mesh)}
+        if cfg.parallel.zero != 3:  # the algorithm fully_shard implements: a like-for-like row
+            zero3 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero=3))
+            runners["plait_zero3"] = plait_step(zero3, dims, mesh)
+    else:
+        runners = {"torch": torch_3d_step(cfg, dims, mesh, x, y)}
+    times = step_times(runners, dist.group.WORLD, steps)
     rank = dist.get_rank()
     dist.destroy_process_group()
-    return medians if rank == 0 else None
+    return {**times, "malloc_threshold": malloc_threshold()} if rank == 0 else None

@@ -3,7 +3,8 @@ against the same step under PyTorch's own DTensor tensor parallelism
 (`torch.distributed.tensor.parallel.parallelize_module` with the Megatron colwise / rowwise plan,
 the embedding rowwise, the head colwise into `loss_parallel`), on the same model, batch and seed.
 
-Steps take turns in rotating order: plait TP, plait TP + sequence parallelism, torch TP. The
+Each side runs in processes of its own, the sides launched by turns (`bench step`'s
+isolation); plait's two variants take turns within theirs. The
 ratio compares plait TP with torch TP (both without sequence parallelism). With `model.hf`, plait
 splits the transformers model by its plait plan, and torch by the model's own
 (`base_model_tp_plan`, translated to `parallelize_module` styles).
@@ -25,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from plait.bench.step import start_worker, time_in_turns
+from plait.bench.step import start_worker, step_times
 from plait.config import Config
 from plait.mesh import Axis
 from plait.model import build_model
@@ -34,6 +35,7 @@ from plait.parallel import apply_tp
 from plait.parallel.tensor_parallel import block_splits
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.train.data import TokenData
+from plait.train.host_memory import malloc_threshold
 from plait.train.trainer import build_configured_model
 
 
@@ -67,7 +69,10 @@ def hf_tp_plan(hf) -> dict:
 
 
 @record
-def bench_tp(cfg: Config, steps: int) -> dict | None:
+def bench_tp(cfg: Config, steps: int, side: str) -> dict | None:
+    """One side's step times on this world (`bench step`'s sides, each in processes of its
+    own): plait's TP and TP + SP ("plait"), or torch's DTensor TP ("torch"); and the glibc
+    threshold this process set."""
     _, mesh = start_worker(cfg)
     group, args, rank = mesh["tp"].get_group(), cfg.model.args(), dist.get_rank()
     x, y = TokenData(cfg.data, cfg.train.seed).batch(0, cfg.train.global_batch)
@@ -104,7 +109,8 @@ def bench_tp(cfg: Config, steps: int) -> dict | None:
 
         return step
 
-    runners = {"plait": plait_step(False), "plait_sp": plait_step(True), "torch": torch_step()}
-    medians = time_in_turns(runners, group, steps)
+    runners = {"plait": plait_step(False), "plait_sp": plait_step(True)} if side == "plait" \
+        else {"torch": torch_step()}
+    times = step_times(runners, group, steps)
     dist.destroy_process_group()
-    return medians if rank == 0 else None
+    return {**times, "malloc_threshold": malloc_threshold()} if rank == 0 else None

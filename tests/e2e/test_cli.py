@@ -420,6 +420,11 @@ def test_bench_step_runs_each_side_in_processes_of_its_own():
     cfg = load_config(None, ["parallel.zero=3", *TINY])
     rows = run_step(2, cfg, steps=1, repeats=1)
     assert [r["malloc_threshold"] for r in rows] == [{"plait": THRESHOLD, "torch": None}] * 2
+    # The pipeline composition's bench too: its plait side builds a ZeRO-3 row beside ZeRO-1.
+    cfg = load_config(None, ["parallel.pp=2", "parallel.zero=1", "model.n_layers=2", *TINY])
+    rows = run_step(2, cfg, steps=1, repeats=1)
+    assert [r["variant"] for r in rows][1] == "plait ZeRO-3"
+    assert {r["malloc_threshold"]["torch"] for r in rows} == {None}
 
 def test_bench_step_tensor_parallel_against_dtensor():
     proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2", *TINY)
