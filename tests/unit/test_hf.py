@@ -202,6 +202,7 @@ def test_import_refuses_what_plaits_llama_cannot_compute(tmp_path, capsys):
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # transformers' own progress bar, where no earlier test switched it off
     with pytest.raises(SystemExit) as e:
         cli.main(["convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "ck")])
     assert e.value.code == 2
