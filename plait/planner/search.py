@@ -134,10 +134,14 @@ def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster)
     elif d["tp"] > 1 and dev.intra_gbps < 100:
         out.append(f"tensor parallelism over slow links ({dev.intra_gbps:g} GB/s): its "
                    "all-reduces in every layer dominate; prefer ZeRO or pipeline stages")
-    if cfg.train.global_batch * d["cp"] < cluster.gpus:  # cp: each GPU a shard of a sequence
-        out.append(f"{cfg.train.global_batch * d['cp'] / cluster.gpus:g} samples per GPU (a "
-                   "cp shard of a sequence counting as one): fewer samples than GPUs; raise "
-                   "train.global_batch or use fewer GPUs")
+    # Samples per data-parallel rank (the ranks that split the rows: dp x ep), not per GPU: the
+    # tp, pp and cp ranks of a replica share its samples by design (a Megatron layout of 64
+    # GPUs per replica runs 16-32 sequences per replica).
+    rows = cfg.train.global_batch // (d["dp"] * d["ep"])
+    if d["pp"] > 1 and rows < d["pp"]:
+        out.append(f"{rows} samples per data-parallel rank for {d['pp']} pipeline stages: fewer "
+                   "micro-batches than stages whatever parallel.microbatches says, so most "
+                   "stages idle most of the step; raise train.global_batch or use fewer stages")
     if d["pp"] > 1 and (d["pp"] - 1) / d["microbatches"] > 0.5:
         out.append(f"pipeline bubble {p.bubble:.0%} of the step: {d['pp']} stages with "
                    f"{d['microbatches']} micro-batches idle (p-1)/m = "

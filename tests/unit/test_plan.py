@@ -100,9 +100,14 @@ def test_each_anti_pattern_is_flagged():
                                    "pp_schedule": "1f1b"}, "pipeline bubble")
     assert _warned(cfg, 2, 8, {**base, "tp": 1, "pp": 1, "microbatches": 2},
                    "gradient accumulation")
-    few = tiny_config("model.n_layers=4", "train.global_batch=2")
-    assert _warned(few, 4, 8, {**base, "tp": 2, "pp": 2, "microbatches": 2,
-                               "pp_schedule": "1f1b"}, "samples per GPU")
+    # Samples are counted per data-parallel rank: 8 sequences on 16 GPUs (tp2 x pp2 x dp4) give
+    # each replica's 2 stages 2 micro-batches; 4 on 8 GPUs (pp4 x dp2) leave 4 stages 2.
+    ok = tiny_config("model.n_layers=4", "train.global_batch=8")
+    assert not _warned(ok, 16, 8, {**base, "tp": 2, "pp": 2, "microbatches": 2,
+                                   "pp_schedule": "1f1b"}, "samples")
+    few = tiny_config("model.n_layers=4", "train.global_batch=4")
+    assert _warned(few, 8, 8, {**base, "tp": 1, "pp": 4, "microbatches": 2,
+                               "pp_schedule": "1f1b"}, "2 samples per data-parallel rank for 4")
 
 
 def test_a_model_that_fits_nowhere_names_the_smallest_change():
