@@ -188,7 +188,8 @@ PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time
     arg("--gpus", type=int, help="devices in the job (required unless --calibrate)"),
     arg("--gpus-per-node", type=int, default=8),
     arg("--gpu", default="h100",
-        help="a100, h100, h200, b200, rtx4090, a10, l4, a6000, l40s, or cpu (this machine)"),
+        help="a100, h100, h100-pcie, h100-nvl, h200, b200, rtx4090, a10, l4, a6000, l40s, v100, "
+        "t4, or cpu (this machine)"),
     arg("--gpu-memory-gb", type=float,
         help="the device's memory in GB, for a device of another size"),
     arg("--gpu-tflops", type=float,

@@ -4,6 +4,11 @@ n alpha + B / beta).
 
 Sources, vendors' datasheets (dense, no sparsity): A100 SXM 80 GB, 312 TFLOP/s bf16, NVLink 3 at
 600 GB/s both directions (300 each way); H100 SXM 80 GB, 989 TFLOP/s, NVLink 4 at 900 GB/s (450);
+the H100's card forms (NVIDIA's H100 datasheet, 2023): H100 PCIe 80 GB, 756 TFLOP/s, H100 NVL
+94 GB, 835 TFLOP/s, both PCIe 5.0 x16 (64 GB/s each way), which is what links a node's cards here
+(their NVLink bridges join pairs of cards only; a pair-only layout is given with
+--intra-node-gbps 300); a variant of its own (the 96 GB / 500 W H100s of some clusters) is a named
+device with --gpu-memory-gb and --gpu-tflops;
 H200 SXM 141 GB, 989 TFLOP/s, NVLink 4; B200 180 GB, 2.25 PFLOP/s, NVLink 5 at 1.8 TB/s (900).
 Between nodes one 400 Gb/s InfiniBand NDR port per GPU (50 GB/s; 200 Gb/s HDR, 25 GB/s, in the
 A100 generation). Host side (offload): PCIe 4.0 x16 (A100) moves 32 GB/s each way, PCIe 5.0 x16
@@ -66,6 +71,8 @@ DEVICES = {
     "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 300, 25, host_memory_bytes=1000 * GB),
     "h100": Device("H100 SXM 80GB", 989e12, 80 * GB, 450, 50, pcie_gbps=64,
                    host_memory_bytes=2000 * GB),
+    "h100-pcie": Device("H100 PCIe 80GB", 756e12, 80 * GB, 64, 50, pcie_gbps=64),
+    "h100-nvl": Device("H100 NVL 94GB", 835e12, 94 * GB, 64, 50, pcie_gbps=64),
     "h200": Device("H200 SXM 141GB", 989e12, 141 * GB, 450, 50, pcie_gbps=64,
                    host_memory_bytes=2000 * GB),
     "b200": Device("B200 180GB", 2250e12, 180 * GB, 900, 50, pcie_gbps=64,

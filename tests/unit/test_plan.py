@@ -374,3 +374,16 @@ def test_a_device_variant_of_another_peak_is_priced_at_it():
     priced = estimate(cfg, dims, Cluster(8, 8, slow))
     assert priced.step_time_s > fast.step_time_s
     assert priced.memory_bytes == fast.memory_bytes  # a rate, not a size
+
+
+def test_the_h100_card_forms_are_priced_as_their_datasheets_say():
+    """The same tp2 layout of the 1B preset on 8 H100s: the PCIe card (756 TFLOP/s, its cards
+    joined by PCIe 5.0) takes longer than the SXM module (989, NVLink 4), the NVL card (835,
+    94 GB) between them and with more memory."""
+    cfg = load_config(None, ["model.preset='1b'", "train.global_batch=16", "data.seq_len=1024",
+                             "parallel.tp=2", "parallel.zero=1"])
+    dims = validate(cfg, 8)
+    step = {gpu: estimate(cfg, dims, Cluster(8, 8, DEVICES[gpu])).step_time_s
+            for gpu in ("h100", "h100-nvl", "h100-pcie")}
+    assert step["h100"] < step["h100-nvl"] < step["h100-pcie"]
+    assert DEVICES["h100-nvl"].memory_bytes == 94e9 > DEVICES["h100-pcie"].memory_bytes
