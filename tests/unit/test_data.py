@@ -254,3 +254,21 @@ def test_a_corpus_without_block_checksums_still_checks_each_ids_range(blocky):
                        r"is >= 256"):
         for step in range(10_000):
             data.batch(step, 64)
+
+
+def test_documents_of_a_window_follow_the_prepared_corpus(corpus):
+    """`data.document_mask`: each input token's document in its window, from the prepared
+    folder's `documents.npy`. Here document i is the hex digit of i repeated, so a document
+    begins exactly where the id changes; numbered from 0 in each window, and each rank's rows'
+    documents are the whole batch's rows."""
+    import torch
+
+    data = TokenData(DataConfig(source=corpus, seq_len=32, document_mask=True), seed=0)
+    for step in range(3):
+        x, _, ids = data.batch(step, 16)
+        new = torch.zeros_like(x, dtype=torch.bool)
+        new[:, 1:] = x[:, 1:] != x[:, :-1]
+        assert torch.equal(ids, new.long().cumsum(1)), step
+        parts = [data.batch(step, 16, r, 4)[2] for r in range(4)]
+        assert torch.equal(torch.cat(parts), ids)
+    assert (ids[:, -1] > 0).any()  # some window holds a boundary: the test can fail
