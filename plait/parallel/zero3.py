@@ -187,8 +187,20 @@ class Unit:
         # Built from whole parameters; from `meta` ones (`fill`), only the slices exist.
         self.gathered = not any(f.replaced for f in self.flats)
         self.pending: list[Pending] = []  # all-gathers in flight
+        self.versions = None  # the buffers' version counters before the gather in flight
         self.reduced = False  # this step's gradients are on their way to the slices
         self.ran = False  # its module's forward ran this step (it was gathered for it)
+
+
+def _versions(unit: Unit):
+    """The version counters of a unit's buffers now, to be put back once its gather is over
+    (`with` the returned object around the wait): the gather writes the values the unit had when a
+    forward saved them for backward, and gloo counts its writes when the transfer completes, in
+    its own thread, so the counters the parameter views share with the buffers would move, and
+    autograd would refuse those saved tensors (FSDP2 does the same for its all-gather outputs).
+    Where saved tensors are packed by hooks (the trainer's activation count) autograd checks no
+    versions at all, which is why only a step outside the trainer (`--verify`) met it."""
+    return torch.autograd._unsafe_preserve_version_counter(tuple(f.full for f in unit.flats))
 
 
 class Zero3DataParallel(ShardedEngine):
@@ -258,6 +270,7 @@ class Zero3DataParallel(ShardedEngine):
         """Start the all-gather of `unit` (no-op if gathered or on its way)."""
         if unit.gathered or unit.pending:
             return
+        unit.versions = _versions(unit)  # before the gather writes
         for flat in unit.flats:
             flat.full.untyped_storage().resize_(flat.full_bytes)
             shard = flat.slice.shard.to(flat.full.device, non_blocking=True)  # offloaded: H2D
@@ -268,9 +281,11 @@ class Zero3DataParallel(ShardedEngine):
 
     def _wait(self, unit: Unit) -> None:
         self._gather(unit)
-        for p in unit.pending:
-            p.wait()
-        unit.pending.clear()
+        if unit.pending:
+            with unit.versions:  # the counters as they were before the gather
+                for p in unit.pending:
+                    p.wait()
+            unit.pending.clear()
         unit.gathered = True
 
     def _free(self, unit: Unit) -> None:

@@ -687,3 +687,14 @@ def test_plan_predicts_the_runs_bytes(traced_run):
     for key in ("dp", "tp", "pp", "zero", "microbatches", "step_time_s", "tokens_per_s", "mfu",
                 "bubble", "warnings", "params"):
         assert key in plan, key
+
+
+def test_verify_runs_zero3_outside_the_trainers_step():
+    """`plait train --verify` under ZeRO-3 (dp2 x pp2, with document masks): a unit regathered
+    for backward keeps the version counter its forward saved the parameters at (gloo counts its
+    writes when a transfer completes); before, autograd refused the saved head weight here, and
+    only the trainer's step (whose saved tensors go through the activation count's hooks) ran."""
+    proc = plait_here("train", "--verify", "--nproc", "4", "parallel.zero=3", "parallel.pp=2",
+                      "data.document_mask=true", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1].startswith("verify: ok"), proc.stdout
