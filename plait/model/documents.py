@@ -14,7 +14,8 @@ ask it for their tokens' positions (`positions`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +24,9 @@ import torch
 class Documents:
     ids: torch.Tensor  # (rows, window): each token's document, numbered from the window's start
     index: torch.Tensor  # (tokens,): the positions in the window of the tokens this rank holds
+    # The additive masks made so far (`additive`), one per kind and dtype: every layer of a
+    # forward gets the same tensor, which attention then saves for backward once, not per layer.
+    _made: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def whole(ids: torch.Tensor) -> Documents:
@@ -64,4 +68,14 @@ class Documents:
         """`mask` over the whole window (Ulysses: each rank attends over all of it)."""
         every = torch.arange(self.ids.shape[1], device=self.ids.device)
         return self.mask(every, every)
+
+    def additive(self, dtype: torch.dtype, whole: bool = False) -> torch.Tensor:
+        """`mask()` (or `whole_mask()`) as attention kernels take it: 0 where a query sees a key,
+        -inf elsewhere, in `dtype` (the queries'); made once per Documents, kind and dtype."""
+        key = (whole, dtype)
+        if key not in self._made:
+            seen = self.whole_mask() if whole else self.mask()
+            self._made[key] = torch.zeros(seen.shape, dtype=dtype, device=seen.device) \
+                .masked_fill(~seen, -math.inf)
+        return self._made[key]
 

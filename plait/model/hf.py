@@ -144,7 +144,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     core = getattr(module, "core", None)
     documents = attention_mask if isinstance(attention_mask, Documents) else None
     if core is None:
-        mask = attention_mask if documents is None else documents.mask()
+        mask = attention_mask if documents is None else documents.additive(query.dtype)
         return sdpa_attention_forward(module, query, key, value, mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     if (attention_mask is not None and documents is None) or dropout or \

@@ -74,7 +74,8 @@ class CausalAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
-        return causal_attention(q, k, v, None if documents is None else documents.mask())
+        return causal_attention(q, k, v,
+                                None if documents is None else documents.additive(q.dtype))
 
 
 class AttentionCore(nn.Module):
@@ -98,8 +99,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim) + causal mask) v over whole sequences: q (b, s, heads, d),
     k and v (b, s, kv_heads, d), each key/value head shared by heads / kv_heads query heads
-    -> (b, s, heads, d). `mask` (b, 1, s, s), True where a query sees a key, replaces the causal
-    one (document masking)."""
+    -> (b, s, heads, d). `mask` (b, 1, s, s), added to the scores (0 where a query sees a key,
+    -inf elsewhere), replaces the causal one (document masking)."""
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(

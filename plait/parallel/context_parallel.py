@@ -317,7 +317,7 @@ class UlyssesAttentionKernel(nn.Module):
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
         # After the all-to-all each rank holds the whole window (of some heads), in order.
-        mask = None if documents is None else documents.whole_mask()
+        mask = None if documents is None else documents.additive(q.dtype, whole=True)
         return heads_to_seq(causal_attention(q, k, v, mask), self.group)
 
 

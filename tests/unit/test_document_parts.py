@@ -10,6 +10,8 @@ order (measured ~1e-6 on AVX-512 and on an AMD EPYC).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -80,3 +82,28 @@ def test_a_transformers_model_gives_each_document_its_logits_alone(tmp_path, fam
         theirs_packed = theirs(input_ids=tokens, position_ids=documents.positions(),
                                use_cache=False).logits
         torch.testing.assert_close(packed, theirs_packed, rtol=0, atol=1e-5)
+
+
+def test_the_mask_is_kept_for_backward_once_not_per_layer():
+    """Attention saves its mask for backward; every layer of a forward gets the same additive
+    mask (`Documents.additive`), so the saved activations grow by one (rows, 1, seq, seq) fp32
+    mask whatever the depth (counted by storage, as `--dry-run` and the trainer count them),
+    and the rotary tables of positions that are now per row."""
+    from plait.train.activation_memory import SavedActivations
+
+    args = model_args("tiny")
+    tokens, ids = _window(args.vocab_size)
+    saved = {}
+    for layers in (2, 4):
+        model = build_model(dataclasses.replace(args, n_layers=layers), seed=0)
+        for docs in (None, Documents.whole(ids)):
+            counter = SavedActivations(model)
+            with counter:
+                out = model(tokens) if docs is None else model(tokens, docs)
+            saved[layers, docs is None] = counter.peak
+            del out
+    rows = tokens.shape[0]
+    one_mask = rows * 32 * 32 * 4
+    tables = 2 * (rows - 1) * 32 * (args.head_dim // 2) * 4  # cos and sin per row, not shared
+    assert saved[2, False] - saved[2, True] == one_mask + tables
+    assert saved[4, False] - saved[4, True] == one_mask + tables
