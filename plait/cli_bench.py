@@ -28,7 +28,7 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     if args.repeats < 1:
         raise ConfigError("--repeats", f"at least 1 launch per side, got {args.repeats}")
-    from plait.bench import run_step
+    from plait.bench.step_runs import run_step
 
     run_step(args.nproc, load(args), args.steps, args.repeats)
 

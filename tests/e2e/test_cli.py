@@ -413,7 +413,7 @@ def test_bench_step_zero_against_its_torch_peer(stage, peer):
 def test_bench_step_runs_each_side_in_processes_of_its_own():
     """plait's ZeRO-3 fixes glibc's mmap threshold for its whole process (train/host_memory.py);
     torch's fully_shard, launched apart, keeps glibc's own, as a user of torch alone has it."""
-    from plait.bench import run_step
+    from plait.bench.step_runs import run_step
     from plait.config import load_config
     from plait.train.host_memory import THRESHOLD
 
