@@ -129,13 +129,17 @@ class TokenData:
         (its first token's), from the corpus's document starts."""
         import torch
 
-        at = (first + windows * self.seq_len)[:, None] + np.arange(self.seq_len)
+        at = self.window_starts(first, windows)[:, None] + np.arange(self.seq_len)
         doc = np.searchsorted(self.corpus.starts, at, side="right")
         return torch.from_numpy(doc - doc[:, :1])
 
     def read(self, first: int, windows: np.ndarray) -> np.ndarray:
         """The windows' ids, (len(windows), seq_len + 1); `first`: 0 (training) or `split`."""
-        return self.corpus.read(first + windows * self.seq_len, self.seq_len + 1)
+        return self.corpus.read(self.window_starts(first, windows), self.seq_len + 1)
+
+    def window_starts(self, first: int, windows: np.ndarray) -> np.ndarray:
+        """Where in the corpus's stream each of `windows` begins (`first`: its split's start)."""
+        return first + windows * self.seq_len
 
     def metrics(self, steps: int, global_batch: int) -> dict:
         return {"epoch": self.epochs(steps, global_batch)}  # windows visited / all
