@@ -47,6 +47,8 @@ from plait.mesh import build_mesh, rows_share
 from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
 from plait.parallel.batch import Call, as_microbatches
 from plait.parallel.loss_scaling import HALF, LossScaler
+from plait.parallel.muon import MatrixExchange
+from plait.parallel.whole_matrices import Factory, WholeMatrices
 from plait.parallel.wrap import WrapPolicy
 from plait.train.verify import Verdict, verify_step
 
@@ -137,9 +139,10 @@ class Prepared:
         where it is an overflow: the step is skipped and the loss scale backs off
         (`loss_scaler`), unless the loss itself is not finite. The module's mode is the
         caller's, as in PyTorch (`job.model.train()` / `.eval()`)."""
-        if len(args) == 2 and isinstance(args[1], torch.optim.Optimizer):
+        optimizers = (torch.optim.Optimizer, WholeMatrices)
+        if len(args) == 2 and isinstance(args[1], optimizers):
             optimizer, microbatches = args[1], self._batch(args[0])
-        elif len(args) in (3, 4) and isinstance(args[2], torch.optim.Optimizer):
+        elif len(args) in (3, 4) and isinstance(args[2], optimizers):
             inputs, targets, optimizer, *clip = args
             grad_clip = clip[0] if clip else grad_clip
             microbatches = self._split(inputs, targets)
@@ -222,9 +225,25 @@ class Prepared:
         """Model-state bytes this rank holds: params, grads, optimizer (and compression)."""
         return self.parallelized.state_bytes(optimizer)
 
+    def optimizer(self, whole: Factory, rest: Factory) -> WholeMatrices:
+        """An optimizer of `whole(tensors)` over the parameters `prepare(whole=...)` named, each
+        whole on the rank that owns it (`torch.optim.Muon`, `torch.optim.Adafactor`, anything
+        that needs a matrix whole), and `rest(tensors)` over the others (this rank's slices
+        under ZeRO); one object to `step` with (`plait/parallel/whole_matrices.py`)."""
+        par = self.parallelized
+        if not par.engine.matrices:
+            raise ValueError("whole: name the parameters the optimizer needs whole in "
+                             "plait.prepare(..., whole=...)")
+        decay, no_decay = par.optimizer_groups()
+        exchange = MatrixExchange(par.engine, par.record, par.axes["tp"])
+        return WholeMatrices(exchange, par.engine.matrix_tensors(), decay + no_decay, whole, rest)
+
     def save(self, root: str | Path, optimizer: torch.optim.Optimizer, step: int) -> Path:
         """A sharded checkpoint `root/step-NNNNNNNN` of the model and AdamW's state, each rank
         writing what it holds; complete once `COMPLETE` is there."""
+        if isinstance(optimizer, WholeMatrices):
+            raise NotImplementedError("checkpoints of Prepared.optimizer's whole matrices are not "
+                                      "written yet: save the model alone with full_state_dict()")
         path = ckpt.step_path(root, step)
         if dist.get_rank() == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -256,6 +275,7 @@ def prepare(
     loss_scaler: LossScaler | None = None,
     device: torch.device | str | None = None,
     verify: bool = False,
+    whole: bool | Callable[[str, nn.Parameter], bool] = False,
 ) -> Prepared:
     """Apply `parallel` (default: DDP over every rank) to `model` on the world `init` joined.
     `loss_fn(outputs, targets)` is the mean loss of a micro-batch (None: cross-entropy over
@@ -263,7 +283,9 @@ def prepare(
     the backward (classes, or a parameter count); `precision` "fp32", "bf16" or "fp16" (with
     `loss_scaler`, default dynamic from 2^16: `plait.LossScaler`). The model's own
     weights are used (every rank starts from rank 0's); move it to `device` first or pass it.
-    `verify`: keep a copy of the model for `Prepared.verify`."""
+    `verify`: keep a copy of the model for `Prepared.verify`. `whole`: the parameters an
+    optimizer needs whole (a test of (name, parameter); True: Muon's, the 2-D weights of a plan's
+    blocks or of `nn.Linear`s), for `Prepared.optimizer`."""
     if not dist.is_initialized():
         raise RuntimeError("call plait.init() first: it joins the world of processes")
     parallel = parallel or ParallelConfig()
@@ -283,7 +305,7 @@ def prepare(
     options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
     parallelized = parallelize(model, build_mesh(dims, where.type), parallel, microbatches=M,
                                precision=precision, activation_checkpointing=mode,
-                               options=options, scaler=loss_scaler)
+                               options=options, scaler=loss_scaler, whole=whole)
     # The reference's loss: the user's, or cross-entropy over whole logits (the layout's may be
     # the vocabulary-parallel one).
     return Prepared(parallelized, M, parallel, loss_fn or cross_entropy, reference,

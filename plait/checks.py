@@ -51,6 +51,9 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     _check_nodes(cfg.parallel, dims)
     _check_compression(cfg.parallel, dims)
     check_train(cfg.train, dims)
+    if cfg.train.optimizer == "muon" and cfg.parallel.offload != "none":
+        raise ConfigError("train.optimizer", "Muon orthogonalizes on the device and offload "
+                          "keeps the optimizer in host memory: use parallel.offload = 'none'")
     check_data(cfg.data, args)
     check_checkpoint(cfg)
     return dims

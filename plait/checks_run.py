@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from plait.choices import HALF_PRECISIONS
+from plait.choices import HALF_PRECISIONS, MUON_ADJUST_LR, OPTIMIZERS
 from plait.config import Config, ConfigError, DataConfig, TrainConfig, model_section
 from plait.mesh import ParallelDims
 from plait.model.args import ModelArgs
@@ -63,6 +63,7 @@ def check_train(train: TrainConfig, dims: ParallelDims) -> None:
         raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
     if train.nan_policy not in ("stop", "skip"):
         raise ConfigError("train.nan_policy", f"'stop' or 'skip', got '{train.nan_policy}'")
+    _check_optimizer(train)
     if train.global_batch < 1 or train.global_batch % dims.rows:
         ranks = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
         raise ConfigError(
@@ -190,3 +191,21 @@ def _weights_signature(args: ModelArgs) -> dict:
     keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
             "rope_theta")
     return {k: getattr(args, k) for k in keys}
+
+
+def _check_optimizer(train: TrainConfig) -> None:
+    if train.optimizer not in OPTIMIZERS:
+        raise ConfigError("train.optimizer", f"one of {', '.join(OPTIMIZERS)}, got "
+                          f"'{train.optimizer}'")
+    for name in ("muon_momentum", "sgd_momentum"):
+        value = getattr(train, name)
+        if not 0 <= value < 1:
+            raise ConfigError(f"train.{name}", f"must be in [0, 1), got {value}")
+    if not 1 <= train.muon_ns_steps < 100:
+        raise ConfigError("train.muon_ns_steps", f"Newton-Schulz iterations in [1, 99], got "
+                          f"{train.muon_ns_steps}")
+    if train.muon_adjust_lr not in MUON_ADJUST_LR:
+        raise ConfigError("train.muon_adjust_lr", f"one of {', '.join(MUON_ADJUST_LR)}, got "
+                          f"'{train.muon_adjust_lr}'")
+    if train.muon_lr_ratio <= 0:
+        raise ConfigError("train.muon_lr_ratio", f"must be > 0, got {train.muon_lr_ratio}")

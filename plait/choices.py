@@ -8,3 +8,5 @@ COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")  # p
 WITH_ERROR_FEEDBACK = ("topk", "powersgd", "sign")  # the lossy ones that keep a residual
 ROUTERS = ("token_choice", "expert_choice")  # model.moe_router
 HALF_PRECISIONS = ("bf16", "fp16")  # train.precision, besides "fp32"
+OPTIMIZERS = ("adamw", "muon", "sgd")  # train.optimizer
+MUON_ADJUST_LR = ("match_rms_adamw", "original")  # train.muon_adjust_lr

@@ -96,6 +96,17 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm; 0 disables
+    # "adamw" | "muon" (Muon for the blocks' matrices, AdamW for the rest; parallel/muon.py) |
+    # "sgd" (with momentum)
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # "match_rms_adamw" (Moonlight: Muon reuses AdamW's lr and weight decay) | "original"
+    # (Keller Jordan's sqrt(max(1, rows / cols)), which wants a larger lr: muon_lr_ratio)
+    muon_adjust_lr: str = "match_rms_adamw"
+    muon_lr_ratio: float = 1.0  # the matrices' lr is train.lr times this
+    sgd_momentum: float = 0.9
     seed: int = 0
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp32 weights and optimizer
     # state; fp16 with loss scaling, plait/parallel/loss_scaling.py)

@@ -22,6 +22,10 @@ def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict
     if cfg.model.hf and cfg.parallel.pp > 1:
         raise ConfigError("parallel.pp", "bench step compares a Hugging Face model's DDP, ZeRO "
                           "and TP steps with torch's; set pp = 1")
+    if cfg.train.optimizer == "muon":
+        from plait.bench.muon import run_muon_step
+
+        return run_muon_step(nproc, cfg, steps, repeats)
     if cfg.parallel.pp > 1:
         return run_3d_step(nproc, cfg, steps, repeats)
     if cfg.parallel.tp > 1:

@@ -17,20 +17,30 @@ from plait.checkpoint.compression import compression_state
 from plait.checkpoint.layout import Boxes, LoadBoxes, boxes_of
 from plait.checkpoint.metadata import CheckpointReader, read_metadata
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's
+MOMENTUM = ("momentum_buffer",)  # Muon's and SGD's
+
+
+def state_keys(group: dict) -> tuple[str, ...]:
+    """The per-element state an optimizer group keeps for each tensor it steps."""
+    if "betas" in group:
+        return MOMENTS
+    return MOMENTUM if group.get("momentum", 0) else ()
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's state as its first step would create it (zero moments, step 0), so that a
-    checkpoint can be read into it before any step."""
+    """The state as the first step would create it (AdamW: zero moments, step 0; Muon, SGD: a
+    zero momentum, which their first step turns into the gradient's as a fresh one would), so
+    that a checkpoint can be read into it before any step."""
     for group in optimizer.param_groups:
-        if group.get("capturable") or group.get("fused") or group.get("amsgrad"):
-            raise NotImplementedError("checkpoints hold AdamW state of the plain kind only")
+        if any(group.get(k) for k in ("capturable", "fused", "amsgrad", "dampening")):
+            raise NotImplementedError("checkpoints hold AdamW, Muon and plain SGD state only")
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
-                for key in MOMENTS:
+                if "betas" in group:
+                    state["step"] = torch.tensor(0.0)
+                for key in state_keys(group):
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
@@ -42,20 +52,22 @@ def training_state(par, optimizer: torch.optim.Optimizer, step: int = 0,
     for piece in par.engine.held_pieces():
         pieces[piece.name].append(piece)
     sd: dict[str, Boxes | torch.Tensor] = {}
-    sources = {"model": lambda piece: piece.tensor}
     if with_optimizer:
         init_optimizer_state(optimizer)
-        for key in MOMENTS:
-            sources[f"optim.{key}"] = lambda piece, key=key: optimizer.state[piece.tensor][key]
+    keys = {id(p): state_keys(g) for g in optimizer.param_groups for p in g["params"]}
     for name, held in pieces.items():
         place = par.record.params[name]
+        sources = {"model": lambda piece: piece.tensor}
+        if with_optimizer:  # the state of the group that steps it (Muon's matrices, AdamW's)
+            for key in keys[id(held[0].tensor)]:
+                sources[f"optim.{key}"] = lambda piece, k=key: optimizer.state[piece.tensor][k]
         for prefix, source in sources.items():
             sd[f"{prefix}.{name}"] = boxes_of([(p, source(p)) for p in held], place.shape,
                                               place.local_shape, place.origin)
     sd["train.step"] = torch.tensor(step, dtype=torch.int64)
-    if with_optimizer:
-        first = next(iter(optimizer.state.values()))
-        sd["optim.step"] = first["step"].detach().clone()
+    counted = [s["step"] for s in optimizer.state.values() if "step" in s]
+    if with_optimizer and counted:
+        sd["optim.step"] = counted[0].detach().clone()
         sd["rng"] = torch.get_rng_state()
         sd.update(compression_state(par)[0])
         if par.scaler is not None:
@@ -81,7 +93,8 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
              process_group=group)
     if full:
         for state in optimizer.state.values():
-            state["step"].copy_(sd["optim.step"])
+            if "step" in state:
+                state["step"].copy_(sd["optim.step"])
         torch.set_rng_state(sd["rng"])
         compression_loaded()
         if par.scaler is not None and "train.loss_scale" in sd:

@@ -126,8 +126,9 @@ class Parallelized:
             return loss_sum, norm  # no update: every rank decides alike
         # Unscaling and clipping in one pass: g * (coef / scale) is g / scale * coef, rounded once.
         coef = min(1.0, grad_clip / (norm + 1e-6)) if grad_clip > 0 else 1.0
-        if coef / scale != 1.0:
-            scale_grads_([p for g in optimizer.param_groups for p in g["params"]], coef / scale)
+        if coef / scale != 1.0:  # an optimizer of whole matrices names the pieces it reads
+            scale_grads_(optimizer.grads_to_scale() if hasattr(optimizer, "grads_to_scale") else
+                         [p for g in optimizer.param_groups for p in g["params"]], coef / scale)
         with TRACER.span("optimizer"):
             optimizer.step()
             self.finish_step()
@@ -245,6 +246,7 @@ def parallelize(
     options: ModuleOptions = ModuleOptions(),
     source: Source | None = None,
     scaler: LossScaler | None = None,
+    whole: bool | Callable[[str, nn.Parameter], bool] = False,
 ) -> Parallelized:
     """Apply every configured parallelism to `model` in the documented order. With a half
     precision ("bf16", "fp16") and ZeRO, parameters are held in it with fp32 masters of each
@@ -254,7 +256,9 @@ def parallelize(
     engines (`options` says what it would otherwise read from a plan); a degree that needs a
     plan raises, naming it. A model built on `meta` is materialized from `source` after it is
     cut: each rank makes only what it holds (under ZeRO-3, its slices;
-    `plait.model.materialize`)."""
+    `plait.model.materialize`). `whole` names the parameters an optimizer needs whole (True:
+    Muon's, `muon_matrices`; or a test of (name, parameter)): the engine keeps them in flat
+    buffers of their own, for `parallel.muon.MatrixExchange`."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
     chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing,
@@ -267,7 +271,11 @@ def parallelize(
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
     fill = _fill(chunks, record, source, cfg.zero)
     half = HALF.get(precision)
-    engine = build_data_parallel(chunks, mesh, cfg, half, axes, record, options.wrap, fill)
+    if callable(whole):
+        record.matrices = frozenset(n for n, p in chunks.named_parameters() if whole(n, p))
+    matrices = record.matrices if whole else frozenset()
+    engine = build_data_parallel(chunks, mesh, cfg, half, axes, record, options.wrap, fill,
+                                 matrices)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
     seed_ranks(axes, cfg.sequence_parallel)  # dropout's masks (`dropout.py`)
     loss_fn = _loss(model, options, axes["tp"])
@@ -278,6 +286,21 @@ def parallelize(
     moe = [layer for chunk in chunks.values() for layer in moe_layers(chunk).values()]
     return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context,
                         scaler if precision == "fp16" else None, moe)
+
+
+def muon_matrices(model: nn.Module, chunks: nn.ModuleDict) -> frozenset[str]:
+    """The parameters a matrix optimizer steps, as Muon's authors and torch's documentation
+    split them: the 2-D weights of the repeated blocks (attention and MLP projections, each
+    expert's matrices, a router's). The embedding, the output head, norms and biases stay with
+    AdamW. A model with no plan has no blocks to name: every 2-D weight of an `nn.Linear`."""
+    if has_plan(model):
+        prefix = plan_of(model).blocks + "."
+        return frozenset(n for n, p in chunks.named_parameters()
+                         if p.requires_grad and p.dim() == 2 and n.startswith(prefix))
+    return frozenset(f"{m}.{n}" if m else n for chunk in chunks.values()
+                     for m, module in chunk.named_modules() if isinstance(module, nn.Linear)
+                     for n, p in module.named_parameters(recurse=False)
+                     if p.requires_grad and p.dim() == 2)
 
 
 def _fill(chunks: nn.ModuleDict, record: PlacementRecord, source: Source | None,
@@ -364,6 +387,7 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
         record.units += names
         record.unit_chunks += [c] * len(names)
         record.spanning += [k == 0 and first_unit_spans(chunk, wrap) for k in range(len(names))]
+    record.matrices = muon_matrices(model, chunks)
     record.replicate_all("cp", partial_grad=True)  # other tokens of the same rows
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record
@@ -371,8 +395,8 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                         half: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
-                        wrap: WrapPolicy | None = None, fill: Filler | None = None
-                        ) -> SyncedReplicas:
+                        wrap: WrapPolicy | None = None, fill: Filler | None = None,
+                        matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
     hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
     experts over dp, reducing gradients with the `parallel.compression` method. Under ZeRO with
@@ -391,7 +415,8 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
             nodes = NodeGroups(local.group, across.group)
         return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
                             algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
-                            overrides={n: a.group for n, a in overrides.items()}, nodes=nodes)
+                            overrides={n: a.group for n, a in overrides.items()}, nodes=nodes,
+                            matrices=matrices)
     shard, replicate = dp, None
     if cfg.dp_shard and cfg.dp_shard < dp.size:
         dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
@@ -405,10 +430,10 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
                                         replicate=replicate,
                                         reshard_after_forward=cfg.reshard_after_forward,
                                         compression=compression, overrides=overrides,
-                                        wrap=wrap, fill=fill)
+                                        wrap=wrap, fill=fill, matrices=matrices)
     return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
                             offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
-                            compression=compression, overrides=overrides)
+                            compression=compression, overrides=overrides, matrices=matrices)
 
 
 __all__ = [

@@ -104,11 +104,18 @@ class SyncedReplicas(nn.Module):
     # The ranks over which the engine partitions the replicas' storage (ZeRO: its sharding
     # group), whose gradient pieces are disjoint parts of one whole; None for whole replicas.
     storage_axis = None
+    matrices: frozenset[str] = frozenset()  # what a matrix optimizer (Muon) steps, by name
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(decay, no_decay): matrices and embeddings decay, norm gains do not."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+        """(decay, no_decay): matrices and embeddings decay, norm gains do not; a matrix
+        optimizer's matrices are `matrix_tensors`."""
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in self.matrices]
+        return [p for _, p in named if p.dim() >= 2], [p for _, p in named if p.dim() < 2]
+
+    def matrix_tensors(self) -> list[torch.Tensor]:
+        """What a matrix optimizer steps: whole (tensor-parallel) matrices here."""
+        return [p for n, p in self.module.named_parameters() if n in self.matrices]
 
     def held_pieces(self) -> list[Piece]:
         """What the optimizer steps, by parameter (the checkpoint's layout): whole parameters."""
@@ -205,9 +212,11 @@ class BucketedDataParallel(SyncedReplicas):
         compression: Compression | None = None,
         overrides: dict[str, ProcessGroup] | None = None,
         nodes: NodeGroups | None = None,
+        matrices: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.module, self.group, self.algorithm = module, group, algorithm
+        self.matrices = matrices
         self.nodes = nodes  # the hierarchical all-reduce's view of `group`
         self.compression = compression
         self.size = dist.get_world_size(group)  # the divisor: every rank's loss is a mean

@@ -26,6 +26,21 @@ from plait.comm.compression import Segment, layout, members_numel
 from plait.parallel.state import Piece, Slice
 
 
+def optimizer_classes(members: list[tuple[str, nn.Parameter]], matrices: frozenset[str]
+                      ) -> list[tuple[list[tuple[str, nn.Parameter]], bool, bool]]:
+    """(members, decay, matrix) for each class of parameters the optimizer steps alike, order
+    kept: matrices that a matrix optimizer orthogonalizes (`matrices`: Muon's, by name), other
+    decay parameters (matrices and embeddings: dim >= 2), no-decay ones (norm gains). A flat
+    buffer never mixes classes, so that every slice belongs to one optimizer group."""
+    out = []
+    for decay, matrix in ((True, True), (True, False), (False, False)):
+        cls = [(n, p) for n, p in members
+               if (p.dim() >= 2) == decay and (n in matrices) == matrix]
+        if cls:
+            out.append((cls, decay, matrix))
+    return out
+
+
 class FlatParam:
     def __init__(
         self,
@@ -40,8 +55,10 @@ class FlatParam:
         index: int = 0,
         group=None,
         fill=None,
+        matrix: bool = False,  # its members are matrices a matrix optimizer (Muon) steps
     ):
         self.index = index  # position among the engine's flat parameters
+        self.matrix = matrix
         self.replaced: dict = {}  # `_materialize`'s new parameters
         self.group, self.size = group, size  # the ranks it is reduced (and sharded) over
         self.names = [n for n, _ in members]

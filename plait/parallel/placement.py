@@ -86,6 +86,9 @@ class PlacementRecord:
         self.unit_chunks: list[int] = []
         self.chunk_of: dict[str, int] = {}  # parameter name -> its pipeline chunk (global index)
         self.spanning: list[bool] = []
+        # The parameters a matrix optimizer (Muon) would step (`parallel.muon_matrices`), so that
+        # the formulas lay out flat buffers as the engine does when it runs.
+        self.matrices: frozenset[str] = frozenset()
 
     def add(self, name: str, shape: tuple[int, ...]) -> None:
         self.params[name] = ParamPlacement(tuple(shape))

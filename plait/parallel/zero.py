@@ -20,7 +20,8 @@ bf16; each rank keeps fp32 master copies of its slices, which the optimizer step
 gradient reduce-scatter.
 
 Decay (matrices, embeddings) and no-decay (norm gains) parameters are never mixed in a bucket, so
-that every slice belongs to one optimizer parameter group.
+that every slice belongs to one optimizer parameter group; nor are the matrices a matrix optimizer
+(Muon) steps, whose slices it brings together whole (`parallel/muon.py`).
 
 Hybrid sharding (HSDP; the hpZ idea of ZeRO++, Wang et al. 2023): with a `replicate` axis, state
 is sharded over the K ranks of `group` only, and the dp / K groups hold replicas of it. Each slice's
@@ -44,18 +45,16 @@ from plait.parallel.data_parallel import (
     launch_ready,
     sync_classes,
 )
-from plait.parallel.flat import FlatParam
+from plait.parallel.flat import FlatParam, optimizer_classes
 from plait.parallel.state import Piece, nbytes, optimizer_state_bytes
 
 
-def flat_groups(named: list[tuple[str, nn.Parameter]], bucket_mb: float):
-    """Bucket members, decay parameters first, then no-decay ones (never mixed)."""
-    out = []
-    for decay in (True, False):
-        members = [(n, p) for n, p in named if (p.dim() >= 2) == decay]
-        out += [(m, decay) for m in assign_buckets(members, int(bucket_mb * 2**20))] if members \
-            else []
-    return out
+def flat_groups(named: list[tuple[str, nn.Parameter]], bucket_mb: float,
+                matrices: frozenset[str] = frozenset()):
+    """(bucket members, decay, matrix): the optimizer's classes (`optimizer_classes`: Muon's
+    matrices, other decay parameters, no-decay ones), each cut into buckets, never mixed."""
+    return [(m, decay, matrix) for members, decay, matrix in optimizer_classes(named, matrices)
+            for m in assign_buckets(members, int(bucket_mb * 2**20))]
 
 
 class ShardedEngine(SyncedReplicas):
@@ -65,8 +64,10 @@ class ShardedEngine(SyncedReplicas):
     def _init_sharding(self, module: nn.Module, dp_size: int, shard: Axis,
                        replicate: Axis | None, reduce_dtype: torch.dtype,
                        compression: Compression | None,
-                       overrides: dict[str, Axis] | None) -> None:
+                       overrides: dict[str, Axis] | None,
+                       matrices: frozenset[str] = frozenset()) -> None:
         self.module, self.reduce_dtype, self.compression = module, reduce_dtype, compression
+        self.matrices = matrices  # what a matrix optimizer steps (flat buffers of their own)
         self.group, self.size, self.rank = shard.group, shard.size, shard.rank
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.dp_size = dp_size  # gradients are pre-divided by all of dp (x ep)
@@ -155,9 +156,13 @@ class ShardedEngine(SyncedReplicas):
         return state
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The owned slices (or their masters), (decay, no_decay): what the optimizer steps."""
-        return ([f.slice.master for f in self.flats if f.decay],
+        """The owned slices (or their masters), (decay, no_decay): what the optimizer steps
+        elementwise (the matrices' slices are `matrix_tensors`)."""
+        return ([f.slice.master for f in self.flats if f.decay and not f.matrix],
                 [f.slice.master for f in self.flats if not f.decay])
+
+    def matrix_tensors(self) -> list[torch.Tensor]:
+        return [f.slice.master for f in self.flats if f.matrix]
 
     def held_pieces(self) -> list[Piece]:
         return [piece for flat in self.flats for piece in flat.held_pieces()]
@@ -184,6 +189,7 @@ class ZeroDataParallel(ShardedEngine):
         replicate: Axis | None = None,
         compression: Compression | None = None,
         overrides: dict[str, Axis] | None = None,
+        matrices: frozenset[str] = frozenset(),
     ):
         super().__init__()
         if stage not in (1, 2):
@@ -191,15 +197,15 @@ class ZeroDataParallel(ShardedEngine):
         self.stage = stage
         dp_size = shard.size * (replicate.size if replicate else 1)
         self._init_sharding(module, dp_size, shard, replicate, reduce_dtype, compression,
-                            overrides)
+                            overrides, matrices)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # Offload: masters and optimizer state in host memory (a no-op when already on the CPU).
         master_device = torch.device("cpu") if offload_optimizer else None
         self.buckets: list[FlatParam] = [
             FlatParam(members, decay, axis.size, axis.rank, param_dtype, master_device,
-                      group=axis.group)
+                      group=axis.group, matrix=matrix)
             for axis, cls in sync_classes(named, shard, self.overrides)
-            for members, decay in flat_groups(cls, bucket_mb)
+            for members, decay, matrix in flat_groups(cls, bucket_mb, matrices)
         ]
         self._next = 0
         for bucket in self.buckets:

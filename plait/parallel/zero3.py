@@ -47,7 +47,7 @@ from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.batch import tensors_in
 from plait.parallel.data_parallel import sync_classes
-from plait.parallel.flat import FlatParam
+from plait.parallel.flat import FlatParam, optimizer_classes
 from plait.parallel.state import nbytes, optimizer_state_bytes
 from plait.parallel.wrap import WrapPolicy, wrapped_modules
 from plait.parallel.zero import ShardedEngine
@@ -176,14 +176,14 @@ class Unit:
 
     def __init__(self, modules: list[nn.Module], params: list[nn.Parameter],
                  names: dict[nn.Parameter, str], chunk: int, shard: Axis,
-                 overrides: dict[str, Axis], flat_args: tuple, fill=None):
+                 overrides: dict[str, Axis], flat_args: tuple, fill=None,
+                 matrices: frozenset[str] = frozenset()):
         self.modules, self.chunk = modules, chunk
         named = [(names[p], p) for p in params]
-        self.flats = [FlatParam([(n, p) for n, p in cls if (p.dim() >= 2) == decay], decay,
-                                axis.size, axis.rank, *flat_args, group=axis.group, fill=fill)
+        self.flats = [FlatParam(members, decay, axis.size, axis.rank, *flat_args,
+                                group=axis.group, fill=fill, matrix=matrix)
                       for axis, cls in sync_classes(named, shard, overrides)
-                      for decay in (True, False)
-                      if any((p.dim() >= 2) == decay for _, p in cls)]
+                      for members, decay, matrix in optimizer_classes(cls, matrices)]
         # Built from whole parameters; from `meta` ones (`fill`), only the slices exist.
         self.gathered = not any(f.replaced for f in self.flats)
         self.pending: list[Pending] = []  # all-gathers in flight
@@ -220,11 +220,12 @@ class Zero3DataParallel(ShardedEngine):
         overrides: dict[str, Axis] | None = None,
         wrap: WrapPolicy | None = None,
         fill=None,
+        matrices: frozenset[str] = frozenset(),
     ):
         super().__init__()
         dp_size = shard.size * (replicate.size if replicate else 1)
         self._init_sharding(chunks, dp_size, shard, replicate, reduce_dtype, compression,
-                            overrides)
+                            overrides, matrices)
         self.reshard_after_forward = reshard_after_forward
         names = {p: n for n, p in chunks.named_parameters()}
         cpu = torch.device("cpu")
@@ -233,7 +234,8 @@ class Zero3DataParallel(ShardedEngine):
         self.units = []
         for c, chunk in enumerate(chunks.values()):
             modules = unit_modules(chunk, wrap)
-            self.units += [Unit(m, params, names, c, shard, self.overrides, flat_args, fill)
+            self.units += [Unit(m, params, names, c, shard, self.overrides, flat_args, fill,
+                                matrices)
                            for m, params in zip(modules, unit_params(modules), strict=True)]
         # A model built on `meta`: its parameters become views of the flat buffers.
         swap_parameters(chunks, {k: v for f in self.flats for k, v in f.replaced.items()})

@@ -44,12 +44,14 @@ from plait.mesh import ParallelDims, dp_per_node, ranks_per_node
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import moe_layers
 from plait.parallel.loss_scaling import HALF
+from plait.parallel.muon import DataGroup, MatrixBuffer, Routes, plan_matrices
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.predict.state_cost import (  # noqa: F401 - re-exported
     compression_method,
     dtype_bytes,
     flat_buffers,
+    matrices,
     padded_numel,
     startup_bytes,
     state_bytes,
@@ -154,7 +156,37 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
     _moe_traffic(t, cfg, dims, chunks, step)
     _data_traffic(t, cfg, dims, record, step)
     _norm_traffic(t, cfg, dims)
+    _muon_traffic(t, cfg, dims, record)
     return t
+
+
+def muon_routes(cfg: Config, dims: ParallelDims, record: PlacementRecord):
+    """Muon's exchange on this rank (`parallel.muon.Routes`), from the flat buffers the engine
+    lays out; None for other optimizers."""
+    names = matrices(cfg, record)
+    if not names:
+        return None
+    c, zero = record.coords, cfg.parallel.zero
+    index = {"dp": c["dp"], "dp_shard": c["dp"] % dims.shard,
+             "batch": (c["dp"] * dims.cp + c["cp"]) * dims.ep + c["ep"]}
+    groups, buffers = {}, []
+    for group, K, segments in flat_buffers(cfg, dims, record):
+        sharded = zero > 0 and K > 1
+        data = groups.setdefault((group, sharded), DataGroup(group, K, index[group], sharded))
+        shard = padded_numel(members_numel(segments), K) // K if sharded else 0
+        buffers.append(MatrixBuffer(data, tuple(segments), shard))
+    found = plan_matrices(buffers, names, record, dims.tp)
+    return Routes(found, c["tp"], dims.tp)
+
+
+def _muon_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: PlacementRecord) -> None:
+    """Muon: per step, each matrix's update to its owner and the orthogonalized one back, in bf16
+    (`parallel/muon.py`): an all-to-all over each data group whose ranks hold slices (ZeRO), two
+    over tp, and one back over each data group."""
+    routes = muon_routes(cfg, dims, record)
+    for data, elements in routes.traffic() if routes is not None else []:
+        group, n = (data.group, data.size) if data is not None else ("tp", dims.tp)
+        t.add(group, Op.ALL_TO_ALL, n, 2 * elements)
 
 
 def _tensor_traffic(t: Traffic, cfg: Config, record: PlacementRecord, s: _Step) -> None:

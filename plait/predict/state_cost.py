@@ -16,6 +16,7 @@ from plait.comm.compression import Segment, build_compression, layout, members_n
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.parallel.expert_parallel import expert_overrides
+from plait.parallel.flat import optimizer_classes
 from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.schedules import Kind
@@ -41,16 +42,22 @@ def flat_buffers(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     dense = ("batch", dims.batch) if dims.batch > dims.dp else \
         ("dp_shard" if dims.shard < dims.dp else "dp", dims.shard if cfg.parallel.zero else dims.dp)
     return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments, _ in
-            flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb)]
+            flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb, matrices(cfg, record))]
+
+
+def matrices(cfg: Config, record: PlacementRecord) -> frozenset[str]:
+    """What the configured optimizer steps as whole matrices (Muon's), by name; else none."""
+    return record.matrices if cfg.train.optimizer == "muon" else frozenset()
 
 
 @functools.lru_cache(maxsize=512)
-def flat_layouts(record: PlacementRecord, zero: int,
-                  bucket_mb: float) -> list[tuple[bool, list[Segment], int]]:
+def flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float,
+                 matrices: frozenset[str] = frozenset()
+                 ) -> list[tuple[bool, list[Segment], int]]:
     """(experts?, layout, group) per flat buffer, in the engine's order (`sync_classes`: dense
-    first); the group is what is reduced at once: ZeRO-3's unit, else the buffer itself.
-    Cached by the record's identity: a record is complete once `place` returns, and the planner
-    prices many layouts on each."""
+    first; within each, the optimizer's classes, `optimizer_classes`); the group is what is
+    reduced at once: ZeRO-3's unit, else the buffer itself. Cached by the record's identity: a
+    record is complete once `place` returns, and the planner prices many layouts on each."""
     named = _meta(record)
     experts = expert_overrides(record)
     groups = []
@@ -58,9 +65,8 @@ def flat_layouts(record: PlacementRecord, zero: int,
         for u, unit in enumerate(map(set, record.units)):
             members = [(n, p) for n, p in named if n in unit]
             for cls in (False, True):
-                for decay in (True, False):
-                    groups.append((cls, [(n, p) for n, p in members if (n in experts) == cls
-                                         and (p.dim() >= 2) == decay], u))
+                groups += [(cls, m, u) for m, _, _ in optimizer_classes(
+                    [(n, p) for n, p in members if (n in experts) == cls], matrices)]
     else:
         for cls in (False, True):
             members = [(n, p) for n, p in named if (n in experts) == cls]
@@ -70,7 +76,8 @@ def flat_layouts(record: PlacementRecord, zero: int,
                 groups += [(cls, m, None) for m in assign_buckets(
                     members, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))]
             else:
-                groups += [(cls, m, None) for m, _ in flat_groups(members, bucket_mb)]
+                groups += [(cls, m, None) for m, _, _ in flat_groups(members, bucket_mb,
+                                                                     matrices)]
     kept = [(cls, layout(members), u) for cls, members, u in groups if members]
     return [(cls, segments, i if u is None else u) for i, (cls, segments, u) in enumerate(kept)]
 
@@ -102,14 +109,18 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     held = record.held_numel()
     flats = [(s, K, padded_numel(members_numel(s), K if par.zero else 1))
              for _, K, s in flat_buffers(cfg, dims, record)]
+    muon = matrices(cfg, record)
     if par.zero == 0:
-        state = {"params": 4 * held, "grads": 4 * held, "optimizer": 8 * held}
+        state = {"params": 4 * held, "grads": 4 * held,
+                 "optimizer": sum(optimizer_bytes(cfg, n in muon) * p.local_numel
+                                  for n, p in record.params.items())}
     else:
         padded = sum(numel for _, _, numel in flats)
         sliced = sum(numel // K for _, K, numel in flats)
         state = {"params": param_b * (sliced if par.zero == 3 else padded),
                  "grads": param_b * held if par.zero == 1 else reduce_b * sliced,
-                 "optimizer": (12 if bf16 else 8) * sliced}
+                 "optimizer": sum((optimizer_bytes(cfg, s[0].name in muon) + 4 * bf16)
+                                  * (numel // K) for s, K, numel in flats)}
     method = compression_method(cfg)
     if method is not None:  # error feedback, PowerSGD's Q: fp32, once compression has run
         state["compression"] = 4 * sum(method.state_numel(s, n) for s, _, n in flats) \
@@ -125,6 +136,15 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
         state["peak"] = rest + _params_peak(record, flats, groups, par, state["params"], param_b) \
             + _grads_peak(record, flats, groups, par.zero, passes, param_b, reduce_b)
     return state
+
+
+def optimizer_bytes(cfg: Config, matrix: bool) -> int:
+    """Optimizer state per element stepped, fp32: AdamW's two moments; Muon's (a matrix) or
+    SGD's momentum; plain SGD none."""
+    optimizer = cfg.train.optimizer
+    if optimizer == "sgd":
+        return 4 if cfg.train.sgd_momentum else 0
+    return 4 if matrix and optimizer == "muon" else 8
 
 
 def startup_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> int:

@@ -1,4 +1,6 @@
-"""AdamW and the learning-rate schedule: linear warm-up, then cosine decay to a floor.
+"""The optimizers (`train.optimizer`: AdamW; Muon for the blocks' matrices with AdamW for the
+rest, `plait/parallel/muon.py`; SGD with momentum) and the learning-rate schedule: linear warm-up,
+then cosine decay to a floor.
 
 With `train.lr_scaling = "linear"` the peak LR is scaled by global_batch / base_batch (the linear
 scaling rule of Goyal et al. 2017, "Accurate, Large Minibatch SGD"), which is why it pairs with a
@@ -12,6 +14,7 @@ import math
 import torch
 
 from plait.config import TrainConfig
+from plait.parallel.muon import MatrixExchange, MuonAdamW
 
 
 def peak_lr(cfg: TrainConfig) -> float:
@@ -44,6 +47,26 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
 
 
+def build_for(parallelized, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer `train.optimizer` names over what `parallelized` (a
+    `plait.parallel.Parallelized` built with `whole` for Muon) gives it to step."""
+    decay, no_decay = parallelized.optimizer_groups()
+    if cfg.optimizer == "sgd":
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.SGD(groups, lr=lr_at(0, cfg), momentum=cfg.sgd_momentum)
+    if cfg.optimizer == "muon":
+        engine = parallelized.engine
+        exchange = MatrixExchange(engine, parallelized.record, parallelized.axes["tp"])
+        return MuonAdamW(engine.matrix_tensors(), decay, no_decay, exchange, lr=lr_at(0, cfg),
+                    weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                    ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr,
+                    lr_ratio=cfg.muon_lr_ratio)
+    return build_optimizer(decay, no_decay, cfg)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's lr into every group (times a group's "lr_ratio": Muon's matrices)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_ratio", 1.0)

@@ -36,7 +36,7 @@ from plait.train.faults import maybe_fail
 from plait.train.host_memory import STEADY_THRESHOLD, release_freed_memory
 from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
 from plait.train.mixture import MIXTURE, mixture_history, open_data
-from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.train.optim import build_for, lr_at, set_lr
 from plait.train.outputs import Outputs
 from plait.train.progress import Progress
 from plait.train.tracing import STEP, finish_trace, traced_steps
@@ -85,14 +85,14 @@ class Trainer:
             model, mesh, cfg.parallel, microbatches=self.microbatches,
             precision=cfg.train.precision,
             activation_checkpointing=cfg.train.activation_checkpointing, source=source,
-            scaler=LossScaler.of(cfg.train),
+            scaler=LossScaler.of(cfg.train), whole=cfg.train.optimizer == "muon",
         )
         self.scaler = self.parallelized.scaler  # fp16's; None otherwise
         del model  # its pieces live in the chunks now; other stages' layers are let go
         if device.type == "cpu" and cfg.parallel.zero != 3:  # ZeRO-3 keeps freeing its units
             release_freed_memory(STEADY_THRESHOLD)
         self.model = self.parallelized.module  # this rank's chunks, single-device names
-        self.optimizer = build_optimizer(*self.parallelized.optimizer_groups(), cfg.train)
+        self.optimizer = build_for(self.parallelized, cfg.train)
         self.resumed_from = find(cfg.checkpoint.resume, cfg.checkpoint.dir)
         history, changed = mixture_history(cfg.data, self.resumed_from)
         if changed and dist.get_rank() == 0:

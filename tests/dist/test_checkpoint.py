@@ -52,6 +52,8 @@ LAYOUTS = {
                "parallel.pp_schedule='interleaved'", "parallel.microbatches=2",
                "model.n_layers=4"]),
     "moe-ep2-dp2-zero1": (4, ["model.preset='tiny-moe'", "parallel.ep=2", "parallel.zero=1"]),
+    # Muon's momentum (matrices) beside AdamW's moments (the rest), in ZeRO-3's slices.
+    "muon-zero3": (2, ["parallel.zero=3", "train.optimizer='muon'"]),
     # Compression's state: top-k's error feedback; PowerSGD's errors and Q (one per tp slice),
     # under ZeRO-2. Started after 2 steps, so both uncompressed and compressed steps are saved.
     "ddp-topk": (2, ["parallel.dp=2", "parallel.compression='topk'",
@@ -117,6 +119,28 @@ def test_resharded_resume_continues_the_run(name, tmp_path):
     for key in want:
         assert_params_close(got[key], want[key], key, steps=STEPS)
     assert read_meta(tmp_path / "run" / f"step-{STEPS:08d}")["world_size"] == n_b
+
+
+def test_a_muon_checkpoint_of_zero3_resumes_at_tp2(tmp_path):
+    """Muon's state (a momentum per matrix, sliced by ZeRO-3) read into tp2's shards: the run
+    continues as the uninterrupted one, within Muon's tolerances (test_compositions.py's
+    MUON_ROWS say why they are wider than AdamW's)."""
+    muon = "train.optimizer='muon'"
+    a, b = ["parallel.zero=3", muon], ["parallel.tp=2", muon]
+    straight = run_world(_run, 2, a, str(tmp_path / "straight"), timeout=240)[0]
+    run_world(_run, 2, a, str(tmp_path / "run"), f"train.stop_after={STOP}")
+    resumed = run_world(_run, 2, b, str(tmp_path / "run"), timeout=240)[0]
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[STOP:]),
+                               rtol=1e-4, atol=0)
+    saved = load_full(tmp_path / "run" / f"step-{STOP:08d}", prefix="optim.")
+    assert "momentum_buffer.layers.0.attention.wq.weight" in saved
+    assert "exp_avg.tok_embeddings.weight" in saved
+    assert not any(k.startswith("exp_avg.layers.0.attention.") for k in saved)
+    want = load_full(tmp_path / "straight" / f"step-{STEPS:08d}")
+    got = load_full(tmp_path / "run" / f"step-{STEPS:08d}")
+    assert want.keys() == got.keys()
+    for key in want:
+        assert (got[key] - want[key]).abs().mean() <= 1e-4, key
 
 
 def _summed_errors(overrides, ckdir):

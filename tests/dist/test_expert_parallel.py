@@ -123,7 +123,8 @@ def references():
     return {m: run(1, config(f"parallel.microbatches={m}"))[0] for m in (1, 2)}
 
 
-def compare(cfg, results, ref):
+def compare(cfg, results, ref, muon: bool = False):
+    """`muon`: Muon's tolerances (test_compositions.py's MUON_ROWS say why)."""
     dims = validate(cfg, len(results))
     args = cfg.model.args()
     act_b = 2 if cfg.train.precision == "bf16" and cfg.parallel.zero else 4
@@ -137,7 +138,7 @@ def compare(cfg, results, ref):
         assert moved == formula, f"rank {r['rank']}"
         assert r["state"] == r["state_formula"], f"rank {r['rank']}"
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
-                                   rtol=1e-5, atol=0)
+                                   rtol=1e-4 if muon else 1e-5, atol=0)
         for name, p in r["params"].items():
             shape, shards, replicated = r["placements"][name]
             assert set(shards) | replicated == {"pp", "dp", "cp", "ep", "tp"}, name
@@ -145,7 +146,10 @@ def compare(cfg, results, ref):
             tp = shards.get("tp")
             if tp is not None:
                 want = want.chunk(tp.count, dim=tp.dim)[tp.index]
-            assert_params_close(p, want, name, steps=4)
+            if muon:
+                assert (p - want).abs().mean() <= 1e-4, name
+            else:
+                assert_params_close(p, want, name, steps=4)
             held.setdefault(name, set()).add(r["coords"]["ep"])
             if ".experts." in name and dims.ep > 1:
                 assert "ep" in shards, name
@@ -154,6 +158,12 @@ def compare(cfg, results, ref):
         for step, (got, want) in enumerate(zip(r["probe"]["routing"], ref["probe"]["routing"],
                                                strict=True)):
             for name, layer in got.items():
+                if muon:  # parameters a bf16 rounding apart: a token may change expert
+                    moved = sum(abs(a - b) for (kept, _), (ref_kept, _) in
+                                zip(layer, want[name], strict=True)
+                                for a, b in zip(kept, ref_kept, strict=True))
+                    assert moved <= 2, f"step {step}, layer {name}: routing differs"
+                    continue
                 assert layer == want[name], f"step {step}, layer {name}: routing differs"
     assert held.keys() == ref["params"].keys()  # every expert held somewhere
     for name, coords in held.items():  # an expert on one ep rank, the rest on all
@@ -181,6 +191,13 @@ ROWS = [
 def test_expert_parallel_equals_one_process(references, ranks, overrides):
     cfg = config(*overrides)
     compare(cfg, run(ranks, cfg), references[cfg.parallel.microbatches or 1])
+
+
+def test_muon_orthogonalizes_each_expert_on_its_ep_rank():
+    """Muon (`parallel/muon.py`): each expert's matrices whole on their ep rank (split over tp,
+    brought together there), the dense ones over dp x ep; the same training as one process."""
+    cfg = config("parallel.ep=2", "parallel.tp=2", "train.optimizer='muon'")
+    compare(cfg, run(4, cfg), run(1, config("train.optimizer='muon'"))[0], muon=True)
 
 
 def test_a_pipeline_stage_of_dense_blocks_keeps_its_ep_ranks_as_replicas():

@@ -234,3 +234,76 @@ def test_fp16_follows_torchs_grad_scaler():
         assert losses == pytest.approx(want[0], rel=1e-3)
         for name, p in want[1].items():
             assert (params[name] - p).abs().mean() <= 3e-4, name
+
+
+# Optimizers that need whole tensors (`prepare(whole=...)`, `Prepared.optimizer`): the
+# convolutions' and the head's weights whole on their owners, the rest (biases, BatchNorm) sliced.
+def _whole(name: str, p: torch.Tensor) -> bool:
+    return p.dim() >= 2
+
+
+def _whole_plait(parallel, wrap, factory, whole=_whole):
+    plait.init()
+    job = plait.prepare(_model(False), F.cross_entropy, parallel, wrap=wrap, whole=whole)
+    optimizer = job.optimizer(factory, lambda ps: torch.optim.AdamW(ps, lr=LR))
+    losses = [job.step(*job.local(x, y), optimizer, grad_clip=1.0) for x, y in _batches()]
+    return losses, job.full_state_dict()
+
+
+def _whole_one_process(factory, whole=_whole):
+    model = _model(False)
+    named = list(model.named_parameters())
+    optimizers = [factory([p for n, p in named if whole(n, p)]),
+                  torch.optim.AdamW([p for n, p in named if not whole(n, p)], lr=LR)]
+    losses = []
+    for x, y in _batches():
+        for o in optimizers:
+            o.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for o in optimizers:
+            o.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _adafactor(params):
+    """Factored second moments: a row and a column statistic of each whole matrix."""
+    return torch.optim.Adafactor(params, lr=LR)
+
+
+WHOLE = {
+    "ddp": (plait.ParallelConfig(), None),
+    "zero1": (plait.ParallelConfig(zero=1), None),
+    "zero3 units by class": (plait.ParallelConfig(zero=3),
+                             plait.WrapPolicy(classes=(digits.ConvBlock,))),
+}
+
+
+@pytest.mark.parametrize("name", list(WHOLE))
+def test_an_optimizer_of_whole_matrices_equals_one_process(name):
+    """torch's Adafactor (fp32; tolerances as AdamW's) gets each weight whole on its owner."""
+    parallel, wrap = WHOLE[name]
+    want = _whole_one_process(_adafactor)
+    for got in run_world(_whole_plait, 2, parallel, wrap, _adafactor):
+        _assert_same(got, want, f"Adafactor, {name}")
+
+
+def _matrix(name: str, p: torch.Tensor) -> bool:
+    return p.dim() == 2
+
+
+def _torch_muon(params):
+    return torch.optim.Muon(params, lr=LR)
+
+
+def test_torch_muon_through_the_python_api_under_zero3():
+    """A user's `torch.optim.Muon` on the whole head matrix under ZeRO-3 (its one matrix: the
+    other rank owns none), within Muon's tolerances (test_compositions.py's MUON_ROWS say why)."""
+    want_losses, want = _whole_one_process(_torch_muon, _matrix)
+    for losses, got in run_world(_whole_plait, 2, plait.ParallelConfig(zero=3), None,
+                                 _torch_muon, _matrix):
+        assert losses == pytest.approx(want_losses, rel=1e-4)
+        for name, p in want.items():
+            assert (got[name] - p).abs().mean() <= 1e-4, name
