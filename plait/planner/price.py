@@ -209,6 +209,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
             model_flops, flops = _flops(cfg, dims, record, chunks, stage)
+            flops += cost.muon_flops(cfg, dims, record, slowest=True)  # the optimizer's
             share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
             state = cost.state_bytes(cfg, dims, record)
             offloaded, host_s, hidden_host_s = _offload(state, cfg, dims, cluster)

@@ -44,7 +44,7 @@ from plait.mesh import ParallelDims, dp_per_node, ranks_per_node
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import moe_layers
 from plait.parallel.loss_scaling import HALF
-from plait.parallel.muon import DataGroup, MatrixBuffer, Routes, plan_matrices
+from plait.parallel.muon import DataGroup, MatrixBuffer, Routes, newton_schulz_flops, plan_matrices
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.predict.state_cost import (  # noqa: F401 - re-exported
@@ -177,6 +177,26 @@ def muon_routes(cfg: Config, dims: ParallelDims, record: PlacementRecord):
         buffers.append(MatrixBuffer(data, tuple(segments), shard))
     found = plan_matrices(buffers, names, record, dims.tp)
     return Routes(found, c["tp"], dims.tp)
+
+
+def muon_flops(cfg: Config, dims: ParallelDims, record: PlacementRecord,
+               slowest: bool = False) -> int:
+    """Newton-Schulz FLOPs of a Muon step on this rank (the matrices it owns), or, `slowest`,
+    on the most loaded rank of each data group (what sets the step's pace); 0 for other
+    optimizers."""
+    routes = muon_routes(cfg, dims, record)
+    if routes is None:
+        return 0
+    steps = cfg.train.muon_ns_steps
+    if not slowest:
+        return sum(newton_schulz_flops(m.shape, steps) for m in routes.owned())
+    total = 0
+    for data in routes.groups:
+        loads = Counter()
+        for m in routes.of(data):
+            loads[m.owner] += newton_schulz_flops(m.shape, steps)
+        total += max(loads.values())
+    return total
 
 
 def _muon_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: PlacementRecord) -> None:

@@ -57,6 +57,7 @@ def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
         "startup": cost.startup_bytes(cfg, dims, record),
         "activations": activations,
         "flops": flops,
+        "newton_schulz_flops": cost.muon_flops(cfg, dims, record),  # Muon's optimizer step
         "untraced": untraced,
         "traffic": cost.step_traffic(cfg, dims, record, layouts),
     }
@@ -82,7 +83,8 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
                       ",".join(map(str, r["chunks"])), str(r["tensors"]),
                       f"{r['elements']:,}", *(_mib(r["state"][k]) for k in kinds),
                       "not traced" if r["activations"] is None else _mib(r["activations"]),
-                      "not traced" if r["flops"] is None else f"{r['flops'] / 1e9:,.3f}",
+                      "not traced" if r["flops"] is None else
+                      f"{(r['flops'] + r['newton_schulz_flops']) / 1e9:,.3f}",
                       _mib(r["startup"]))
     console.print(state)
     node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)
@@ -105,6 +107,12 @@ def print_dry_run(cfg: Config, dims: ParallelDims) -> list[dict]:
         comm.add_row(str(r["rank"]), "all", "total", "", _mib(r["traffic"].total),
                      end_section=True)
     console.print(comm)
+    if cfg.train.optimizer == "muon":
+        console.print("Muon: GFLOP includes each rank's Newton-Schulz iterations on the matrices "
+                      "it owns (" + ", ".join(f"rank {r['rank']}: "
+                                               f"{r['newton_schulz_flops'] / 1e9:,.3f}"
+                                               for r in ranks[:8]) + "); its all-to-alls are "
+                      "above")
     untraced = next((r["untraced"] for r in ranks if r["untraced"]), None)
     if untraced:
         console.print(f"activations not traced: {untraced}")

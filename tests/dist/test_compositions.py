@@ -158,3 +158,11 @@ def test_muon_composition_equals_one_process(references, ranks, overrides):
 
 def test_the_matrix_is_large_enough():
     assert len(ROWS) + len(BF16_ROWS) >= 30
+
+
+def test_sgd_composition_equals_one_process():
+    """`train.optimizer = "sgd"` (momentum 0.9): elementwise, so any slice steps as the whole
+    would; dp2 x tp2 under ZeRO-2 against one process, with the fp32 rows' tolerances."""
+    ref = run_world(run_steps, 1, config("train.optimizer='sgd'"))[0]
+    cfg = config("train.optimizer='sgd'", "parallel.tp=2", "parallel.zero=2")
+    compare(cfg, run_world(run_steps, 4, cfg, timeout=240), ref, 1e-5, 1e-5)

@@ -152,3 +152,25 @@ def test_one_process_trains_as_torch_muon_and_adamw():
     assert losses == want
     for name, p in model.named_parameters():
         assert torch.equal(params[name], p.detach()), name
+
+
+@pytest.mark.parametrize("ranks,overrides", [
+    (4, ["parallel.zero=3", "parallel.tp=2"]),
+    (4, ["parallel.pp=2"]),
+    (4, ["model.preset='tiny-moe'", "parallel.ep=2", "parallel.tp=2", "parallel.zero=1"]),
+], ids=["zero3-dp2-tp2", "pp2-dp2", "moe-ep2-tp2-zero1"])
+def test_each_matrix_has_one_owner_and_the_work_is_shared(ranks, overrides):
+    """From `--dry-run`'s account of each rank (no process group): the Newton-Schulz FLOPs the
+    ranks own add up to every matrix orthogonalized once, and no rank owns more than the largest
+    matrix's above an even share."""
+    from plait.parallel.muon import newton_schulz_flops
+    from plait.train.dry_run import describe_rank
+
+    cfg = tiny_config(*BASE, *overrides)
+    dims = validate(cfg, ranks)
+    model = build_configured_model(cfg)
+    each = [newton_schulz_flops(tuple(p.shape), 5) for n, p in model.named_parameters()
+            if is_matrix(n, p)]
+    owned = [describe_rank(cfg, dims, r)["newton_schulz_flops"] for r in range(ranks)]
+    assert sum(owned) == sum(each)
+    assert max(owned) <= sum(each) / ranks + max(each)
