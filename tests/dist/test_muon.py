@@ -62,12 +62,18 @@ def torch_optimizers(model: torch.nn.Module, cfg):
     return muon, adamw
 
 
-def _injected(cfg):
+def _injected(cfg, everywhere: bool = False):
     """Per rank: each held piece of each parameter after STEPS optimizer steps with the injected
-    gradients, and where its tp shard lies."""
+    gradients, and where its tp shard lies. `everywhere`: with `plait bench step`'s alternative
+    exchange (every rank orthogonalizes every matrix)."""
     dims = validate(cfg, dist.get_world_size())
     trainer = Trainer(cfg, dims, build_mesh(dims), torch.device("cpu"))
     record, engine = trainer.parallelized.record, trainer.parallelized.engine
+    if everywhere:
+        from plait.bench.muon import EverywhereExchange
+
+        trainer.optimizer.exchange = EverywhereExchange(engine, record,
+                                                        trainer.parallelized.axes["tp"])
     pieces = engine.held_pieces()
     for step in range(STEPS):
         grads = gradients({n: p.shape for n, p in record.params.items()}, step)
@@ -97,9 +103,14 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("ranks,overrides", [r[1:] for r in LAYOUTS],
-                         ids=[r[0] for r in LAYOUTS])
-def test_every_layout_steps_the_bits_of_torch_muon(ranks, overrides):
+EVERYWHERE = [("everywhere-" + name, ranks, overrides, True)
+              for name, ranks, overrides in LAYOUTS if name in ("ddp-dp2", "zero3-dp2-tp2")]
+
+
+@pytest.mark.parametrize("ranks,overrides,everywhere",
+                         [(*r[1:], False) for r in LAYOUTS] + [r[1:] for r in EVERYWHERE],
+                         ids=[r[0] for r in LAYOUTS] + [r[0] for r in EVERYWHERE])
+def test_every_layout_steps_the_bits_of_torch_muon(ranks, overrides, everywhere):
     cfg = tiny_config(*BASE, *overrides)
     model = build_configured_model(cfg)
     muon, adamw = torch_optimizers(model, cfg)
@@ -114,7 +125,7 @@ def test_every_layout_steps_the_bits_of_torch_muon(ranks, overrides):
             optimizer.step()
     want = dict(model.named_parameters())
     seen = set()
-    for held in run_world(_injected, ranks, cfg, timeout=240):
+    for held in run_world(_injected, ranks, cfg, everywhere, timeout=240):
         for name, origin, local_shape, start, values in held:
             full = want[name].detach()
             for d, (o, n) in enumerate(zip(origin, local_shape, strict=True)):
