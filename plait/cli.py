@@ -250,10 +250,16 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
     if not args.rtol >= 0:
         raise ConfigError("--rtol", f"a relative tolerance >= 0, got {args.rtol}")
+    if args.png is not None:
+        check_output_path(args.png, "--png")
     try:
         result = compare_losses(args.a, args.b, args.rtol)
     except MetricsFileError as e:
         raise ConfigError("compare", str(e)) from None
+    if args.png is not None:
+        from plait.train.report import draw_losses
+
+        print(f"wrote {draw_losses([args.a, args.b], args.png)}")
     for path, extra in result.only_in.items():
         if extra:
             print(f"note: {extra} step(s) only in {path}; compared the {result.steps} both have")

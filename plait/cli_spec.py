@@ -180,7 +180,8 @@ COMPARE = Command("compare", "two runs' losses step by step; exit 1 at the first
                   "tolerance", "plait.cli:cmd_compare", (
     arg("a", metavar="A.jsonl"), arg("b", metavar="B.jsonl"),
     arg("--rtol", type=float, default=1e-5, help="relative tolerance on each step's loss "
-        "(default 1e-5: float32 reduction order)")))
+        "(default 1e-5: float32 reduction order)"),
+    arg("--png", help="also draw both runs' train and validation losses into this PNG")))
 
 PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time, warnings; "
                "before any GPU-hour", "plait.cli:cmd_plan", (

@@ -122,6 +122,28 @@ def write_report(metrics: str, out: str | None = None) -> tuple[list[Path], list
     return written, missing
 
 
+def draw_losses(runs: list[str], path: str | Path) -> Path:
+    """Several runs' train loss (a line each) and validation loss (dots) against the step, in
+    one picture, each labelled by its file's name: `plait compare A B --png`."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for run in runs:
+        records = read_metrics(run)
+        line = ax.plot(*_series(records, "loss"), lw=1, alpha=0.8,
+                       label=f"{Path(run).stem} train")[0]
+        steps, values = _series(records, "val_loss")
+        if steps:
+            ax.plot(steps, values, "o-", color=line.get_color(), markersize=4,
+                    label=f"{Path(run).stem} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out.parent, out.name)
+
+
 def draw_timelines(results: dict[str, list[list[tuple]]], path: str | Path) -> None:
     """One panel per entry (a schedule, or a traced step), one row per stage, a bar per action;
     each stage's spans are (kind, micro-batch, chunk, start s, end s)."""

@@ -545,9 +545,13 @@ def test_one_worker_unless_told(tiny_runs):
 
 
 def test_compare_two_layouts_of_one_run(tiny_runs):
-    """What the equivalence tests check, by the user's hand: 1 and 2 data-parallel ranks."""
-    proc = plait_here("compare", tiny_runs / "one.jsonl", tiny_runs / "two.jsonl")
-    assert proc.returncode == 0 and proc.stdout.startswith("4 steps agree"), proc.stdout
+    """What the equivalence tests check, by the user's hand: 1 and 2 data-parallel ranks; and
+    both runs' curves in one picture."""
+    png = tiny_runs / "curves" / "both.png"
+    proc = plait_here("compare", tiny_runs / "one.jsonl", tiny_runs / "two.jsonl", "--png", png)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"wrote {png}"), proc.stdout
+    assert "4 steps agree" in proc.stdout
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_run_leaves_no_temporary_folder(tiny_runs):
