@@ -225,6 +225,13 @@ class Prepared:
         """Model-state bytes this rank holds: params, grads, optimizer (and compression)."""
         return self.parallelized.state_bytes(optimizer)
 
+    def param_groups(self) -> dict[str | None, list[torch.Tensor]]:
+        """What the optimizer steps on this rank (as `parameters()`), by the group
+        `prepare(groups=...)` gave each parameter: build torch's parameter groups from it, e.g.
+        `[{"params": ps, "weight_decay": 0.0 if g == "no_decay" else 0.1} for g, ps in
+        job.param_groups().items()]`. Under ZeRO a slice never mixes two groups."""
+        return self.parallelized.engine.param_groups()
+
     def optimizer(self, whole: Factory, rest: Factory) -> WholeMatrices:
         """An optimizer of `whole(tensors)` over the parameters `prepare(whole=...)` named, each
         whole on the rank that owns it (`torch.optim.Muon`, `torch.optim.Adafactor`, anything
@@ -276,6 +283,7 @@ def prepare(
     device: torch.device | str | None = None,
     verify: bool = False,
     whole: bool | Callable[[str, nn.Parameter], bool] = False,
+    groups: Callable[[str, nn.Parameter], str] | None = None,
 ) -> Prepared:
     """Apply `parallel` (default: DDP over every rank) to `model` on the world `init` joined.
     `loss_fn(outputs, targets)` is the mean loss of a micro-batch (None: cross-entropy over
@@ -285,7 +293,9 @@ def prepare(
     weights are used (every rank starts from rank 0's); move it to `device` first or pass it.
     `verify`: keep a copy of the model for `Prepared.verify`. `whole`: the parameters an
     optimizer needs whole (a test of (name, parameter); True: Muon's, the 2-D weights of a plan's
-    blocks or of `nn.Linear`s), for `Prepared.optimizer`."""
+    blocks or of `nn.Linear`s), for `Prepared.optimizer`. `groups(name, parameter)`: each
+    parameter's optimizer group, for `Prepared.param_groups` (weight decay by name, under ZeRO
+    too)."""
     if not dist.is_initialized():
         raise RuntimeError("call plait.init() first: it joins the world of processes")
     parallel = parallel or ParallelConfig()
@@ -305,7 +315,8 @@ def prepare(
     options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
     parallelized = parallelize(model, build_mesh(dims, where.type), parallel, microbatches=M,
                                precision=precision, activation_checkpointing=mode,
-                               options=options, scaler=loss_scaler, whole=whole)
+                               options=options, scaler=loss_scaler, whole=whole,
+                               groups=groups)
     # The reference's loss: the user's, or cross-entropy over whole logits (the layout's may be
     # the vocabulary-parallel one).
     return Prepared(parallelized, M, parallel, loss_fn or cross_entropy, reference,

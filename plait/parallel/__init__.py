@@ -247,6 +247,7 @@ def parallelize(
     source: Source | None = None,
     scaler: LossScaler | None = None,
     whole: bool | Callable[[str, nn.Parameter], bool] = False,
+    groups: Callable[[str, nn.Parameter], str] | None = None,
 ) -> Parallelized:
     """Apply every configured parallelism to `model` in the documented order. With a half
     precision ("bf16", "fp16") and ZeRO, parameters are held in it with fp32 masters of each
@@ -258,7 +259,9 @@ def parallelize(
     cut: each rank makes only what it holds (under ZeRO-3, its slices;
     `plait.model.materialize`). `whole` names the parameters an optimizer needs whole (True:
     Muon's, `muon_matrices`; or a test of (name, parameter)): the engine keeps them in flat
-    buffers of their own, for `parallel.muon.MatrixExchange`."""
+    buffers of their own, for `parallel.muon.MatrixExchange`. `groups(name, parameter)` names
+    each parameter's optimizer group (weight decay by name under ZeRO): flat buffers never mix
+    two groups (`Parallelized.engine.param_groups()`)."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
     chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing,
@@ -274,6 +277,8 @@ def parallelize(
     if callable(whole):
         record.matrices = frozenset(n for n, p in chunks.named_parameters() if whole(n, p))
     matrices = record.matrices if whole else frozenset()
+    if groups is not None:
+        record.groups = {n: groups(n, p) for n, p in chunks.named_parameters()}
     engine = build_data_parallel(chunks, mesh, cfg, half, axes, record, options.wrap, fill,
                                  matrices)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
@@ -406,6 +411,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
     overrides = {n: axes["dp"] for n in expert_overrides(record)}
     compression = build_compression(cfg.compression, cfg.compression_ratio,
                                     cfg.compression_rank, cfg.compression_start)
+    classes = {"matrices": matrices, "groups": record.groups}
     if cfg.zero == 0:
         nodes = None
         if cfg.allreduce == "hierarchical":  # dp's ranks on each node, and across the nodes
@@ -416,7 +422,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
         return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
                             algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
                             overrides={n: a.group for n, a in overrides.items()}, nodes=nodes,
-                            matrices=matrices)
+                            **classes)
     shard, replicate = dp, None
     if cfg.dp_shard and cfg.dp_shard < dp.size:
         dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
@@ -430,10 +436,10 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
                                         replicate=replicate,
                                         reshard_after_forward=cfg.reshard_after_forward,
                                         compression=compression, overrides=overrides,
-                                        wrap=wrap, fill=fill, matrices=matrices)
+                                        wrap=wrap, fill=fill, **classes)
     return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
                             offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
-                            compression=compression, overrides=overrides, matrices=matrices)
+                            compression=compression, overrides=overrides, **classes)
 
 
 __all__ = [

@@ -105,6 +105,7 @@ class SyncedReplicas(nn.Module):
     # group), whose gradient pieces are disjoint parts of one whole; None for whole replicas.
     storage_axis = None
     matrices: frozenset[str] = frozenset()  # what a matrix optimizer (Muon) steps, by name
+    groups: dict[str, str] = {}  # noqa: RUF012 - name -> the user's parameter group (read only)
 
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(decay, no_decay): matrices and embeddings decay, norm gains do not; a matrix
@@ -116,6 +117,15 @@ class SyncedReplicas(nn.Module):
     def matrix_tensors(self) -> list[torch.Tensor]:
         """What a matrix optimizer steps: whole (tensor-parallel) matrices here."""
         return [p for n, p in self.module.named_parameters() if n in self.matrices]
+
+    def param_groups(self) -> dict[str | None, list[torch.Tensor]]:
+        """What the optimizer steps elementwise, by the user's parameter group (`groups`: name
+        -> group; None for a parameter it does not name)."""
+        out: dict[str | None, list[torch.Tensor]] = {}
+        for n, p in self.module.named_parameters():
+            if p.requires_grad and n not in self.matrices:
+                out.setdefault(self.groups.get(n), []).append(p)
+        return out
 
     def held_pieces(self) -> list[Piece]:
         """What the optimizer steps, by parameter (the checkpoint's layout): whole parameters."""
@@ -213,10 +223,11 @@ class BucketedDataParallel(SyncedReplicas):
         overrides: dict[str, ProcessGroup] | None = None,
         nodes: NodeGroups | None = None,
         matrices: frozenset[str] = frozenset(),
+        groups: dict[str, str] | None = None,
     ):
         super().__init__()
         self.module, self.group, self.algorithm = module, group, algorithm
-        self.matrices = matrices
+        self.matrices, self.groups = matrices, groups or {}
         self.nodes = nodes  # the hierarchical all-reduce's view of `group`
         self.compression = compression
         self.size = dist.get_world_size(group)  # the divisor: every rank's loss is a mean

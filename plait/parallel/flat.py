@@ -19,6 +19,8 @@ into `grad_shard`, this rank's slice of the average.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -26,19 +28,20 @@ from plait.comm.compression import Segment, layout, members_numel
 from plait.parallel.state import Piece, Slice
 
 
-def optimizer_classes(members: list[tuple[str, nn.Parameter]], matrices: frozenset[str]
-                      ) -> list[tuple[list[tuple[str, nn.Parameter]], bool, bool]]:
-    """(members, decay, matrix) for each class of parameters the optimizer steps alike, order
-    kept: matrices that a matrix optimizer orthogonalizes (`matrices`: Muon's, by name), other
-    decay parameters (matrices and embeddings: dim >= 2), no-decay ones (norm gains). A flat
-    buffer never mixes classes, so that every slice belongs to one optimizer group."""
-    out = []
-    for decay, matrix in ((True, True), (True, False), (False, False)):
-        cls = [(n, p) for n, p in members
-               if (p.dim() >= 2) == decay and (n in matrices) == matrix]
-        if cls:
-            out.append((cls, decay, matrix))
-    return out
+def optimizer_classes(members: list[tuple[str, nn.Parameter]], matrices: frozenset[str],
+                      groups: Mapping[str, str] | None = None) -> list[tuple]:
+    """(members, decay, matrix, group) for each class of parameters the optimizer steps alike:
+    matrices that a matrix optimizer orthogonalizes (`matrices`: Muon's, by name), other decay
+    parameters (matrices and embeddings: dim >= 2), no-decay ones (norm gains), in that order;
+    within each, by the user's parameter group (`groups`: name -> group, `plait.prepare(groups=
+    ...)`; None without), in the members' order. A flat buffer never mixes classes, so that
+    every slice belongs to one optimizer group."""
+    classes: dict[tuple, list] = {}
+    for n, p in members:
+        key = (p.dim() >= 2, n in matrices, groups.get(n) if groups else None)
+        classes.setdefault(key, []).append((n, p))
+    ordered = sorted(classes.items(), key=lambda kv: (not kv[0][1], not kv[0][0]))  # stable
+    return [(cls, decay, matrix, group) for (decay, matrix, group), cls in ordered]
 
 
 class FlatParam:
@@ -56,9 +59,10 @@ class FlatParam:
         group=None,
         fill=None,
         matrix: bool = False,  # its members are matrices a matrix optimizer (Muon) steps
+        group_name: str | None = None,  # the user's parameter group of its members
     ):
         self.index = index  # position among the engine's flat parameters
-        self.matrix = matrix
+        self.matrix, self.group_name = matrix, group_name
         self.replaced: dict = {}  # `_materialize`'s new parameters
         self.group, self.size = group, size  # the ranks it is reduced (and sharded) over
         self.names = [n for n, _ in members]

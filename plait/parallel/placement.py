@@ -89,6 +89,7 @@ class PlacementRecord:
         # The parameters a matrix optimizer (Muon) would step (`parallel.muon_matrices`), so that
         # the formulas lay out flat buffers as the engine does when it runs.
         self.matrices: frozenset[str] = frozenset()
+        self.groups: dict[str, str] = {}  # name -> the user's parameter group (plait.prepare)
 
     def add(self, name: str, shape: tuple[int, ...]) -> None:
         self.params[name] = ParamPlacement(tuple(shape))

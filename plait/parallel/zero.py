@@ -50,10 +50,11 @@ from plait.parallel.state import Piece, nbytes, optimizer_state_bytes
 
 
 def flat_groups(named: list[tuple[str, nn.Parameter]], bucket_mb: float,
-                matrices: frozenset[str] = frozenset()):
-    """(bucket members, decay, matrix): the optimizer's classes (`optimizer_classes`: Muon's
-    matrices, other decay parameters, no-decay ones), each cut into buckets, never mixed."""
-    return [(m, decay, matrix) for members, decay, matrix in optimizer_classes(named, matrices)
+                matrices: frozenset[str] = frozenset(), groups: dict[str, str] | None = None):
+    """(bucket members, decay, matrix, group): the optimizer's classes (`optimizer_classes`:
+    Muon's matrices, other decay parameters, no-decay ones, each by the user's parameter group),
+    each cut into buckets, never mixed."""
+    return [(m, *kind) for members, *kind in optimizer_classes(named, matrices, groups)
             for m in assign_buckets(members, int(bucket_mb * 2**20))]
 
 
@@ -65,9 +66,11 @@ class ShardedEngine(SyncedReplicas):
                        replicate: Axis | None, reduce_dtype: torch.dtype,
                        compression: Compression | None,
                        overrides: dict[str, Axis] | None,
-                       matrices: frozenset[str] = frozenset()) -> None:
+                       matrices: frozenset[str] = frozenset(),
+                       groups: dict[str, str] | None = None) -> None:
         self.module, self.reduce_dtype, self.compression = module, reduce_dtype, compression
         self.matrices = matrices  # what a matrix optimizer steps (flat buffers of their own)
+        self.groups = groups or {}  # name -> the user's parameter group (buffers of their own)
         self.group, self.size, self.rank = shard.group, shard.size, shard.rank
         self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         self.dp_size = dp_size  # gradients are pre-divided by all of dp (x ep)
@@ -164,6 +167,13 @@ class ShardedEngine(SyncedReplicas):
     def matrix_tensors(self) -> list[torch.Tensor]:
         return [f.slice.master for f in self.flats if f.matrix]
 
+    def param_groups(self) -> dict[str | None, list[torch.Tensor]]:
+        out: dict[str | None, list[torch.Tensor]] = {}
+        for f in self.flats:
+            if not f.matrix:
+                out.setdefault(f.group_name, []).append(f.slice.master)
+        return out
+
     def held_pieces(self) -> list[Piece]:
         return [piece for flat in self.flats for piece in flat.held_pieces()]
 
@@ -190,6 +200,7 @@ class ZeroDataParallel(ShardedEngine):
         compression: Compression | None = None,
         overrides: dict[str, Axis] | None = None,
         matrices: frozenset[str] = frozenset(),
+        groups: dict[str, str] | None = None,
     ):
         super().__init__()
         if stage not in (1, 2):
@@ -197,15 +208,15 @@ class ZeroDataParallel(ShardedEngine):
         self.stage = stage
         dp_size = shard.size * (replicate.size if replicate else 1)
         self._init_sharding(module, dp_size, shard, replicate, reduce_dtype, compression,
-                            overrides, matrices)
+                            overrides, matrices, groups)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # Offload: masters and optimizer state in host memory (a no-op when already on the CPU).
         master_device = torch.device("cpu") if offload_optimizer else None
         self.buckets: list[FlatParam] = [
             FlatParam(members, decay, axis.size, axis.rank, param_dtype, master_device,
-                      group=axis.group, matrix=matrix)
+                      group=axis.group, matrix=matrix, group_name=name)
             for axis, cls in sync_classes(named, shard, self.overrides)
-            for members, decay, matrix in flat_groups(cls, bucket_mb, matrices)
+            for members, decay, matrix, name in flat_groups(cls, bucket_mb, matrices, groups)
         ]
         self._next = 0
         for bucket in self.buckets:

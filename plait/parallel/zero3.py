@@ -177,13 +177,14 @@ class Unit:
     def __init__(self, modules: list[nn.Module], params: list[nn.Parameter],
                  names: dict[nn.Parameter, str], chunk: int, shard: Axis,
                  overrides: dict[str, Axis], flat_args: tuple, fill=None,
-                 matrices: frozenset[str] = frozenset()):
+                 matrices: frozenset[str] = frozenset(), groups: dict[str, str] | None = None):
         self.modules, self.chunk = modules, chunk
         named = [(names[p], p) for p in params]
         self.flats = [FlatParam(members, decay, axis.size, axis.rank, *flat_args,
-                                group=axis.group, fill=fill, matrix=matrix)
+                                group=axis.group, fill=fill, matrix=matrix, group_name=name)
                       for axis, cls in sync_classes(named, shard, overrides)
-                      for members, decay, matrix in optimizer_classes(cls, matrices)]
+                      for members, decay, matrix, name in optimizer_classes(cls, matrices,
+                                                                            groups)]
         # Built from whole parameters; from `meta` ones (`fill`), only the slices exist.
         self.gathered = not any(f.replaced for f in self.flats)
         self.pending: list[Pending] = []  # all-gathers in flight
@@ -221,11 +222,12 @@ class Zero3DataParallel(ShardedEngine):
         wrap: WrapPolicy | None = None,
         fill=None,
         matrices: frozenset[str] = frozenset(),
+        groups: dict[str, str] | None = None,
     ):
         super().__init__()
         dp_size = shard.size * (replicate.size if replicate else 1)
         self._init_sharding(chunks, dp_size, shard, replicate, reduce_dtype, compression,
-                            overrides, matrices)
+                            overrides, matrices, groups)
         self.reshard_after_forward = reshard_after_forward
         names = {p: n for n, p in chunks.named_parameters()}
         cpu = torch.device("cpu")
@@ -235,7 +237,7 @@ class Zero3DataParallel(ShardedEngine):
         for c, chunk in enumerate(chunks.values()):
             modules = unit_modules(chunk, wrap)
             self.units += [Unit(m, params, names, c, shard, self.overrides, flat_args, fill,
-                                matrices)
+                                matrices, groups)
                            for m, params in zip(modules, unit_params(modules), strict=True)]
         # A model built on `meta`: its parameters become views of the flat buffers.
         swap_parameters(chunks, {k: v for f in self.flats for k, v in f.replaced.items()})

@@ -65,8 +65,9 @@ def flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float,
         for u, unit in enumerate(map(set, record.units)):
             members = [(n, p) for n, p in named if n in unit]
             for cls in (False, True):
-                groups += [(cls, m, u) for m, _, _ in optimizer_classes(
-                    [(n, p) for n, p in members if (n in experts) == cls], matrices)]
+                groups += [(cls, m, u) for m, *_ in optimizer_classes(
+                    [(n, p) for n, p in members if (n in experts) == cls], matrices,
+                    record.groups)]
     else:
         for cls in (False, True):
             members = [(n, p) for n, p in named if (n in experts) == cls]
@@ -76,8 +77,8 @@ def flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float,
                 groups += [(cls, m, None) for m in assign_buckets(
                     members, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))]
             else:
-                groups += [(cls, m, None) for m, _, _ in flat_groups(members, bucket_mb,
-                                                                     matrices)]
+                groups += [(cls, m, None) for m, *_ in flat_groups(members, bucket_mb,
+                                                                   matrices, record.groups)]
     kept = [(cls, layout(members), u) for cls, members, u in groups if members]
     return [(cls, segments, i if u is None else u) for i, (cls, segments, u) in enumerate(kept)]
 

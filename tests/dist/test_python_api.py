@@ -307,3 +307,51 @@ def test_torch_muon_through_the_python_api_under_zero3():
         assert losses == pytest.approx(want_losses, rel=1e-4)
         for name, p in want.items():
             assert (got[name] - p).abs().mean() <= 1e-4, name
+
+
+# Parameter groups by name (`prepare(groups=...)`, `Prepared.param_groups`): weight decay on the
+# convolutions' and the head's weights only, as one process with the same groups.
+def _group(name: str, p: torch.Tensor) -> str:
+    return "decay" if name.endswith("weight") and p.dim() > 1 else "no_decay"
+
+
+def _adamw_by_group(groups: dict) -> torch.optim.AdamW:
+    return torch.optim.AdamW([{"params": ps, "weight_decay": 0.5 if g == "decay" else 0.0}
+                              for g, ps in groups.items()], lr=LR)
+
+
+def _grouped_plait(parallel, wrap):
+    plait.init()
+    job = plait.prepare(_model(False), F.cross_entropy, parallel, wrap=wrap, groups=_group)
+    groups = job.param_groups()
+    optimizer = _adamw_by_group(groups)
+    losses = [job.step(*job.local(x, y), optimizer, grad_clip=1.0) for x, y in _batches()]
+    return losses, job.full_state_dict(), sorted(groups)
+
+
+def _grouped_one_process():
+    model = _model(False)
+    groups = {}
+    for n, p in model.named_parameters():
+        groups.setdefault(_group(n, p), []).append(p)
+    optimizer = _adamw_by_group(groups)
+    losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero3 units by class"])
+def test_parameter_groups_by_name_equal_one_process(name):
+    """A weight decay of 0.5 on one group moves its parameters by ~lr * 0.5 * |w| a step more
+    than the other's: a slice stepped in the wrong group would show."""
+    parallel, wrap = WHOLE[name]
+    want = _grouped_one_process()
+    for losses, params, names in run_world(_grouped_plait, 2, parallel, wrap):
+        assert names == ["decay", "no_decay"]
+        _assert_same((losses, params), want, f"groups, {name}")
