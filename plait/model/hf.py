@@ -203,6 +203,9 @@ class HFCausalLM(nn.Module):
         return {"attention_mask": documents, "position_ids": positions,
                 "position_embeddings": self.rotary_emb(h, positions)}
 
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)  # what the output head reads (a pipeline chunk calls it unbound)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 

@@ -184,6 +184,9 @@ class Llama(nn.Module):
         tables = rope_tables(documents.positions(), self.args.head_dim, self.args.rope_theta)
         return (*tables, documents)
 
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)  # what the output head reads (a pipeline chunk calls it unbound)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h))  # (b, s, dim) -> (b, s, vocab)
 

@@ -58,7 +58,7 @@ from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, fo
 from plait.parallel.pipeline.executor import Activation
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.tensor_parallel import apply_tp
-from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
+from plait.parallel.vocab_parallel import HeadCrossEntropy
 from plait.parallel.wrap import WrapPolicy
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero3 import Zero3DataParallel, first_unit_spans, unit_names
@@ -326,13 +326,14 @@ def _loss(model: nn.Module, options: ModuleOptions, tp: Axis) -> Callable:
     """The loss of the last stage: the user's, or cross-entropy; under tp, where the plan
     splits the head by vocabulary, plait's vocabulary-parallel cross-entropy."""
     plan = plan_of(model) if has_plan(model) else None
-    if tp.size == 1 or plan is None or plan.vocab_head is None:
+    if plan is None or plan.vocab_head is None or tp.size == 1 and options.loss_fn is not None:
         return options.loss_fn or cross_entropy
     if options.loss_fn is not None:
         raise ValueError("parallel.tp splits the output head by vocabulary: the loss is "
                          "plait's vocabulary-parallel cross-entropy; pass no loss_fn")
-    return functools.partial(vocab_parallel_cross_entropy, group=tp.group,
-                             vocab_size=getattr(model.args, plan.vocab_size))
+    if tp.size == 1:
+        return HeadCrossEntropy()
+    return HeadCrossEntropy(tp.group, getattr(model.args, plan.vocab_size))
 
 
 def _executors(model: nn.Module, chunks: nn.ModuleDict, schedule, axes: dict[str, Axis],

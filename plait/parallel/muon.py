@@ -1,5 +1,5 @@
 """Muon under every layout: each matrix orthogonalized whole, once per step, by the rank that
-owns it (docs/parallelisms.md#muon).
+owns it (docs/parallelisms.md#muon-under-every-layout).
 
 Muon (Jordan et al. 2024; `torch.optim.Muon`) keeps an elementwise momentum per matrix and
 replaces the update by the nearest semi-orthogonal matrix, found by Newton-Schulz iterations on
@@ -30,6 +30,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+# torch.optim.Muon's own Newton-Schulz and learning-rate adjustment (private in torch 2.13, the
+# version plait pins): the owners compute what `torch.optim.Muon` computes, bit for bit
+# (tests/dist/test_muon.py fails first if they move).
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from plait.comm import all_to_all

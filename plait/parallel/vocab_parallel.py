@@ -86,3 +86,99 @@ def vocab_parallel_cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), group, start
     )
     return losses.mean()
+
+
+# Logits computed at a time by `linear_cross_entropy`: 2^24 (64 MiB in fp32), so a 128K
+# vocabulary takes 128 tokens at a time and plait's 256-byte one 65,536.
+LOGIT_BLOCK = 2**24
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits = hidden @ weight^T, never holding them whole: the
+    tokens go through in runs of `per` (LOGIT_BLOCK / V), each run's logits made, reduced to
+    its log-sum-exp and target logit, and let go; backward makes them again, run by run (one
+    more head matmul, as activation checkpointing of the head would), from the hidden states and
+    the log-sum-exp alone. `dtype`: the matmuls' (autocast's, or the weight's); the softmax in
+    fp32.
+    Over `group` (a vocabulary-split head, rows [start, start + V / T)) each run's maximum,
+    sum of exponentials and target logit are all-reduced, as `VocabParallelCrossEntropy`'s."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, dtype, per, group, start):
+        x, w = hidden.to(dtype), weight.to(dtype)
+        lse = torch.empty(len(x), dtype=torch.float32, device=x.device)
+        picked = torch.empty_like(lse)
+        for lo in range(0, len(x), per):
+            z = (x[lo : lo + per] @ w.T).float()
+            t = targets[lo : lo + per]
+            if group is None:
+                lse[lo : lo + per] = torch.logsumexp(z, dim=-1)
+                picked[lo : lo + per] = z.gather(1, t[:, None]).squeeze(1)
+                continue
+            top = z.max(dim=-1).values
+            all_reduce(top, group, op=ReduceOp.MAX)
+            total = (z - top[:, None]).exp().sum(dim=-1)
+            all_reduce(total, group)
+            mine = (t >= start) & (t < start + len(w))
+            target = z.gather(1, (t - start).masked_fill(~mine, 0)[:, None]).squeeze(1) * mine
+            all_reduce(target, group)
+            lse[lo : lo + per], picked[lo : lo + per] = top + total.log(), target
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.dtype, ctx.per, ctx.start, ctx.split = dtype, per, start, group is not None
+        return lse - picked
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        x, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        per = ctx.per
+        for lo in range(0, len(x), per):
+            z = (x[lo : lo + per] @ w.T).float()
+            p = (z - lse[lo : lo + per, None]).exp_()  # d loss / d z = softmax - [v = target]
+            t = targets[lo : lo + per] - ctx.start
+            mine = (t >= 0) & (t < len(w)) if ctx.split else torch.ones_like(t, dtype=torch.bool)
+            p[torch.arange(len(p), device=p.device), t.masked_fill(~mine, 0)] -= mine.to(p.dtype)
+            g = p.mul_(grad_loss[lo : lo + per, None]).to(ctx.dtype)
+            grad_x[lo : lo + per] = g @ w
+            grad_w += (g.T @ x[lo : lo + per]).float()
+        return grad_x.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
+                         group: ProcessGroup | None = None, vocab_size: int = 0,
+                         block: int = LOGIT_BLOCK) -> torch.Tensor:
+    """Mean cross-entropy over the tokens of `head(hidden)` ((b, s, dim) hidden states, a
+    bias-free head, (b, s) targets) without the whole logits (`LinearCrossEntropy`); `group`:
+    a vocabulary-split head's (its input as its forward receives it)."""
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+        else head.weight.dtype
+    start = vocab_range(vocab_size, group)[0] if group is not None else 0
+    per = max(1, block // head.weight.shape[0])
+    with torch.autocast(device, enabled=False):
+        losses = LinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, targets.flatten(),
+                                          dtype, per, group, start)
+    return losses.mean()
+
+
+class HeadCrossEntropy:
+    """plait's loss for a model whose plan names its output head: `(logits, targets)` -> the
+    mean cross-entropy of a head's logits (whole, or vocabulary-split over `group`), and
+    `fused(hidden, head, targets)`, the same from the head's input without ever holding the
+    logits (`linear_cross_entropy`): what the pipeline's last chunk computes in training and
+    evaluation."""
+
+    def __init__(self, group: ProcessGroup | None = None, vocab_size: int = 0):
+        self.group, self.vocab_size = group, vocab_size
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size)
+
+    def fused(self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor) -> torch.Tensor:
+        if head.bias is not None:  # not a matmul alone: the logits, then the loss
+            return self(F.linear(hidden, head.weight, head.bias), targets)
+        return linear_cross_entropy(hidden, head, targets, self.group, self.vocab_size)

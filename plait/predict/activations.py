@@ -19,8 +19,9 @@ In bf16 (`_Sizes`; fp16 the same): matmul outputs take 2 bytes; under autocast o
 weights each matmul keeps its own bf16 cast of its input (three of the attention norm's output,
 two of the feed-forward norm's) and of its weight; with bf16 weights (ZeRO) the residual stream
 is bf16 and each norm keeps its fp32 upcast and a bf16 x / rms(x). Each chunk's forward keeps
-the rotary tables; the first chunk the embedding's indices, the last chunk the final norm, the
-softmax of the logits (r s V / T, fp32) and the targets. A stage holds what its schedule has in
+the rotary tables; the first chunk the embedding's indices, the last chunk the final norm, a
+log-sum-exp per token and the targets (the cross-entropy fused with the head never keeps the
+logits). A stage holds what its schedule has in
 flight: the peak, walking its actions, of what each F adds and each B (W under a split backward)
 frees.
 
@@ -139,15 +140,13 @@ def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last
     if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
         total += 9 * tokens
     if last:
-        # Final norm (as a block's), the head's weight cast under autocast, the fp32 softmax
-        # of the logits, and the targets: at tp = 1 a contiguous int64 copy (and a float32
-        # scalar), vocabulary-parallel the local target (int64) and its mask (bool).
-        total += (b.norm_local * A // S + b.norm_out * A + 4 * tokens // S
-                  + 4 * tokens * args.vocab_size // T)
-        total += 2 * args.dim * args.vocab_size // T if b.weight_casts else 0
-        # (Under context parallelism the targets are already a contiguous copy: no copy of
-        # their own.)
-        total += 9 * tokens if T > 1 else (8 * tokens if rows > 1 and C == 1 else 0) + 4
+        # Final norm (as a block's; its output, the head's input, in the stream's dtype: the
+        # cross-entropy fused with the head keeps it, not a cast), and per token the fp32
+        # log-sum-exp of the logits (never kept: `vocab_parallel.linear_cross_entropy`) and the
+        # targets, an int64 copy where the rows are not contiguous (one row, or context
+        # parallelism's contiguous copy: a view, counted in `activation_bytes`).
+        total += b.norm_local * A // S + b.stream * A + 4 * tokens // S + 4 * tokens
+        total += 8 * tokens if rows > 1 and C == 1 else 0
     return total
 
 
@@ -170,7 +169,7 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     window = cfg.train.global_batch // dims.rows * (cfg.data.seq_len + 1)
     if dims.cp > 1:
         peak += 8 * cfg.train.global_batch // dims.rows * cfg.data.seq_len // dims.cp \
-            * (first + last) * (dims.tp == 1)
-    elif dims.tp == 1 and (first or last and rows == 1):
+            * (first * (dims.tp == 1) + last)
+    elif dims.tp == 1 and first or last and rows == 1:
         peak += 8 * window
     return peak

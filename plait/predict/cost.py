@@ -47,6 +47,7 @@ from plait.parallel.loss_scaling import HALF
 from plait.parallel.muon import DataGroup, MatrixBuffer, Routes, newton_schulz_flops, plan_matrices
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
+from plait.parallel.vocab_parallel import LOGIT_BLOCK
 from plait.predict.state_cost import (  # noqa: F401 - re-exported
     compression_method,
     dtype_bytes,
@@ -227,8 +228,12 @@ def _tensor_traffic(t: Traffic, cfg: Config, record: PlacementRecord, s: _Step) 
     else:
         t.add("tp", Op.ALL_REDUCE, T, A * s.mm_b, M * blocks * (2 + s.recompute))
         t.add("tp", Op.ALL_REDUCE, T, A * s.act_b, M * (2 * (blocks + twice) + ends + head_twice))
-    if s.last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit
-        t.add("tp", Op.ALL_REDUCE, T, s.rows * s.seq * 4, M * 3)
+    if s.last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit,
+        # per run of tokens (`vocab_parallel.linear_cross_entropy`)
+        tokens, vocab = s.rows * s.seq, cfg.model.args().vocab_size // T
+        per = max(1, LOGIT_BLOCK // vocab)
+        t.add("tp", Op.ALL_REDUCE, T, per * 4, M * 3 * (tokens // per))
+        t.add("tp", Op.ALL_REDUCE, T, tokens % per * 4, M * 3 * bool(tokens % per))
     # Each replicated parameter whose gradient is a partial sum over tp (under sequence
     # parallelism every one: norm gains, a router; else the plan's tp_partial_grads) is
     # all-reduced in each micro-batch's backward.

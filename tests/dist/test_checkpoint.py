@@ -166,7 +166,10 @@ REDISTRIBUTE = {"dp4-to-dp2": ((4, []), (2, [])),
 def test_error_feedback_resumes_on_another_dp_degree(name, tmp_path):
     """Saved on n ranks, resumed on n': rank j takes rows j, j + n', ... of the saved errors, so
     their sum over the ranks, what the mean gradient has not yet received, is kept (to fp32
-    summation order) and no rank starts with another's error twice."""
+    summation order: the saved rows summed at once, and the rows each rank took summed, then
+    all-reduced: each side rounds fewer than n + n' times, each rounding within 2^-24 of the sum
+    of the terms' magnitudes; measured up to 3.5 of those) and no rank starts with another's
+    error twice."""
     (n_a, a), (n_b, b) = REDISTRIBUTE[name]
     run_world(_run, n_a, [*TOPK, *a], str(tmp_path), f"train.stop_after={STOP}")
     saved = load_full(tmp_path / f"step-{STOP:08d}", "compression.error.")
@@ -175,4 +178,5 @@ def test_error_feedback_resumes_on_another_dp_degree(name, tmp_path):
     for sums in got:
         assert sums.keys() == saved.keys()
         for key, total in sums.items():
-            torch.testing.assert_close(total, saved[key].sum(0), rtol=1e-6, atol=1e-9, msg=key)
+            bound = (n_a + n_b) * 2**-24 * saved[key].abs().sum(0)
+            assert ((total - saved[key].sum(0)).abs() <= bound).all(), key

@@ -20,12 +20,12 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from harness import run_world
 from training import tiny_config, unclipped
 
 from plait.checks import validate
 from plait.mesh import build_mesh
+from plait.parallel.vocab_parallel import linear_cross_entropy
 from plait.train.data import TokenData
 from plait.train.optim import lr_at, set_lr
 from plait.train.trainer import Trainer, build_configured_model
@@ -144,6 +144,16 @@ def _trained(cfg):
     return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
+def _fused_loss(model, inputs, targets):
+    """The trainer's loss: cross-entropy fused with the head (`linear_cross_entropy`), from the
+    head's input."""
+    seen = []
+    handle = model.output.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+    model(inputs)
+    handle.remove()
+    return linear_cross_entropy(seen[0], model.output, targets)
+
+
 def test_one_process_trains_as_torch_muon_and_adamw():
     cfg = unclipped(tiny_config(*BASE))
     losses, params = run_world(_trained, 1, cfg)[0]
@@ -154,7 +164,7 @@ def test_one_process_trains_as_torch_muon_and_adamw():
     for step in range(cfg.train.steps):
         model.zero_grad(set_to_none=True)
         inputs, targets = data.batch(step, cfg.train.global_batch)[:2]
-        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        loss = _fused_loss(model, inputs, targets)
         loss.backward()
         for optimizer in (muon, adamw):
             set_lr(optimizer, lr_at(step, cfg.train))

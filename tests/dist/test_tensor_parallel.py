@@ -21,7 +21,7 @@ from plait.model import build_model, model_args
 from plait.parallel import apply_tp
 from plait.model.llama_plan import LLAMA
 from plait.parallel.tensor_parallel import _verify, split_dims
-from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
+from plait.parallel.vocab_parallel import linear_cross_entropy, vocab_parallel_cross_entropy
 
 # 8 query heads sharing 4 key/value heads: grouped-query attention that tp = 2 and 4 both divide.
 ARGS = model_args("tiny", n_heads=8, n_kv_heads=4)
@@ -214,3 +214,40 @@ def test_clipping_uses_the_global_norm():
         for name, p in params.items():
             assert_params_close(p, shard(name, ref[2][name], rank, 2), name)
     assert STEPS == 5
+
+
+def _fused_head_loss(block: int):
+    """The cross-entropy fused with a vocabulary-split head, in runs of block / (V / T) tokens,
+    against the whole head's logits through F.cross_entropy in this process."""
+    group, rank, size = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 16, 32, generator=g)
+    weight = torch.randn(256, 32, generator=g)
+    targets = torch.randint(256, (2, 16), generator=g)
+    whole = (hidden.clone().requires_grad_(), weight.clone().requires_grad_())
+    want = F.cross_entropy(F.linear(whole[0], whole[1]).flatten(0, 1), targets.flatten())
+    want.backward()
+    head = torch.nn.Linear(32, 256 // size, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(weight.chunk(size)[rank])
+    x = hidden.clone().requires_grad_()
+    LEDGER.reset()
+    loss = linear_cross_entropy(x, head, targets, group, 256, block=block)
+    calls = dict(LEDGER.calls)
+    loss.backward()
+    grad_x = x.grad.clone()
+    dist.all_reduce(grad_x)  # the head's input collective would sum it (copy_to_tp's backward)
+    return (loss.item(), want.item(), grad_x, whole[0].grad, head.weight.grad,
+            whole[1].grad.chunk(size)[rank], calls)
+
+
+@pytest.mark.parametrize("block", [128 * 5, 2**24], ids=["runs of 5 tokens", "one run"])
+def test_the_fused_head_loss_equals_the_whole_logits_cross_entropy(block):
+    """Three all-reduces (max, sum of exponentials, target logit) per run of tokens."""
+    runs = -(-32 // (block // 128))
+    for loss, want, grad_x, want_x, grad_w, want_w, calls in run_world(_fused_head_loss, 2,
+                                                                        block):
+        assert loss == pytest.approx(want, rel=1e-6)
+        torch.testing.assert_close(grad_x, want_x, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grad_w, want_w, rtol=1e-5, atol=1e-7)
+        assert calls == {Op.ALL_REDUCE: 3 * runs}

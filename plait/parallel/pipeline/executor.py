@@ -23,6 +23,7 @@ With one stage the schedule is F B F B ...: gradient accumulation, the data-para
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,16 +127,22 @@ class PipelineExecutor:
         start = time.perf_counter()  # busy from here: waiting for the message is idle
         documents = microbatches[a.microbatch][2] if len(microbatches[a.microbatch]) > 2 \
             else None
+        last = a.chunk == s.chunks - 1
+        target = microbatches[a.microbatch][1] if last else None
+        # The last chunk computes a fusable loss itself, from the head's input (the logits
+        # never whole: `vocab_parallel.linear_cross_entropy`).
+        fused = target is not None and not isinstance(x, Call) and hasattr(self.loss_fn, "fused")
+        kwargs = {} if documents is None else {"documents": documents}
+        if fused:
+            kwargs["head_loss"] = functools.partial(self.loss_fn.fused,
+                                                    targets=to_device(target, self.device))
         with self.compute():
             if isinstance(x, Call):
                 out = x(self.chunks[a.chunk], self.device)
-            elif documents is None:
-                out = self.chunks[a.chunk](x)
             else:
-                out = self.chunks[a.chunk](x, documents=documents)
-        if a.chunk == s.chunks - 1:
-            target = microbatches[a.microbatch][1]
-            out = (model_loss(out) if target is None
+                out = self.chunks[a.chunk](x, **kwargs)
+        if last:
+            out = (out if fused else model_loss(out) if target is None
                    else self.loss_fn(out, to_device(target, self.device))) / M
             loss = 0.0 if is_fake(out) else out.item()  # fake: a traced step
             if self.loss_scale != 1.0:  # fp16: backward from the scaled loss

@@ -10,6 +10,8 @@ up.
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from plait.model.documents import Documents
@@ -67,9 +69,11 @@ class PipelineChunk(nn.Module):
         # by apply_tp); positions span the whole sequence (of this cp rank's shard).
         self.seq_shards = 1
 
-    def forward(self, *args, documents: Documents | None = None, **kwargs):
+    def forward(self, *args, documents: Documents | None = None, head_loss=None, **kwargs):
         """Tokens (first chunk) or hidden states, and the micro-batch's `documents` under
-        `data.document_mask`; or, with one chunk, a batch as the model takes it."""
+        `data.document_mask`; or, with one chunk, a batch as the model takes it. The last chunk
+        returns the logits, or given `head_loss(hidden, head)` (a loss fused with the output
+        head, `HeadCrossEntropy.fused`) the loss from the head's input and the plan's head."""
         if len(args) != 1 or kwargs:  # a batch as the model takes it: the model's own forward
             if not (self.first and self.last):
                 raise ValueError("a pipeline chunk takes hidden states alone; a batch with more "
@@ -85,7 +89,18 @@ class PipelineChunk(nn.Module):
         args, kwargs = (extra, {}) if isinstance(extra, tuple) else ((), extra)
         for block in self.get_submodule(self.plan.blocks).values():
             h = block(h, *args, **kwargs)
-        return self.code.head(self, h) if self.last else h
+        if not self.last:
+            return h
+        if head_loss is None:
+            return self.code.head(self, h)
+        # The head called as a module (its hooks run: tp's input collective, ZeRO-3's gather and
+        # release), its forward the fused loss for this call.
+        head = self.get_submodule(self.plan.vocab_head)
+        head.forward = functools.partial(head_loss, head=head)
+        try:
+            return head(self.code.head_input(self, h))
+        finally:
+            del head.forward
 
 
 class StageModules(nn.ModuleDict):
