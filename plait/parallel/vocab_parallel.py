@@ -179,6 +179,13 @@ class HeadCrossEntropy:
         return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size)
 
     def fused(self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor) -> torch.Tensor:
-        if head.bias is not None:  # not a matmul alone: the logits, then the loss
+        """Logits of one run at most (`fits_one_run`: 64 MiB in fp32) are made and kept, as the
+        unfused loss keeps them: fusing would only add the backward's second matmul."""
+        if head.bias is not None or fits_one_run(targets.numel(), head.weight.shape[0]):
             return self(F.linear(hidden, head.weight, head.bias), targets)
         return linear_cross_entropy(hidden, head, targets, self.group, self.vocab_size)
+
+
+def fits_one_run(tokens: int, vocab: int) -> bool:
+    """Whether a micro-batch's logits over a (local) vocabulary are at most LOGIT_BLOCK."""
+    return tokens * vocab <= LOGIT_BLOCK

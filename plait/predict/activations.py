@@ -21,9 +21,9 @@ two of the feed-forward norm's) and of its weight; with bf16 weights (ZeRO) the 
 is bf16 and each norm keeps its fp32 upcast and a bf16 x / rms(x). Each chunk's forward keeps
 the rotary tables; the first chunk the embedding's indices, the last chunk the final norm, a
 log-sum-exp per token and the targets (the cross-entropy fused with the head never keeps the
-logits). A stage holds what its schedule has in
-flight: the peak, walking its actions, of what each F adds and each B (W under a split backward)
-frees.
+logits; where a micro-batch's are at most 2^24, its softmax, fp32, as the unfused loss). A
+stage holds what its schedule has in flight: the peak, walking its actions, of what each F
+adds and each B (W under a split backward) frees.
 
 The composition matrix asserts these equal to the measured peak on every rank of every row.
 """
@@ -38,6 +38,7 @@ from plait.mesh import ParallelDims
 from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
+from plait.parallel.vocab_parallel import fits_one_run
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last
         total += 4 * cfg.data.seq_len // C * args.head_dim
     if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
         total += 9 * tokens
-    if last:
+    if last and not fits_one_run(tokens, args.vocab_size // T):
         # Final norm (as a block's; its output, the head's input, in the stream's dtype: the
         # cross-entropy fused with the head keeps it, not a cast), and per token the fp32
         # log-sum-exp of the logits (never kept: `vocab_parallel.linear_cross_entropy`) and the
@@ -147,6 +148,14 @@ def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last
         # parallelism's contiguous copy: a view, counted in `activation_bytes`).
         total += b.norm_local * A // S + b.stream * A + 4 * tokens // S + 4 * tokens
         total += 8 * tokens if rows > 1 and C == 1 else 0
+    elif last:  # logits of one run at most, kept as the unfused loss keeps them
+        # Final norm (as a block's), the head's weight cast under autocast, the fp32 softmax
+        # of the logits, and the targets: at tp = 1 a contiguous int64 copy (and a float32
+        # scalar), vocabulary-parallel the local target (int64) and its mask (bool).
+        total += (b.norm_local * A // S + b.norm_out * A + 4 * tokens // S
+                  + 4 * tokens * args.vocab_size // T)
+        total += 2 * args.dim * args.vocab_size // T if b.weight_casts else 0
+        total += 9 * tokens if T > 1 else (8 * tokens if rows > 1 and C == 1 else 0) + 4
     return total
 
 
@@ -167,9 +176,13 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     # loss the other.
     first, last = any(c.first for c in chunks), any(c.last for c in chunks)
     window = cfg.train.global_batch // dims.rows * (cfg.data.seq_len + 1)
+    # The fused loss keeps the targets (a view at one row, or of cp's copy) at any tp.
+    fused = not fits_one_run(rows * cfg.data.seq_len // dims.cp,
+                             cfg.model.args().vocab_size // dims.tp)
+    targets = last and (fused or dims.tp == 1)
     if dims.cp > 1:
         peak += 8 * cfg.train.global_batch // dims.rows * cfg.data.seq_len // dims.cp \
-            * (first * (dims.tp == 1) + last)
-    elif dims.tp == 1 and first or last and rows == 1:
+            * (first * (dims.tp == 1) + targets)
+    elif dims.tp == 1 and first or targets and rows == 1:
         peak += 8 * window
     return peak

@@ -25,7 +25,7 @@ from training import tiny_config, unclipped
 
 from plait.checks import validate
 from plait.mesh import build_mesh
-from plait.parallel.vocab_parallel import linear_cross_entropy
+from plait.parallel.vocab_parallel import HeadCrossEntropy
 from plait.train.data import TokenData
 from plait.train.optim import lr_at, set_lr
 from plait.train.trainer import Trainer, build_configured_model
@@ -145,13 +145,13 @@ def _trained(cfg):
 
 
 def _fused_loss(model, inputs, targets):
-    """The trainer's loss: cross-entropy fused with the head (`linear_cross_entropy`), from the
-    head's input."""
+    """The trainer's loss: plait's cross-entropy from the head's input (`HeadCrossEntropy`:
+    fused with the head where the logits would be large)."""
     seen = []
     handle = model.output.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
     model(inputs)
     handle.remove()
-    return linear_cross_entropy(seen[0], model.output, targets)
+    return HeadCrossEntropy().fused(seen[0], model.output, targets)
 
 
 def test_one_process_trains_as_torch_muon_and_adamw():
