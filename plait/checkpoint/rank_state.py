@@ -65,9 +65,10 @@ def training_state(par, optimizer: torch.optim.Optimizer, step: int = 0,
             sd[f"{prefix}.{name}"] = boxes_of([(p, source(p)) for p in held], place.shape,
                                               place.local_shape, place.origin)
     sd["train.step"] = torch.tensor(step, dtype=torch.int64)
-    counted = [s["step"] for s in optimizer.state.values() if "step" in s]
-    if with_optimizer and counted:
-        sd["optim.step"] = counted[0].detach().clone()
+    if with_optimizer:
+        counted = [s["step"] for s in optimizer.state.values() if "step" in s]
+        if counted:  # AdamW's step count (SGD's and Muon's momentum keep none)
+            sd["optim.step"] = counted[0].detach().clone()
         sd["rng"] = torch.get_rng_state()
         sd.update(compression_state(par)[0])
         if par.scaler is not None:
@@ -93,7 +94,7 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
              process_group=group)
     if full:
         for state in optimizer.state.values():
-            if "step" in state:
+            if "step" in state and "optim.step" in sd:
                 state["step"].copy_(sd["optim.step"])
         torch.set_rng_state(sd["rng"])
         compression_loaded()

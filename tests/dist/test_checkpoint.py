@@ -54,6 +54,8 @@ LAYOUTS = {
     "moe-ep2-dp2-zero1": (4, ["model.preset='tiny-moe'", "parallel.ep=2", "parallel.zero=1"]),
     # Muon's momentum (matrices) beside AdamW's moments (the rest), in ZeRO-3's slices.
     "muon-zero3": (2, ["parallel.zero=3", "train.optimizer='muon'"]),
+    # SGD's momentum alone: no step count, the generator and the rest still saved.
+    "sgd-zero1": (2, ["parallel.zero=1", "train.optimizer='sgd'"]),
     # Compression's state: top-k's error feedback; PowerSGD's errors and Q (one per tp slice),
     # under ZeRO-2. Started after 2 steps, so both uncompressed and compressed steps are saved.
     "ddp-topk": (2, ["parallel.dp=2", "parallel.compression='topk'",
