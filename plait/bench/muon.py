@@ -147,7 +147,7 @@ def run_muon_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list
         f"{args.n_layers} layers, batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens; "
         f"median of {steps} x {repeats} steps"))
     for col in ("variant", "step (ms)", "spread", "optimizer step (ms)", "spread",
-                "owners / everywhere"):
+                "owners / this: step", "optimizer step"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     rows = []
     for variant, name in (("each matrix once, by its owner (plait)", "owners"),
@@ -155,7 +155,8 @@ def run_muon_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list
         opt = f"{name}_optimizer"
         table.add_row(variant, f"{t[name] * 1e3:,.1f}", f"{t[name + '_spread']:.1%}",
                       f"{t[opt] * 1e3:,.1f}", f"{t[opt + '_spread']:.1%}",
-                      f"{t['owners'] / t[name]:.3f}")
+                      f"{t['owners'] / t[name]:.3f}",
+                      f"{t['owners_optimizer'] / t[opt]:.3f}")
         rows.append({"variant": name, "seconds": t[name], "optimizer_seconds": t[opt],
                      "other_load": load.share})
     Console(width=140).print(table)

@@ -410,6 +410,15 @@ def test_bench_step_zero_against_its_torch_peer(stage, peer):
 
 
 
+def test_bench_step_with_muon_compares_its_owners_with_everyone_orthogonalizing():
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "--repeats", "1",
+                      "train.optimizer=muon", "parallel.zero=3", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 2 and "by its owner" in rows[0] and "every matrix" in rows[1]
+    assert "Muon: dp 2 x tp 1, ZeRO-3" in proc.stdout
+
+
 def test_bench_step_runs_each_side_in_processes_of_its_own():
     """plait's ZeRO-3 fixes glibc's mmap threshold for its whole process (train/host_memory.py);
     torch's fully_shard, launched apart, keeps glibc's own, as a user of torch alone has it."""
