@@ -159,6 +159,6 @@ def run_muon_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list
                       f"{t['owners_optimizer'] / t[opt]:.3f}")
         rows.append({"variant": name, "seconds": t[name], "optimizer_seconds": t[opt],
                      "other_load": load.share})
-    Console(width=140).print(table)
+    Console(width=170).print(table)
     Console().print(f"other load: {load.share:.0%} of the cores used by other processes")
     return rows

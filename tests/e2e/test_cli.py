@@ -415,7 +415,9 @@ def test_bench_step_with_muon_compares_its_owners_with_everyone_orthogonalizing(
                       "train.optimizer=muon", "parallel.zero=3", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
-    assert len(rows) == 2 and "by its owner" in rows[0] and "every matrix" in rows[1]
+    assert [r.split("│")[1].strip() for r in rows] == [
+        "each matrix once, by its owner (plait)",
+        "every rank gathers and orthogonalizes every matrix"]
     assert "Muon: dp 2 x tp 1, ZeRO-3" in proc.stdout
 
 
