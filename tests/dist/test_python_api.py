@@ -84,16 +84,20 @@ def _both_ddp():
     return _plait_run(plait.ParallelConfig(), None, True), _torch_ddp_run()
 
 
-def _one_process():
+def _one_process(optimizers_of=lambda model: [torch.optim.AdamW(model.parameters(), lr=LR)]):
+    """One process on the global batches, clipped as the jobs are: losses and parameters.
+    `optimizers_of(model)`: the optimizers that step it (AdamW by default)."""
     model = _model(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizers = optimizers_of(model)
     losses = []
     for x, y in _batches():
-        optimizer.zero_grad()
+        for o in optimizers:
+            o.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        for o in optimizers:
+            o.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -251,21 +255,12 @@ def _whole_plait(parallel, wrap, factory, whole=_whole):
 
 
 def _whole_one_process(factory, whole=_whole):
-    model = _model(False)
-    named = list(model.named_parameters())
-    optimizers = [factory([p for n, p in named if whole(n, p)]),
-                  torch.optim.AdamW([p for n, p in named if not whole(n, p)], lr=LR)]
-    losses = []
-    for x, y in _batches():
-        for o in optimizers:
-            o.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for o in optimizers:
-            o.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    def optimizers_of(model):
+        named = list(model.named_parameters())
+        return [factory([p for n, p in named if whole(n, p)]),
+                torch.optim.AdamW([p for n, p in named if not whole(n, p)], lr=LR)]
+
+    return _one_process(optimizers_of)
 
 
 def _adafactor(params):
@@ -330,20 +325,13 @@ def _grouped_plait(parallel, wrap):
 
 
 def _grouped_one_process():
-    model = _model(False)
-    groups = {}
-    for n, p in model.named_parameters():
-        groups.setdefault(_group(n, p), []).append(p)
-    optimizer = _adamw_by_group(groups)
-    losses = []
-    for x, y in _batches():
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    def optimizers_of(model):
+        groups = {}
+        for n, p in model.named_parameters():
+            groups.setdefault(_group(n, p), []).append(p)
+        return [_adamw_by_group(groups)]
+
+    return _one_process(optimizers_of)
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero3 units by class"])
