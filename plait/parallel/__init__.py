@@ -54,6 +54,7 @@ from plait.parallel.data_parallel import BucketedDataParallel, NaiveDataParallel
 from plait.parallel.dropout import seed_ranks
 from plait.parallel.expert_parallel import apply_ep, expert_overrides, has_experts, moe_layers
 from plait.parallel.loss_scaling import HALF, LossScaler
+from plait.parallel.muon_routes import muon_matrices
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
 from plait.parallel.placement import PlacementRecord
@@ -291,21 +292,6 @@ def parallelize(
     moe = [layer for chunk in chunks.values() for layer in moe_layers(chunk).values()]
     return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context,
                         scaler if precision == "fp16" else None, moe)
-
-
-def muon_matrices(model: nn.Module, chunks: nn.ModuleDict) -> frozenset[str]:
-    """The parameters a matrix optimizer steps, as Muon's authors and torch's documentation
-    split them: the 2-D weights of the repeated blocks (attention and MLP projections, each
-    expert's matrices, a router's). The embedding, the output head, norms and biases stay with
-    AdamW. A model with no plan has no blocks to name: every 2-D weight of an `nn.Linear`."""
-    if has_plan(model):
-        prefix = plan_of(model).blocks + "."
-        return frozenset(n for n, p in chunks.named_parameters()
-                         if p.requires_grad and p.dim() == 2 and n.startswith(prefix))
-    return frozenset(f"{m}.{n}" if m else n for chunk in chunks.values()
-                     for m, module in chunk.named_modules() if isinstance(module, nn.Linear)
-                     for n, p in module.named_parameters(recurse=False)
-                     if p.requires_grad and p.dim() == 2)
 
 
 def _fill(chunks: nn.ModuleDict, record: PlacementRecord, source: Source | None,

@@ -44,7 +44,13 @@ from plait.mesh import ParallelDims, dp_per_node, ranks_per_node
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.expert_parallel import moe_layers
 from plait.parallel.loss_scaling import HALF
-from plait.parallel.muon import DataGroup, MatrixBuffer, Routes, newton_schulz_flops, plan_matrices
+from plait.parallel.muon_routes import (
+    DataGroup,
+    MatrixBuffer,
+    Routes,
+    newton_schulz_flops,
+    plan_matrices,
+)
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.vocab_parallel import LOGIT_BLOCK

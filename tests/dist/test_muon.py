@@ -184,7 +184,7 @@ def test_each_matrix_has_one_owner_and_the_work_is_shared(ranks, overrides):
     """From `--dry-run`'s account of each rank (no process group): the Newton-Schulz FLOPs the
     ranks own add up to every matrix orthogonalized once, and no rank owns more than the largest
     matrix's above an even share."""
-    from plait.parallel.muon import newton_schulz_flops
+    from plait.parallel.muon_routes import newton_schulz_flops
     from plait.train.dry_run import describe_rank
 
     cfg = tiny_config(*BASE, *overrides)
