@@ -88,14 +88,30 @@ def vocab_parallel_cross_entropy(
     return losses.mean()
 
 
-# Logits computed at a time by `linear_cross_entropy`: 2^24 (64 MiB in fp32), so a 128K
-# vocabulary takes 128 tokens at a time and plait's 256-byte one 65,536.
-LOGIT_BLOCK = 2**24
+# Logits made at a time by `linear_cross_entropy`, by the device's kind. A CPU: 2^24 (64 MiB in
+# fp32), so a 128K vocabulary takes 130 tokens at a time and plait's 256-byte one 65,536. A GPU:
+# 2^28 (1 GiB), 2,093 tokens of a 128K vocabulary: each run's weight gradient reads and writes
+# the head's whole fp32 gradient (1 GiB at 128K x 2048), which at 130 tokens a run was half of a
+# 1B model's step on an H200 (docs/benchmarks.md#on-a-gpu).
+LOGIT_BLOCK = {"cpu": 2**24, "cuda": 2**28}
+
+
+def logit_block(device: str) -> int:
+    """Logits `linear_cross_entropy` makes at a time on a device of this kind ("cpu", "cuda")."""
+    return LOGIT_BLOCK["cpu" if device == "cpu" else "cuda"]
+
+
+def compute_device(cfg) -> str:
+    """The kind of device a configuration's ranks compute on: train.device, "auto" resolved as
+    the workers resolve it (a GPU when there is one)."""
+    if cfg.train.device != "auto":
+        return cfg.train.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of logits = hidden @ weight^T, never holding them whole: the
-    tokens go through in runs of `per` (LOGIT_BLOCK / V), each run's logits made, reduced to
+    tokens go through in runs of `per` (`logit_block` / V), each run's logits made, reduced to
     its log-sum-exp and target logit, and let go; backward makes them again, run by run (one
     more head matmul, as activation checkpointing of the head would), from the hidden states and
     the log-sum-exp alone. `dtype`: the matmuls' (autocast's, or the weight's); the softmax in
@@ -148,15 +164,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
                          group: ProcessGroup | None = None, vocab_size: int = 0,
-                         block: int = LOGIT_BLOCK) -> torch.Tensor:
+                         block: int = 0) -> torch.Tensor:
     """Mean cross-entropy over the tokens of `head(hidden)` ((b, s, dim) hidden states, a
     bias-free head, (b, s) targets) without the whole logits (`LinearCrossEntropy`); `group`:
-    a vocabulary-split head's (its input as its forward receives it)."""
+    a vocabulary-split head's (its input as its forward receives it); `block`: logits at a time
+    (0: the device's `logit_block`)."""
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
         else head.weight.dtype
     start = vocab_range(vocab_size, group)[0] if group is not None else 0
-    per = max(1, block // head.weight.shape[0])
+    per = max(1, (block or logit_block(device)) // head.weight.shape[0])
     with torch.autocast(device, enabled=False):
         losses = LinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, targets.flatten(),
                                           dtype, per, group, start)
@@ -179,13 +196,15 @@ class HeadCrossEntropy:
         return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_size)
 
     def fused(self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor) -> torch.Tensor:
-        """Logits of one run at most (`fits_one_run`: 64 MiB in fp32) are made and kept, as the
-        unfused loss keeps them: fusing would only add the backward's second matmul."""
-        if head.bias is not None or fits_one_run(targets.numel(), head.weight.shape[0]):
+        """Logits of one run at most (`fits_one_run`) are made and kept, as the unfused loss
+        keeps them: fusing would only add the backward's second matmul."""
+        if head.bias is not None or fits_one_run(targets.numel(), head.weight.shape[0],
+                                                 hidden.device.type):
             return self(F.linear(hidden, head.weight, head.bias), targets)
         return linear_cross_entropy(hidden, head, targets, self.group, self.vocab_size)
 
 
-def fits_one_run(tokens: int, vocab: int) -> bool:
-    """Whether a micro-batch's logits over a (local) vocabulary are at most LOGIT_BLOCK."""
-    return tokens * vocab <= LOGIT_BLOCK
+def fits_one_run(tokens: int, vocab: int, device: str) -> bool:
+    """Whether a micro-batch's logits over a (local) vocabulary are one run at most on a device
+    of this kind."""
+    return tokens * vocab <= logit_block(device)

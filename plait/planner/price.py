@@ -194,6 +194,8 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks,
 
 def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
     """Price one configuration (validated for dims.world_size)."""
+    if not cluster.device.gloo and cfg.train.device != "cuda":  # the engine's GPU path
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"))
     par, dev, args = cfg.parallel, cluster.device, cfg.model.args()
     M = microbatches(par, dims)
     schedule = par.pp_schedule if dims.pp > 1 else "1f1b"

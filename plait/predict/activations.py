@@ -38,7 +38,7 @@ from plait.mesh import ParallelDims
 from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
-from plait.parallel.vocab_parallel import fits_one_run
+from plait.parallel.vocab_parallel import compute_device, fits_one_run
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last
         total += 4 * cfg.data.seq_len // C * args.head_dim
     if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
         total += 9 * tokens
-    if last and not fits_one_run(tokens, args.vocab_size // T):
+    if last and not fits_one_run(tokens, args.vocab_size // T, compute_device(cfg)):
         # Final norm (as a block's; its output, the head's input, in the stream's dtype: the
         # cross-entropy fused with the head keeps it, not a cast), and per token the fp32
         # log-sum-exp of the logits (never kept: `vocab_parallel.linear_cross_entropy`) and the
@@ -178,7 +178,7 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     window = cfg.train.global_batch // dims.rows * (cfg.data.seq_len + 1)
     # The fused loss keeps the targets (a view at one row, or of cp's copy) at any tp.
     fused = not fits_one_run(rows * cfg.data.seq_len // dims.cp,
-                             cfg.model.args().vocab_size // dims.tp)
+                             cfg.model.args().vocab_size // dims.tp, compute_device(cfg))
     targets = last and (fused or dims.tp == 1)
     if dims.cp > 1:
         peak += 8 * cfg.train.global_batch // dims.rows * cfg.data.seq_len // dims.cp \

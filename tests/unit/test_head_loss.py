@@ -60,3 +60,28 @@ def test_a_head_with_a_bias_gets_its_logits_made():
     head = nn.Linear(16, 50)
     want = F.cross_entropy(head(hidden).flatten(0, 1), targets.flatten())
     torch.testing.assert_close(HeadCrossEntropy().fused(hidden, head, targets), want)
+
+
+def test_a_gpu_makes_bigger_runs_and_the_formula_follows_the_device():
+    """On a GPU a run holds 2^28 logits (each run re-reads and re-writes the head's whole fp32
+    weight gradient: 130-token runs of a 128K vocabulary were half of a 1B model's step on an
+    H200); a CPU keeps 2^24. A micro-batch of 1,024 tokens over 128K is then fused on the CPU
+    and one unfused run on a GPU, and the activation formula prices each device's own path: the
+    GPU's keeps the fp32 softmax (4 bytes a logit), the CPU's a log-sum-exp per token."""
+    from plait.config import load_config
+    from plait.mesh import ParallelDims
+    from plait.parallel.vocab_parallel import fits_one_run, logit_block
+    from plait.predict.activations import activation_bytes
+    from plait.predict.cost import ChunkLayout
+
+    assert (logit_block("cpu"), logit_block("cuda")) == (2**24, 2**28)
+    assert not fits_one_run(1024, 128256, "cpu") and fits_one_run(1024, 128256, "cuda")
+    chunks = [ChunkLayout(0, 1, True, True, 0)]
+    held = {}
+    for device in ("cpu", "cuda"):
+        cfg = load_config(None, ["model.preset='tiny'", "model.vocab_size=128256",
+                                 "data.seq_len=1024", "train.global_batch=1",
+                                 f"train.device='{device}'"])
+        held[device] = activation_bytes(cfg, ParallelDims(), chunks)
+    # the softmax, less the few bytes per token (log-sum-exp, targets) only the fused path keeps
+    assert 4 * 1024 * 128256 - 16 * 1024 < held["cuda"] - held["cpu"] <= 4 * 1024 * 128256

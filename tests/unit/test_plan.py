@@ -245,9 +245,9 @@ def test_a_pinned_plan_that_does_not_fit_is_still_priced():
 
 def test_the_issues_pinned_command_is_shown_with_status_1(capsys):
     """`plait plan` with the ZeRO paper's stage-0 degrees pinned on the command line: the plan is
-    printed with "does not fit", status 1 (it was refused with status 2). (120.8 GB before the
-    loss was fused with the head: the fp32 softmax of 1,024 x 26,147 logits, 0.1 GB, is no longer
-    kept.)"""
+    printed with "does not fit", status 1 (it was refused with status 2). The fp32 softmax of
+    1,024 x 26,147 logits (0.1 GB) is kept: on a GPU they are one run of the loss fused with the
+    head (`vocab_parallel.logit_block`), so the unfused loss runs."""
     from plait import cli
 
     with pytest.raises(SystemExit) as exit_:
@@ -256,7 +256,7 @@ def test_the_issues_pinned_command_is_shown_with_status_1(capsys):
                   "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.cp=1",
                   "parallel.ep=1"])
     out = capsys.readouterr().out
-    assert exit_.value.code == 1 and "does not fit: 120.7 GB per GPU of 80 GB" in out
+    assert exit_.value.code == 1 and "does not fit: 120.8 GB per GPU of 80 GB" in out
 
 
 def test_four_24gb_gpus_train_7b_only_with_offload():
