@@ -45,6 +45,10 @@ def check_train(train: TrainConfig, dims: ParallelDims) -> None:
                           f"got {train.eval_every}")
     if train.eval_batches < 1:
         raise ConfigError("train.eval_batches", f"must be >= 1, got {train.eval_batches}")
+    if train.precision == "fp8":
+        raise ConfigError("train.precision", "'fp8' is priced by plait plan only (the linear "
+                          "layers' matmuls at a device's fp8 rate); the engine trains in 'fp32', "
+                          "'bf16' or 'fp16'")
     if train.precision not in ("fp32", *HALF_PRECISIONS):
         raise ConfigError("train.precision",
                           f"'fp32', 'bf16' or 'fp16', got '{train.precision}'")

@@ -21,6 +21,19 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
     run_comm(args.nproc, args.min_seconds)
 
 
+def cmd_bench_gemm(args: argparse.Namespace) -> None:
+    check_output_path(args.out, "--out")
+    if args.fp8:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--fp8", "fp8 matmuls need a GPU with fp8 tensor cores; this "
+                              "machine has none")
+    from plait.bench.gemm import run_gemm
+
+    run_gemm(args.out, args.fp8)
+
+
 def cmd_bench_step(args: argparse.Namespace) -> None:
     if args.nproc < 1:
         raise ConfigError("--nproc", f"need at least one process, got {args.nproc}")

@@ -141,6 +141,11 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                     help="GiB of each sparse corpus a launch is timed on"),
                 arg("--dir", default="runs/bench_data",
                     help="where the corpora are written (and deleted after)"), OVERRIDES)),
+    Command("gemm", "this machine's matrix-multiply rate by shape (bf16, fp8), beside the "
+            "planner's shape model", "plait.cli_bench:cmd_bench_gemm", (
+                arg("--out", default="runs/bench_gemm/gemm.json", help="the sweep as JSON"),
+                arg("--fp8", action="store_true", help="also fp8 (torch._scaled_mm; GPUs with "
+                    "fp8 tensor cores)"))),
     Command("plan", "the planner's predictions against runs here (bytes, state, activations, "
             "step time) and published GPU runs", "plait.cli_bench:cmd_bench_plan", (
                 arg("--which", default="all", help="measured, published or all"),

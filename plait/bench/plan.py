@@ -8,15 +8,8 @@ expert-choice routing at capacity factor 1, which is what a plan expects); and t
 (median after two warm-up steps, the slowest rank's) against the plan's on the device that
 `plait plan --calibrate` measured.
 
-Published (`PUBLISHED`): Megatron-LM's weak-scaling table (Narayanan et al. 2021, "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21, Table 1: GPT models
-of vocabulary 51,200 and 2,048 tokens on A100s, full activation recomputation) and Llama 3 405B's
-pre-training layouts (Llama Team 2024, "The Llama 3 Herd of Models", Table 4: 8,192 tokens on
-H100s). Each model, cluster and batch is planned with the recipe the paper used pinned (ZeRO
-stage, recomputation) and the layout (tp, pp, cp, dp) searched; the paper's layout must be among
-the planner's three best distinct layouts. Published throughput in tokens/s follows from the
-reported FLOP/s per GPU: Megatron counts 96 B s l h^2 (1 + s / 6h + V / 16lh) FLOPs per batch
-(with recomputation), Llama 3 reports MFU, model FLOPs per token 6 N + 6 l s d (plait's count).
+Published: `plait.bench.published` (Megatron-LM, Llama 3, torchtitan), each run's layout pinned,
+its throughput and memory against the plan's.
 """
 
 from __future__ import annotations
@@ -115,71 +108,6 @@ def relative(pred: float, meas: float) -> float:
     return pred / meas - 1 if meas else (0.0 if pred == meas else float("inf"))
 
 
-# (name, model overrides, GPUs, device, global batch, pinned recipe, published layout
-#  (tp, pp, cp), published FLOP/s per GPU (Megatron: with recomputation) or MFU (Llama 3))
-def _megatron(params, heads, dim, layers, tp, pp, gpus, batch, tflops):
-    model = [f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={heads}",
-             f"model.n_kv_heads={heads}", "model.vocab_size=51200", "model.max_seq_len=2048",
-             f"model.intermediate_size={round(8 * dim / 3 / 128) * 128}"]
-    return (f"Megatron-LM {params}B", ["model.preset='175b'", *model, "data.seq_len=2048"],
-            gpus, "a100", batch, {"zero": 0, "activation_checkpointing": "full"},
-            (tp, pp, 1), ("tflops", tflops))
-
-
-LLAMA3 = ["model.preset='405b'", "data.seq_len=8192"]
-PUBLISHED = [
-    _megatron(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    _megatron(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    _megatron(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    _megatron(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-    ("Llama 3 405B, 8K tokens", LLAMA3, 8192, "h100", 2048, {"zero": 1}, (8, 16, 1),
-     ("mfu", 0.43)),
-    ("Llama 3 405B, 8K tokens", LLAMA3, 16384, "h100", 2048, {"zero": 1}, (8, 16, 1),
-     ("mfu", 0.41)),
-]
-
-
-def _published_tokens_per_s(cfg, gpus: int, peak: float, figure: tuple,
-                            flops_per_token: float) -> float:
-    kind, value = figure
-    if kind == "mfu":
-        return value * peak * gpus / flops_per_token
-    args, s = cfg.model.args(), cfg.data.seq_len
-    B, L, h, V = cfg.train.global_batch, args.n_layers, args.dim, args.vocab_size
-    flops = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
-    return B * s / (flops / (value * 1e12 * gpus))
-
-
-def published_rows() -> list[dict]:
-    """Each published run planned: the rank of its layout among the planner's distinct layouts
-    (those that fit, best first), the best plan for that layout, and the published throughput."""
-    from plait.config import load_config
-    from plait.planner.hardware import DEVICES, Cluster
-    from plait.planner.search import rank_plans
-
-    rows = []
-    for name, model, gpus, gpu, batch, pins, layout, figure in PUBLISHED:
-        cfg = load_config(None, [*model, f"train.global_batch={batch}", "train.precision='bf16'"])
-        plans = rank_plans(cfg, Cluster(gpus, 8, DEVICES[gpu]), pins)
-        best: dict[tuple, object] = {}
-        for p in plans:
-            key = (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"])
-            if p.fits and key not in best:
-                best[key] = p
-        ranked = list(best)
-        mine = best.get(layout)
-        tokens, peak = cfg.train.global_batch * cfg.data.seq_len, DEVICES[gpu].peak_flops
-        flops_per_token = (mine.mfu * gpus * peak * mine.step_time_s / tokens
-                           if mine else float("nan"))
-        rows.append({
-            "name": name, "params": plans[0].params, "gpus": gpus, "gpu": DEVICES[gpu].name,
-            "layout": layout, "rank": ranked.index(layout) + 1 if mine else None,
-            "top": ranked[:3], "predicted": mine.tokens_per_s if mine else None,
-            "published": _published_tokens_per_s(cfg, gpus, peak, figure, flops_per_token),
-        })
-    return rows
-
-
 def measured_rows(steps: int) -> list[dict]:
     """Each row of ROWS run (its own job) and planned on the calibrated CPU device."""
     from plait.checks import validate
@@ -231,22 +159,6 @@ def print_measured(rows: list[dict], device_name: str) -> None:
     Console(width=170).print(table)
 
 
-def print_published(rows: list[dict]) -> None:
-    table = Table(title="plait bench plan: published runs, the paper's layout among the "
-                        "planner's distinct layouts (tp, pp, cp) that fit, best first")
-    for col in ("run", "parameters", "GPUs", "published tp/pp/cp", "its rank",
-                "planner's top 3", "tokens/s published", "tokens/s predicted", "error"):
-        table.add_column(col, justify="left" if col == "run" else "right")
-    for r in rows:
-        table.add_row(r["name"], f"{r['params'] / 1e9:.1f}B", f"{r['gpus']:,} {r['gpu'][:4]}",
-                      "/".join(map(str, r["layout"])), str(r["rank"] or "does not fit"),
-                      ", ".join("/".join(map(str, t)) for t in r["top"]),
-                      f"{r['published']:,.0f}",
-                      f"{r['predicted']:,.0f}" if r["predicted"] else "-",
-                      _pct(relative(r["predicted"], r["published"])) if r["predicted"] else "-")
-    Console(width=170).print(table)
-
-
 def run_plan_bench(steps: int, which: str) -> dict:
     """`plait bench plan`: the measured table (needs `plait plan --calibrate` first for step
     times in this machine's seconds), the published table, or both."""
@@ -258,6 +170,8 @@ def run_plan_bench(steps: int, which: str) -> dict:
         calibrated = "calibrated" if load() else "NOT calibrated: run plait plan --calibrate"
         print_measured(out["measured"], f"the cpu device, {calibrated}")
     if which in ("all", "published"):
+        from plait.bench.published import print_published, published_rows
+
         out["published"] = published_rows()
         print_published(out["published"])
     return out

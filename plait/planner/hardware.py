@@ -65,26 +65,38 @@ class Device:
     # cross it at once: emulated nodes (`plait bench topology`). A GPU cluster has a NIC per GPU.
     node_link: bool = False
     gloo: bool = False  # collectives by gloo (the CPU), whose reduce-scatter is an all-reduce
+    sms: int = 132  # streaming multiprocessors: how many tiles of a matmul run at once
+    hbm_gbps: float = 3350.0  # device memory bandwidth (GB/s): elementwise work, the optimizer
+    fp8: bool = False  # has fp8 tensor cores, at twice the dense bf16 peak
 
 
 DEVICES = {
-    "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 300, 25, host_memory_bytes=1000 * GB),
+    "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 300, 25, host_memory_bytes=1000 * GB,
+                   sms=108, hbm_gbps=2039),
     "h100": Device("H100 SXM 80GB", 989e12, 80 * GB, 450, 50, pcie_gbps=64,
-                   host_memory_bytes=2000 * GB),
-    "h100-pcie": Device("H100 PCIe 80GB", 756e12, 80 * GB, 64, 50, pcie_gbps=64),
-    "h100-nvl": Device("H100 NVL 94GB", 835e12, 94 * GB, 64, 50, pcie_gbps=64),
+                   host_memory_bytes=2000 * GB, fp8=True),
+    # torchtitan's benchmark cluster (Grand Teton): 96 GB HBM2e at 2.4 TB/s, a 500 W limit; its
+    # peak "between SXM and NVL" by torchtitan's note, taken as their midpoint.
+    "h100-96gb": Device("H100 96GB 500W", 912e12, 96 * GB, 450, 50, pcie_gbps=64,
+                        host_memory_bytes=2000 * GB, hbm_gbps=2400, fp8=True),
+    "h100-pcie": Device("H100 PCIe 80GB", 756e12, 80 * GB, 64, 50, pcie_gbps=64, sms=114,
+                        hbm_gbps=2000, fp8=True),
+    "h100-nvl": Device("H100 NVL 94GB", 835e12, 94 * GB, 64, 50, pcie_gbps=64, hbm_gbps=3900,
+                       fp8=True),
     "h200": Device("H200 SXM 141GB", 989e12, 141 * GB, 450, 50, pcie_gbps=64,
-                   host_memory_bytes=2000 * GB),
+                   host_memory_bytes=2000 * GB, hbm_gbps=4800, fp8=True),
     "b200": Device("B200 180GB", 2250e12, 180 * GB, 900, 50, pcie_gbps=64,
-                   host_memory_bytes=2000 * GB),
-    "rtx4090": Device("RTX 4090 24GB", 165e12, 24 * GB, 32, 12.5),
-    "a10": Device("A10 24GB", 125e12, 24 * GB, 32, 12.5),
-    "l4": Device("L4 24GB", 121e12, 24 * GB, 32, 12.5),
-    "a6000": Device("RTX A6000 48GB", 155e12, 48 * GB, 32, 12.5),
-    "l40s": Device("L40S 48GB", 362e12, 48 * GB, 32, 12.5),
+                   host_memory_bytes=2000 * GB, sms=148, hbm_gbps=8000, fp8=True),
+    "rtx4090": Device("RTX 4090 24GB", 165e12, 24 * GB, 32, 12.5, sms=128, hbm_gbps=1008,
+                      fp8=True),
+    "a10": Device("A10 24GB", 125e12, 24 * GB, 32, 12.5, sms=72, hbm_gbps=600),
+    "l4": Device("L4 24GB", 121e12, 24 * GB, 32, 12.5, sms=58, hbm_gbps=300, fp8=True),
+    "a6000": Device("RTX A6000 48GB", 155e12, 48 * GB, 32, 12.5, sms=84, hbm_gbps=768),
+    "l40s": Device("L40S 48GB", 362e12, 48 * GB, 32, 12.5, sms=142, hbm_gbps=864, fp8=True),
     "v100": Device("V100 SXM2 32GB", 125e12, 32 * GB, 150, 12.5, pcie_gbps=16,
-                   host_memory_bytes=768 * GB, bf16=False),
-    "t4": Device("T4 16GB", 65e12, 16 * GB, 16, 12.5, pcie_gbps=16, bf16=False),
+                   host_memory_bytes=768 * GB, bf16=False, sms=80, hbm_gbps=900),
+    "t4": Device("T4 16GB", 65e12, 16 * GB, 16, 12.5, pcie_gbps=16, bf16=False, sms=40,
+                 hbm_gbps=320),
 }
 
 
@@ -129,10 +141,31 @@ def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None 
 
 
 @dataclass(frozen=True)
+class Engine:
+    """What the step's implementation adds to the hardware (`planner.gemm`): plait's eager step
+    moves 19 times its activations' bytes through memory (measured on an H200); an engine of
+    fused kernels (Megatron-LM's, or torch.compile's) `FUSED_PASSES`, the floor:
+    each activation written once and read once, its gradient written once and read once.
+    `fp8`: the linear layers' matmuls in fp8 (`train.precision = "fp8"`, priced only), the
+    output head's in bf16, with the casts' traffic (`gemm.fp8_cast_bytes`)."""
+
+    name: str = "plait"
+    elementwise_passes: float = 19.0
+    fp8: bool = False
+    # Data-parallel gradient reduction beside the backward (plait's buckets, torch's DDP and
+    # FSDP); Megatron-LM of 2021 all-reduced after the backward (its "local" DDP).
+    overlap_dp: bool = True
+
+
+FUSED_PASSES = 4.0
+
+
+@dataclass(frozen=True)
 class Cluster:
     gpus: int
     gpus_per_node: int
     device: Device
+    engine: Engine = Engine()
 
     @property
     def per_node(self) -> int:
@@ -178,3 +211,18 @@ def check_options(args) -> None:
                           f"got {args.gpus_per_node}")
     if args.gpu not in (*DEVICES, "cpu"):
         raise ConfigError("--gpu", f"one of {', '.join(DEVICES)}, cpu; got {args.gpu!r}")
+
+
+def planned_precision(cfg, cluster: Cluster):
+    """(cfg, cluster) as priced: `train.precision = "fp8"` is bf16's model state and activations
+    with the linear layers' matmuls in fp8 (torchtitan's float8 training: Float8Linear keeps bf16
+    weights and activations between layers), on a device that has fp8 tensor cores."""
+    from plait.config import ConfigError
+
+    if cfg.train.precision != "fp8":
+        return cfg, cluster
+    if not cluster.device.fp8:
+        raise ConfigError("train.precision", f"{cluster.device.name} has no fp8 tensor cores: "
+                          "use 'bf16'")
+    train = replace(cfg.train, precision="bf16")
+    return replace(cfg, train=train), replace(cluster, engine=replace(cluster.engine, fp8=True))

@@ -14,13 +14,17 @@ from plait.model import ModelArgs, build_configured
 from plait.parallel import place
 from plait.parallel.pipeline.simulator import bubble_formula
 from plait.parallel.pipeline.stage import chunk_sizes
+from plait.planner import gemm
 from plait.planner.hardware import Cluster
 from plait.predict import cost
-from plait.predict.activations import activation_bytes
+from plait.predict.activations import activation_bytes, microbatch_bytes
 from plait.predict.cost import ChunkLayout, routed_traffic
 from plait.predict.trace import Untraceable, trace_class
 
-HEADROOM = 0.9  # of device memory a plan may use
+# Of device memory a plan may use: the rest for the CUDA context, communication buffers and the
+# caching allocator's fragmentation. Published runs held up to 94.5% of the device as PyTorch's
+# reserved memory (torchtitan's 8B at 256K tokens: 84.5 of 89.4 GiB; bench/published.py).
+HEADROOM = 0.95
 # Message steps of a ring collective on n ranks, in units of n - 1 (send: one step).
 STEPS = {Op.ALL_REDUCE: 2, Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1, Op.ALL_TO_ALL: 1}
 DEGREES = ("dp", "dp_shard", "tp", "pp", "cp", "ep", "zero", "cp_method", "microbatches",
@@ -114,42 +118,104 @@ def _group_shape(dims: ParallelDims, group: str, node: int = 1) -> tuple[int, in
         group, (stride.get(group, 1), getattr(dims, group, 1)))
 
 
-def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster,
-                  node: int = 1) -> dict[str, float]:
-    """Seconds per group: each call's latency steps plus its bytes over the group's link. gloo
-    reduce-scatters by all-reducing (twice the steps and bytes; `plait bench topology` measured
-    it so)."""
+def _comm_seconds(traffic, dims: ParallelDims, cluster: Cluster, node: int = 1,
+                  only: Op | None = None) -> dict[str, float]:
+    """Seconds per group: each call's latency steps plus its bytes over the group's link (`only`:
+    of that collective alone). gloo reduce-scatters by all-reducing (twice the steps and bytes;
+    `plait bench topology` measured it so)."""
     out = {}
     for group, ops in traffic.groups.items():
         stride, size = _group_shape(dims, group, node)
         bandwidth, alpha = cluster.link(stride, size)
         out[group] = 0.0
         for op, (calls, moved) in ops.items():
+            if only is not None and op != only:
+                continue
             if op == Op.REDUCE_SCATTER and cluster.device.gloo:
                 op, moved = Op.ALL_REDUCE, 2 * moved
             out[group] += calls * STEPS.get(op, 1) * (size - 1) * alpha + float(moved) / bandwidth
     return out
 
 
-def stage_seconds(flops: float, traffic, zero: int, dims: ParallelDims, cluster: Cluster,
-                  passes: float = 1.0, node: int = 1, bubble: float = 0.0,
+def cpu_compute_seconds(flops: float, device, passes: float = 1.0) -> float:
+    """A calibrated CPU's compute: `flops` at its measured matmul rate times the share a step
+    reaches, plus its overheads per step and per pass of a micro-batch through the whole model
+    (`passes`)."""
+    return (flops / (device.peak_flops * device.efficiency) + device.step_overhead_s
+            + device.microbatch_overhead_s * passes)
+
+
+def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: float,
+                        state: dict, cluster: Cluster) -> float:
+    """A GPU's compute for one step of this stage's rank (`planner.gemm`): its `flops` (executed,
+    recomputation and the optimizer's matmuls included) at the rate of its own linear layers'
+    shapes, attention at the fused kernel's rate for the sequence, the elementwise work by the
+    bytes of its activations and the optimizer by its state's slice, at the memory's rate."""
+    args, M = cfg.model.args(), microbatches(cfg.parallel, dims)
+    device, engine = cluster.device, cluster.engine
+    rows = max(1, cfg.train.global_batch // dims.rows // M)
+    tokens = rows * cfg.data.seq_len // dims.cp
+    routed = args.moe_top_k * dims.ep / args.moe_experts if args.moe_experts else 1.0
+    weights = [(*_local_matrix(p), routed if ".experts." in name else 1.0,
+                engine.fp8 and not _is_head(name))
+               for name, p in record.params.items()
+               if len(p.shape) == 2 and "embed" not in name]
+    recompute = cfg.train.activation_checkpointing
+    layers = sum(c.layers for c in chunks)
+    attention = 12 * layers * cfg.data.seq_len * args.dim / dims.tp * tokens * M
+    attention *= 4 / 3 if recompute in ("full", "selective") else 1
+    seconds = (flops - attention) / gemm.matmul_rate(weights, tokens, device,
+                                                     recompute == "full")
+    seconds += attention / gemm.attention_rate(cfg.data.seq_len, device)
+    plain = with_degrees(cfg, activation_checkpointing="none")
+    moved = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
+                for c in chunks) * engine.elementwise_passes
+    moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again
+    moved += sum(gemm.fp8_cast_bytes(out, inner, tokens * share) for out, inner, share, fp8
+                 in weights if fp8) * (4 / 3 if recompute == "full" else 1)
+    param_b, _ = cost.dtype_bytes(cfg)
+    elements = state["optimizer"] // (12 if param_b == 2 else 8)
+    return seconds + gemm.memory_seconds(M * moved + elements * gemm.OPTIMIZER_BYTES, device)
+
+
+def _is_head(name: str) -> bool:
+    """The output head (plait's Llama `output`, transformers' `lm_head`): torchtitan's float8
+    training leaves it in bf16."""
+    return name.startswith(("output.", "lm_head."))
+
+
+def _local_matrix(place) -> tuple[int, int]:
+    """(out, in) of a weight as this rank's matmul sees it: split by tp and ep only (ZeRO's
+    shards are gathered before use)."""
+    shape = list(place.shape)
+    for axis, shard in place.shards.items():
+        if axis in ("tp", "ep") and shard.dim is not None:
+            shape[shard.dim] //= shard.count
+    return shape[0], shape[1]
+
+
+def stage_seconds(compute: float, traffic, zero: int, dims: ParallelDims, cluster: Cluster,
+                  node: int = 1, bubble: float = 0.0,
                   host: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
-    """(step seconds, communication seconds not hidden) of a rank that executes `flops` and
-    moves `traffic` (a `cost.Traffic`) in a step: the matmuls at the device's peak times its
-    efficiency, plus its overheads per step and per pass of a micro-batch through the whole
-    model (`passes`); tensor-, pipeline-, context- and expert-parallel traffic on the critical
-    path, data-parallel traffic hidden behind the backward (ZeRO-3: the whole step) as far as it
-    lasts; a pipeline's `bubble` stretching the pipelined part; `host`: offload's seconds on the
-    critical path and those that hide like data-parallel traffic."""
+    """(step seconds, communication seconds not hidden) of a rank that computes for `compute`
+    seconds and moves `traffic` (a `cost.Traffic`) in a step: tensor-, pipeline-, context- and
+    expert-parallel traffic on the critical path, data-parallel traffic hidden behind the
+    backward (ZeRO-3: the whole step) as far as it lasts; a pipeline's `bubble` stretching the
+    pipelined part; `host`: offload's seconds on the critical path and those that hide like
+    data-parallel traffic."""
     dev = cluster.device
-    compute = (flops / (dev.peak_flops * dev.efficiency) + dev.step_overhead_s
-               + dev.microbatch_overhead_s * passes)
     comm = _comm_seconds(traffic, dims, cluster, node)
     data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
+    # ZeRO-1/2 all-gather the updated parameters after the optimizer step (`zero.finish_step`):
+    # nothing is left to hide them behind.
+    after = sum(_comm_seconds(traffic, dims, cluster, node, Op.ALL_GATHER).get(g, 0.0)
+                for g in comm if g.startswith("dp")) if zero in (1, 2) else 0.0
+    data -= after
     data += host[1]  # parameter slices copied in before their gathers
-    hidden = 0.0 if not dev.overlap else compute if zero == 3 else compute * 2 / 3
+    overlap = dev.overlap and cluster.engine.overlap_dp
+    hidden = 0.0 if not overlap else compute if zero == 3 else compute * 2 / 3
     exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
-    waited = exposed / (1 - bubble) + max(0.0, data - hidden)
+    waited = exposed / (1 - bubble) + max(0.0, data - hidden) + after
     return compute / (1 - bubble) + waited + host[0], waited
 
 
@@ -215,8 +281,10 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
             share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
             state = cost.state_bytes(cfg, dims, record)
             offloaded, host_s, hidden_host_s = _offload(state, cfg, dims, cluster)
-            time, waited = stage_seconds(flops, traffic, par.zero, dims, cluster, M * share,
-                                         node, bubble, (host_s, hidden_host_s))
+            compute = cpu_compute_seconds(flops, dev, M * share) if dev.gloo else \
+                gpu_compute_seconds(cfg, dims, record, chunks, flops, state, cluster)
+            time, waited = stage_seconds(compute, traffic, par.zero, dims, cluster, node,
+                                         bubble, (host_s, hidden_host_s))
             priced[kind] = (state, traffic, model_flops, time, offloaded,
                             cost.startup_bytes(cfg, dims, record), waited)
         state, traffic, model_flops, time, offloaded, startup, waited = priced[kind]

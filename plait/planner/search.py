@@ -108,12 +108,27 @@ def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]
             fitted.add(layout)
         plan.warnings = warnings(plan, c, dims, cluster)
         plans.append(plan)
-    return sorted(plans, key=_rank)
+    return _simplest_first(sorted(plans, key=_rank))
+
+
+# A faster plan within this share of the fastest's time is not worth a higher ZeRO stage: the
+# time model does not price every cost of more collectives (each launch, and its copies).
+NEAR = 0.02
 
 
 def _rank(p: PricedLayout) -> tuple:
     """Fitting first, then fastest, then the lower ZeRO stage, then the leaner."""
     return not p.fits, -p.tokens_per_s, p.degrees["zero"], p.peak_memory_bytes
+
+
+def _simplest_first(plans: list[PricedLayout]) -> list[PricedLayout]:
+    """The ranked plans with, first, the lowest ZeRO stage (then the leanest) of those that fit
+    within NEAR of the fastest."""
+    if not plans or not plans[0].fits:
+        return plans
+    near = [p for p in plans if p.fits and p.tokens_per_s >= plans[0].tokens_per_s * (1 - NEAR)]
+    first = min(near, key=lambda p: (p.degrees["zero"], p.peak_memory_bytes))
+    return [first, *(p for p in plans if p is not first)]
 
 
 def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster) -> list[str]:

@@ -98,7 +98,8 @@ def _refuse(cfg: Config, cluster: Cluster, fixed: dict, lean: PricedLayout, caus
     for factor in (2, 4, 8):
         if floor / factor > usable:
             continue
-        more = Cluster(cluster.gpus * factor, cluster.gpus_per_node, cluster.device)
+        more = Cluster(cluster.gpus * factor, cluster.gpus_per_node, cluster.device,
+                       cluster.engine)
         least = leanest(cfg, more, fixed)
         if least is not None and _state_on_device(least) > usable:
             continue

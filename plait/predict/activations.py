@@ -127,8 +127,8 @@ def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
     return router + indices + rows_kept + ffn + casts
 
 
-def _chunk_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last: bool,
-                 rows: int, moe: int) -> int:
+def microbatch_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last: bool,
+                     rows: int, moe: int) -> int:
     """One chunk's activations for one micro-batch of `rows` rows; `moe` of its blocks are
     mixtures of experts."""
     args, T, C, b = cfg.model.args(), dims.tp, dims.cp, _sizes(cfg)
@@ -166,7 +166,7 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     schedule = stage_schedule(par, dims.pp, M, checked=False)
     rows = cfg.train.global_batch // dims.rows // M
     stage = chunks[0].index % dims.pp
-    per_chunk = {c.index: _chunk_bytes(cfg, dims, c.layers, c.first, c.last, rows, c.moe)
+    per_chunk = {c.index: microbatch_bytes(cfg, dims, c.layers, c.first, c.last, rows, c.moe)
                  for c in chunks}
     peak = peak_held(schedule, stage, per_chunk.__getitem__)
     # The token window of the rank's batch (inputs and targets are views of one (rows, seq + 1)

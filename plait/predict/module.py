@@ -92,7 +92,10 @@ def _trace_module(model, batch, parallel, dims, rank, M, precision, options, dev
 
 def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: str,
                    gpus_per_node: int) -> None:
-    """Each rank's step on `gpu` by the planner's time model (`plait.planner.stage_seconds`)."""
+    """Each rank's step on `gpu` by the planner's time model (`plait.planner.stage_seconds`):
+    its traced FLOPs at the device's achieved peak for large matmuls (`planner.gemm`; a module
+    without a plan has no shapes the planner knows)."""
+    from plait.planner.gemm import PEAK_SHARE
     from plait.planner.hardware import DEVICES, Cluster
     from plait.planner.price import stage_seconds
 
@@ -104,7 +107,8 @@ def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: 
     cluster = Cluster(dims.world_size, gpus_per_node, DEVICES[gpu])
     for r in ranks:
         traffic = cost.step_traffic(cfg, dims, r["_record"], [cost.ChunkLayout(0, 0, True, True)])
-        r["step_time_s"], r["comm_s"] = stage_seconds(r["flops"], traffic, cfg.parallel.zero,
+        compute = r["flops"] / (cluster.device.peak_flops * PEAK_SHARE["bf16"])
+        r["step_time_s"], r["comm_s"] = stage_seconds(compute, traffic, cfg.parallel.zero,
                                                       dims, cluster)
 
 

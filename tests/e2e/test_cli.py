@@ -428,6 +428,20 @@ def test_bench_comm_prints_every_collective():
         assert proc.stdout.count(name) == 6, name  # one row per size
 
 
+def test_bench_gemm_writes_the_sweep_and_refuses_fp8_without_a_gpu(tmp_path):
+    """On this machine's CPU: every shape measured and written (no timing asserted); fp8 is
+    refused in one line where there is no GPU."""
+    out = tmp_path / "gemm.json"
+    proc = plait_here("bench", "gemm", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["device"] == "cpu" and len(found["rows"]) == 50
+    assert all(r["seconds"] > 0 and r["flops"] > 0 for r in found["rows"])
+    assert "plait bench gemm: cpu" in proc.stdout
+    proc = plait_here("bench", "gemm", "--out", str(out), "--fp8")
+    assert proc.returncode == 2 and proc.stderr.startswith("plait: error: --fp8:")
+
+
 def test_bench_step_compares_with_torch_ddp_at_each_world_size():
     proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
