@@ -28,7 +28,6 @@ LLAMA = ModelPlan(
     vocab_head="output",
     attention_core="attention.core.kernel",
     positions="positions",
-    recompute=("attention_norm", "attention.core", "ffn_norm", "feed_forward.gate",
-               "feed_forward.experts.*.gate"),
+    recompute=("attention_norm", "attention.core", "ffn_norm"),
     moe="feed_forward",
 )

@@ -9,7 +9,8 @@ Large Transformer Models", section 5): drop tensors saved for backward and recom
   (one extra forward per block, including its tensor-parallel collectives).
 - "selective": the matmul inputs and outputs are kept; the cheap, memory-hungry operations between
   them (the model plan's `recompute`; for plait's Llama the two RMSNorms, rotary embedding +
-  attention core, the SwiGLU gate) keep only their inputs and are recomputed. No collective runs
+  attention core) keep only their inputs and are recomputed. (Its SwiGLU gate is made again in
+  backward in every mode: `model/feed_forward.py`.) No collective runs
   again.
 
 Applied with torch's composable `checkpoint` (hooks on the module; names unchanged). Its

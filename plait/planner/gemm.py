@@ -24,7 +24,7 @@ token and layer, the causal mask's skipped half included, so its rate is twice t
 log-linear in the length between and beyond, at most the peak. Elementwise work (norms, rotary,
 activations, casts, the softmax of the loss) is memory-bound: a step moves a multiple of the
 bytes of the activations it would keep without checkpointing, the engine's
-`elementwise_passes` (`hardware.Engine`: plait's eager step 19, calibrated on a 1B step on the
+`elementwise_passes` (`hardware.Engine`: plait's eager step 26, calibrated on a 1B step on the
 H200 and checked on a 125M one and on full checkpointing, docs/planning.md; an engine of fused
 kernels 4), a third more under full recomputation. The optimizer (AdamW, foreach) moves 96
 bytes per element of its state's slice (measured: 33 ms for 1.5B on the H200).

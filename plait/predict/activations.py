@@ -7,18 +7,19 @@ S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
 
     none       per norm its input and x / rms(x) (A / S each) and its output as the matmuls read
                it (A: gathered under sequence parallelism); q, k, v (k and v repeated to every
-               query head) and the attention output (4 A / T); w1 x, w3 x, silu(w1 x) and the
-               gate (4 F / T); per token an rsqrt per norm (2 r s / S) and the attention's
-               log-sum-exp per head (r s heads / T)
+               query head) and the attention output (4 A / T); w1 x and w3 x (2 F / T: the
+               gate is made again in backward, `model/feed_forward.py`); per token an rsqrt
+               per norm (2 r s / S) and the attention's log-sum-exp per head (r s heads / T)
     selective  the matmuls' inputs and outputs: block input and mid-block residual (A / S each),
                the norm outputs the matmuls read (A each), q, k, v at their own head counts and
-               the attention output (/ T), w1 x, w3 x and the gate (3 F / T)
+               the attention output (/ T), w1 x and w3 x (2 F / T)
     full       the block input (A / S)
 
 In bf16 (`_Sizes`; fp16 the same): matmul outputs take 2 bytes; under autocast over fp32
 weights each matmul keeps its own bf16 cast of its input (three of the attention norm's output,
-two of the feed-forward norm's) and of its weight; with bf16 weights (ZeRO) the residual stream
-is bf16 and each norm keeps its fp32 upcast and a bf16 x / rms(x). Each chunk's forward keeps
+two of the feed-forward norm's) and of its weight (but w2, which keeps its fp32 weight); with
+bf16 weights (ZeRO) the residual stream is bf16 and each norm keeps its fp32 upcast and a bf16
+x / rms(x). Each chunk's forward keeps
 the rotary tables; the first chunk the embedding's indices, the last chunk the final norm, a
 log-sum-exp per token and the targets (the cross-entropy fused with the head never keeps the
 logits; where a micro-batch's are at most 2^24, its softmax, fp32, as the unfused loss). A
@@ -79,21 +80,22 @@ def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
     if mode == "full":
         return b.stream * A // S
     if b.weight_casts:
+        # w2 keeps its fp32 weight, not a cast (`feed_forward.GatedDown`)
         linear = 2 * args.dim * args.head_dim * (args.n_heads + args.n_kv_heads) \
-            + 3 * args.dim * args.ffn_dim
+            + 2 * args.dim * args.ffn_dim
         casts = 2 * linear // T
     else:
         casts = 0
     if mode == "selective":
         kept = (2 * b.stream * Fraction(A, S) + b.norm_outs * A
-                + b.matmul * Fraction(A * (2 + 2 * kv) + 3 * Ff, T))
+                + b.matmul * Fraction(A * (2 + 2 * kv) + 2 * Ff, T))
     else:
         # q, k, v, output: ring attention keeps k and v at their own head counts, not repeated
         # to every head; Ulysses's output comes back through an all-to-all into a tensor of its
         # own, beside the one attention keeps.
         attention = 4 if C == 1 else 2 + 2 * kv if cfg.parallel.cp_method == "ring" else 5
         kept = (2 * b.norm_local * Fraction(A, S) + b.norm_outs * A
-                + b.matmul * Fraction(attention * A + 4 * Ff, T)
+                + b.matmul * Fraction(attention * A + 2 * Ff, T)
                 + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * args.n_heads, T))
     return int(kept) + casts
 
@@ -106,7 +108,7 @@ def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
     loss's fractions (E); int64 indices: the experts' sort of all N tokens (the choice is a
     slice of it), the gather of the rows and their scatter back (A each), across ep ranks also
     the arrivals' order by expert and back; the rows the experts read (A dim), their
-    feed-forwards (4 A F / T: w1 x, w3 x, silu, the gate, in place of the dense 4 N F / T),
+    feed-forwards (2 A F / T: w1 x and w3 x, in place of the dense 2 N F / T),
     the gate weights (A), the expert outputs and their weighted copy (2 A dim). Token choice
     keeps other indices and routes unevenly: there it is an expectation, not an equality."""
     if cfg.train.activation_checkpointing == "full":
@@ -116,12 +118,12 @@ def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
     E, A = args.moe_experts, N * args.moe_top_k
     router = 4 * (2 * N * E + N + E)
     indices = 8 * E * N + 8 * A * (2 + 2 * (dims.ep > 1))
-    ffn = b.matmul * 4 * (A - N) * args.ffn_dim // T
+    ffn = b.matmul * 2 * (A - N) * args.ffn_dim // T
     if b.weight_casts:  # autocast: each expert's w1 and w3 keep a bf16 cast of the rows, the
         # experts' bf16 output times the fp32 gate weight is fp32; each held expert's weights
         # are cast (the dense block counted one feed-forward's)
         rows_kept = (2 * 2 + 2 + 4) * A * args.dim + 4 * A
-        casts = (E // dims.ep - 1) * 2 * 3 * args.dim * args.ffn_dim // T
+        casts = (E // dims.ep - 1) * 2 * 2 * args.dim * args.ffn_dim // T
     else:
         rows_kept, casts = 3 * b.matmul * A * args.dim + 4 * A, 0
     return router + indices + rows_kept + ffn + casts

@@ -75,12 +75,15 @@ def test_megatrons_weak_scaling_table_within_ten_percent_with_its_slope(publishe
     assert slope > 0
 
 
-def test_torchtitans_runs_that_plait_prices_alike(published):
-    """torchtitan's H100 (96 GB, 500 W) rows where plait's engine holds what torchtitan held:
-    at 128 GPUs and on 3-D layouts, within 25% (eager and compiled alike priced as plait's eager
-    step); the rows it does not yet fit are named in docs/planning.md."""
-    rows = [r for r in published if r["source"].startswith("torchtitan") and r["fits"]
-            and r["degrees"]["offload"] == "none"]
-    assert len(rows) >= 8
-    for r in rows:
-        assert abs(r["predicted"] / r["published"] - 1) <= 0.35, r["name"]
+def test_torchtitans_runs_fit_where_they_ran_and_price_within_a_third(published):
+    """torchtitan's H100 (96 GB, 500 W) rows: each that plait's engine fits without offload
+    within 35% (median 15%; eager and compiled alike priced as plait's eager step), and the 8B
+    at FSDP on 8 GPUs, which held 82.4 GiB there, fits (it needed offload while plait's SwiGLU
+    kept its gate: 90.2 GiB). The rows it does not yet fit (sequence parallelism's gathered
+    inputs) are named in docs/planning.md."""
+    rows = [r for r in published if r["source"].startswith("torchtitan")]
+    plain = [r for r in rows if r["fits"] and r["degrees"]["offload"] == "none"]
+    errors = [abs(r["predicted"] / r["published"] - 1) for r in plain]
+    assert len(plain) >= 12 and statistics.median(errors) <= 0.15 and max(errors) <= 0.35
+    eight = next(r for r in rows if r["name"] == "8B FSDP" and r["gpus"] == 8)
+    assert eight in plain and eight["memory_gib"] < eight["published_gib"]
