@@ -14,6 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.model.args import ModelArgs
 
@@ -63,6 +64,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.w1(x), self.w3(x)
+        if isinstance(self.w2.weight, DTensor):  # torch's tensor parallelism (bench step's
+            # peer) converts w2's input alone to a DTensor: the plain composition
+            return self.w2(F.silu(a) * b)
         # w2 called as a module (its hooks run: a ZeRO-3 unit of its own gathers its weight),
         # its forward `GatedDown` for this call.
         self.w2.forward = functools.partial(_gated_down, b=b, linear=self.w2)

@@ -15,16 +15,16 @@ S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
                the attention output (/ T), w1 x and w3 x (2 F / T)
     full       the block input (A / S)
 
-In bf16 (`_Sizes`; fp16 the same): matmul outputs take 2 bytes; under autocast over fp32
-weights each matmul keeps its own bf16 cast of its input (three of the attention norm's output,
-two of the feed-forward norm's) and of its weight (but w2, which keeps its fp32 weight); with
-bf16 weights (ZeRO) the residual stream is bf16 and each norm keeps its fp32 upcast and a bf16
-x / rms(x). Each chunk's forward keeps
-the rotary tables; the first chunk the embedding's indices, the last chunk the final norm, a
-log-sum-exp per token and the targets (the cross-entropy fused with the head never keeps the
-logits; where a micro-batch's are at most 2^24, its softmax, fp32, as the unfused loss). A
-stage holds what its schedule has in flight: the peak, walking its actions, of what each F
-adds and each B (W under a split backward) frees.
+In bf16 (`_Sizes`; fp16 the same): matmul outputs take 2 bytes; under autocast over fp32 weights
+each matmul keeps its own bf16 cast of its input (three of the attention norm's output, two of
+the feed-forward norm's) and of its weight (but w2, which keeps its fp32 weight); with bf16
+weights (ZeRO) the residual stream is bf16 and each norm keeps its fp32 upcast and a bf16 x /
+rms(x). Each chunk's forward keeps the rotary tables; the first chunk the embedding's indices,
+the last chunk the final norm, a log-sum-exp per token and the targets (the cross-entropy fused
+with the head never keeps the logits; where a micro-batch's are one run at most, 2^24 on a CPU
+and 2^28 on a GPU, its softmax, fp32, as the unfused loss). A stage holds what its schedule has
+in flight: the peak, walking its actions, of what each F adds and each B (W under a split
+backward) frees.
 
 The composition matrix asserts these equal to the measured peak on every rank of every row.
 """
