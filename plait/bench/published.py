@@ -9,7 +9,8 @@ Sources (each row names its own):
   recomputation, no ZeRO; throughput as teraFLOP/s per GPU counting recomputation, 96 B s l h^2
   (1 + s / 6h + V / 16lh) FLOPs per batch. The schedule is not named per row: the interleaved one
   (the paper's own) is assumed where pp > 1; micro-batches are the planner's best for the
-  layout. Megatron-LM fuses its elementwise kernels: `Engine("fused")`.
+  layout. Megatron-LM fused its elementwise kernels and all-reduced the gradients after the
+  backward (its "local" DDP of 2021): `Engine("megatron-2021", FUSED_PASSES, overlap_dp=False)`.
 - Llama 3: Llama Team 2024, "The Llama 3 Herd of Models", Table 4: 405B at 8,192 tokens on
   H100 SXM 80 GB, tp 8, pp 16, ZeRO-1; MFU 43% and 41% (model FLOPs per token 6N + 6 l s d, as
   plait counts). Recomputation and micro-batches are the planner's best that fit.
@@ -28,7 +29,7 @@ Sources (each row names its own):
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
@@ -61,7 +62,6 @@ class Published:
     precision: str = "bf16"  # or "fp8"
     memory_gib: float = 0.0  # the published peak per GPU, where given
     rank: bool = False  # also rank the layout among the planner's own (a search: slow)
-    extra: dict = field(default_factory=dict)
 
 
 def _megatron(params, heads, dim, layers, tp, pp, gpus, batch, tflops) -> Published:

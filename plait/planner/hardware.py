@@ -26,9 +26,14 @@ SXM2 32 GB, 125 TFLOP/s fp16 dense, NVLink 2 at 300 GB/s (150 each way), PCIe 3.
 DGX-2 1.5 TB; we take the middle); T4 16 GB, 65 TFLOP/s fp16, PCIe 3.0 x16 as its only link, 100
 Gb/s Ethernet between nodes. On these bf16 runs without tensor cores: the planner says so.
 
+Per device also its SM count, memory bandwidth and whether it has fp8 tensor cores (Hopper, Ada,
+Blackwell), from the same datasheets (`planner.gemm` prices a step's compute from them).
+
 The CPU side of optimizer offload (the AdamW update on the host) is priced as memory-bound: 32
 bytes per parameter (read and write the fp32 master and two moments, read the gradient) at 100
-GB/s of host memory bandwidth per node, shared by its GPUs (an assumption, not a measurement).
+GB/s of host memory bandwidth per node, shared by its GPUs (an assumption, not a measurement), or
+at 3.4 GB/s per `train.threads` thread (plait's AdamW on one thread of an H200 machine's host,
+measured), whichever is less.
 `cpu` is this machine: one rank per core, its measured fp32 matmul rate, gloo on
 loopback, as `plait plan --calibrate` measured it (`plait.planner.calibrate`); gloo's reduce-scatter
 is an all-reduce (`plait bench topology` measured it so), and is priced as one. Emulated nodes
@@ -52,7 +57,8 @@ class Device:
     inter_gbps: float  # GB/s each way per device, between nodes
     intra_alpha_s: float = 5e-6  # per message step
     inter_alpha_s: float = 10e-6
-    efficiency: float = 0.55  # share of peak the matmuls reach in a real step (MFU ~40-55%)
+    efficiency: float = 0.55  # a CPU's: share of its matmul rate a step reaches (calibrated;
+    # a GPU's compute comes from shapes: `planner.gemm`)
     # Measured on a CPU (`plait plan --calibrate`); a GPU's are hidden by asynchronous launches.
     step_overhead_s: float = 0.0  # per optimizer step, beyond the matmuls
     microbatch_overhead_s: float = 0.0  # per micro-batch through the whole model
@@ -60,6 +66,9 @@ class Device:
     pcie_gbps: float = 32.0  # GB/s each way between a device and host memory (offload)
     host_memory_bytes: float = 256 * GB  # per node
     host_gbps: float = 100.0  # host memory bandwidth per node (the CPU's optimizer step)
+    # What one thread of plait's offloaded AdamW step reaches, counted as 32 bytes per element:
+    # 1.5B elements took 14.3 s on one thread of an H200 machine's host (docs/benchmarks.md).
+    host_thread_gbps: float = 3.4
     bf16: bool = True  # has bf16 tensor cores (`peak_flops` is then the bf16 and fp16 peak)
     # One inter-node link per node (`inter_gbps` is then the node's), shared by the groups that
     # cross it at once: emulated nodes (`plait bench topology`). A GPU cluster has a NIC per GPU.

@@ -199,10 +199,11 @@ def stage_seconds(compute: float, traffic, zero: int, dims: ParallelDims, cluste
                   host: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(step seconds, communication seconds not hidden) of a rank that computes for `compute`
     seconds and moves `traffic` (a `cost.Traffic`) in a step: tensor-, pipeline-, context- and
-    expert-parallel traffic on the critical path, data-parallel traffic hidden behind the
-    backward (ZeRO-3: the whole step) as far as it lasts; a pipeline's `bubble` stretching the
-    pipelined part; `host`: offload's seconds on the critical path and those that hide like
-    data-parallel traffic."""
+    expert-parallel traffic on the critical path, data-parallel reductions hidden behind the
+    backward (ZeRO-3: the whole step) as far as it lasts where the engine overlaps them
+    (`Engine.overlap_dp`), ZeRO-1/2's all-gather after the step exposed; a pipeline's `bubble`
+    stretching the pipelined part; `host`: offload's seconds on the critical path and those that
+    hide like data-parallel traffic."""
     dev = cluster.device
     comm = _comm_seconds(traffic, dims, cluster, node)
     data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
@@ -319,15 +320,17 @@ def _offload(state: dict, cfg: Config, dims: ParallelDims,
     path, seconds of copies that can hide behind compute). "optimizer" (ZeRO-Offload): the fp32
     masters and moments in host memory; per step the gradient slice goes down and the updated
     parameter slice comes back over PCIe, and the CPU runs AdamW (memory-bound: 32 bytes per
-    element at the node's host bandwidth, shared by its GPUs). "params" (ZeRO-3): the parameter
-    slices too, each copied to the device before each of its gathers."""
+    element at the node's host bandwidth shared by its GPUs, or at what the rank's
+    `train.threads` threads reach, whichever is less). "params" (ZeRO-3): the parameter slices
+    too, each copied to the device before each of its gathers."""
     par, dev = cfg.parallel, cluster.device
     if par.offload == "none":
         return 0, 0.0, 0.0
     param_b, reduce_b = cost.dtype_bytes(cfg)
     sliced = state["optimizer"] // (12 if param_b == 2 else 8)  # elements of this rank's slices
     pcie = dev.pcie_gbps * 1e9
-    cpu = sliced * 32 / (dev.host_gbps * 1e9 / cluster.per_node)
+    cpu = sliced * 32 / min(dev.host_gbps * 1e9 / cluster.per_node,
+                            dev.host_thread_gbps * 1e9 * cfg.train.threads)
     host, seconds = state["optimizer"], sliced * (reduce_b + param_b) / pcie + cpu
     hidden = 0.0
     if par.offload == "params":

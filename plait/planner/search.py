@@ -166,6 +166,12 @@ def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster)
         if estimate(with_degrees(cfg, microbatches=1), dims, cluster).fits:
             out.append(f"gradient accumulation ({d['microbatches']} micro-batches) although the "
                        "batch fits in one: it only adds passes")
+    threads = cfg.train.threads
+    if d["offload"] != "none" and dev.host_thread_gbps * threads < dev.host_gbps / cluster.per_node:
+        out.append(f"offload's CPU update runs on train.threads={threads} thread(s) per rank "
+                   f"({dev.host_thread_gbps * threads:g} GB/s of the host's "
+                   f"{dev.host_gbps / cluster.per_node:g} per GPU): give each rank its share of "
+                   "the node's cores")
     if not p.fits:
         out.append(f"does not fit: {p.peak_memory_bytes / 1e9:.1f} GB per GPU of "
                    f"{dev.memory_bytes / 1e9:.0f} GB ({HEADROOM:.0%} usable)"
