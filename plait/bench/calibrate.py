@@ -64,7 +64,7 @@ def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
         raise RuntimeError(f"calibration: 8 sequences took no longer than 2 ({times}); the "
                            "machine is too busy to measure, run it again when it is idle")
     per_step = max(0.0, times[8, 1] - 8 * per_sequence - per_microbatch)
-    ideal = Device("ideal", rate, 1e12, 1.0, 1.0, efficiency=1.0)
+    ideal = Device("ideal", rate, 1e12, 1.0, 1.0, efficiency=1.0, gloo=True)  # this CPU
     cfg = load_config(None, [*STEP_OVERRIDES, "train.global_batch=1"])
     flops_time = estimate(cfg, validate(cfg, 1), Cluster(1, 1, ideal)).step_time_s
     links = {}

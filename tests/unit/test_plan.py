@@ -397,3 +397,15 @@ def test_the_h100_card_forms_are_priced_as_their_datasheets_say():
             for gpu in ("h100", "h100-nvl", "h100-pcie")}
     assert step["h100"] < step["h100-nvl"] < step["h100-pcie"]
     assert DEVICES["h100-nvl"].memory_bytes == 94e9 > DEVICES["h100-pcie"].memory_bytes
+
+
+def test_a_cpu_device_is_priced_by_its_calibrated_rate_not_the_gpu_shape_model():
+    """`plait plan --calibrate` divides a step's FLOPs by an ideal CPU device's time: that device
+    (gloo) must be priced as FLOPs over its rate, so one rank without recomputation runs at 100%
+    of it (priced by the GPU's shape model, the calibration read 22,835%)."""
+    from plait.planner.hardware import Device
+
+    ideal = Device("ideal", 1e11, 1e12, 1.0, 1.0, efficiency=1.0, gloo=True)
+    cfg = load_config(None, ["model.preset='small'", "train.global_batch=1", "data.seq_len=128"])
+    plan = estimate(cfg, validate(cfg, 1), Cluster(1, 1, ideal))
+    assert plan.mfu == pytest.approx(1.0, rel=1e-9)
