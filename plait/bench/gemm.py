@@ -127,15 +127,6 @@ def run_gemm(out: str, fp8: bool = False, device: str | None = None) -> dict:
     return found
 
 
-def _known_device(name: str):
-    """The planner's device of this name (an H100 / H200 / A100 ... by its CUDA name), or None."""
-    from plait.planner.hardware import DEVICES
-
-    words = name.upper().replace("-", " ").split()
-    known = [key for key in DEVICES if all(w in words for w in key.upper().split("-"))]
-    return DEVICES[max(known, key=lambda k: k.count("-"))] if known else None
-
-
 def _error(row: dict, model) -> float:
     from plait.planner.gemm import gemm_seconds
 
@@ -151,7 +142,9 @@ def print_gemm(found: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    model = _known_device(found["device"]) if found["device"] != "cpu" else None
+    from plait.planner.hardware import known_device
+
+    model = known_device(found["device"]) if found["device"] != "cpu" else None
     table = Table(title=f"plait bench gemm: {found['device']} (torch {found['torch']}), "
                         "TFLOP/s by shape (m tokens x n x k)"
                         + (f"; model: {model.name}" if model else ""))

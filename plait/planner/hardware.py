@@ -109,6 +109,26 @@ DEVICES = {
 }
 
 
+def known_device(cuda_name: str) -> Device | None:
+    """The device of this table a CUDA device name is ("NVIDIA H100 80GB HBM3", "NVIDIA
+    A100-SXM4-80GB", "NVIDIA A10G", "NVIDIA GeForce RTX 4090"): every word of a key ("h100-pcie":
+    H100 and PCIE) a word of the name, or failing that the start of one, or failing that the key
+    within the name's letters run together; the key naming most words wins."""
+    words = cuda_name.upper().replace("-", " ").split()
+
+    def matches(key: str, how: str) -> bool:
+        if how == "within":
+            return key.upper().replace("-", "") in "".join(words)
+        return all(any(w == k if how == "exact" else w.startswith(k) for w in words)
+                   for k in key.upper().split("-"))
+
+    for how in ("exact", "start", "within"):
+        found = [key for key in DEVICES if matches(key, how)]
+        if found:
+            return DEVICES[max(found, key=lambda k: k.count("-"))]
+    return None
+
+
 def host_memory_per_rank(ranks: int) -> float:
     """This machine's memory, shared by `ranks` ranks."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks, 1)

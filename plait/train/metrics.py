@@ -14,9 +14,6 @@ from plait.comm import all_reduce
 from plait.model import ModelArgs
 from plait.parallel.expert_parallel import moe_layers
 
-# Dense bf16 peak per device, FLOP/s, from the vendors' datasheets (no sparsity).
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
-
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls of forward + backward (Kaplan et al. 2020), N
@@ -47,14 +44,16 @@ def measure_cpu_flops(size: int = 512, seconds: float = 0.3) -> float:
 
 
 def peak_flops(device: torch.device, configured_tflops: float) -> float:
-    """Peak FLOP/s of one device: the configured value, else the GPU table, else measured."""
+    """Peak FLOP/s of one device: the configured value, else the planner's device table (dense
+    bf16 or fp16, datasheets: `planner.hardware.DEVICES`), else measured."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return value
+        from plait.planner.hardware import known_device
+
+        found = known_device(torch.cuda.get_device_name(device))
+        if found is not None:
+            return found.peak_flops
     return measure_cpu_flops()
 
 

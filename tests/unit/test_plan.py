@@ -409,3 +409,17 @@ def test_a_cpu_device_is_priced_by_its_calibrated_rate_not_the_gpu_shape_model()
     cfg = load_config(None, ["model.preset='small'", "train.global_batch=1", "data.seq_len=128"])
     plan = estimate(cfg, validate(cfg, 1), Cluster(1, 1, ideal))
     assert plan.mfu == pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("cuda_name,key", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A10G", "a10"),
+    ("NVIDIA L4", "l4"), ("NVIDIA L40S", "l40s"), ("Tesla V100-SXM2-32GB", "v100"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090"), ("NVIDIA RTX A6000", "a6000"), ("Some GPU", None)])
+def test_a_cuda_device_name_finds_its_datasheet(cuda_name, key):
+    """What MFU divides by on a GPU (`metrics.peak_flops`) and what `plait bench gemm` models:
+    the planner's table, by the names CUDA reports (an H100 PCIe is not the SXM's 989 TFLOP/s;
+    an A10G is an A10; an A100 is not an A10)."""
+    from plait.planner.hardware import known_device
+
+    assert known_device(cuda_name) is (DEVICES[key] if key else None)
