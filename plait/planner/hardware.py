@@ -173,8 +173,9 @@ def device(name: str, intra_gbps: float | None = None, inter_gbps: float | None 
 class Engine:
     """What the step's implementation adds to the hardware (`planner.gemm`): plait's eager step
     moves 26 times its activations' bytes through memory (measured on an H200); an engine of
-    fused kernels (Megatron-LM's, or torch.compile's) `FUSED_PASSES`, the floor:
-    each activation written once and read once, its gradient written once and read once.
+    hand-fused kernels (Megatron-LM's) `FUSED_PASSES`, the floor: each activation written once
+    and read once, its gradient written once and read once (torch.compile's fusion is not
+    modeled).
     `fp8`: the linear layers' matmuls in fp8 (`train.precision = "fp8"`, priced only), the
     output head's in bf16, with the casts' traffic (`gemm.fp8_cast_bytes`)."""
 
