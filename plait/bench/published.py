@@ -28,6 +28,7 @@ Sources (each row names its own):
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -187,8 +188,7 @@ def published_rows(rank: bool = True) -> list[dict]:
     """Every published run (`rank`: with the layout searches of the rows that ask for them)."""
     from plait.train.progress import each
 
-    rows = PUBLISHED if rank else [
-        Published(**{**r.__dict__, "rank": False}) for r in PUBLISHED]
+    rows = PUBLISHED if rank else [dataclasses.replace(r, rank=False) for r in PUBLISHED]
     return [published_row(r) for r in each(rows, "bench plan: published runs",
                                             label=lambda r: r.name)]
 

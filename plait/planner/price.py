@@ -155,14 +155,13 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     device, engine = cluster.device, cluster.engine
     rows = max(1, cfg.train.global_batch // dims.rows // M)
     tokens = rows * cfg.data.seq_len // dims.cp
-    routed = args.moe_top_k * dims.ep / args.moe_experts if args.moe_experts else 1.0
+    routed = _routed(args, dims)
     weights = [(*_local_matrix(p), routed if ".experts." in name else 1.0,
                 engine.fp8 and not _is_head(name))
                for name, p in record.params.items()
                if len(p.shape) == 2 and "embed" not in name]
     recompute = cfg.train.activation_checkpointing
-    layers = sum(c.layers for c in chunks)
-    attention = 12 * layers * cfg.data.seq_len * args.dim / dims.tp * tokens * M
+    attention = _attention_per_token(cfg, dims, chunks) * tokens * M
     attention *= 4 / 3 if recompute in ("full", "selective") else 1
     seconds = (flops - attention) / gemm.matmul_rate(weights, tokens, device,
                                                      recompute == "full")
@@ -245,18 +244,27 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks,
         plain = traced if cfg.train.activation_checkpointing == "none" else \
             traced_stage(with_degrees(cfg, activation_checkpointing="none"), dims, stage)
         return float(plain.flops), float(traced.flops)
-    args = cfg.model.args()
     tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
-    layers = sum(c.layers for c in chunks)
-    # An expert's weights see top_k / E of the tokens of its ep group's ep ranks.
-    routed = args.moe_top_k * dims.ep / args.moe_experts if args.moe_experts else 1.0
+    routed = _routed(cfg.model.args(), dims)
     matmul = sum(p.local_numel * (routed if ".experts." in n else 1)
                  for n, p in record.params.items() if not n.startswith("tok_embeddings"))
-    attention = 12 * layers * cfg.data.seq_len * args.dim / dims.tp
+    attention = _attention_per_token(cfg, dims, chunks)
     model = tokens * (6 * matmul + attention)
     extra = {"full": tokens * (2 * matmul + attention / 3),  # one more forward
              "selective": tokens * attention / 3}.get(cfg.train.activation_checkpointing, 0.0)
     return model, model + extra
+
+
+def _routed(args: ModelArgs, dims: ParallelDims) -> float:
+    """The share of its ep group's tokens an expert's weights see: top_k / E of the ep ranks'."""
+    return args.moe_top_k * dims.ep / args.moe_experts if args.moe_experts else 1.0
+
+
+def _attention_per_token(cfg: Config, dims: ParallelDims, chunks) -> float:
+    """FLOPs per token of this rank's attention scores and weighted sums in a step, forward and
+    backward (PaLM's 12 s dim per layer, tp splitting the heads)."""
+    layers = sum(c.layers for c in chunks)
+    return 12 * layers * cfg.data.seq_len * cfg.model.args().dim / dims.tp
 
 
 def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:

@@ -54,9 +54,9 @@ def test_fp8_is_priced_on_devices_that_have_it_and_refused_by_the_engine():
 
 @pytest.fixture(scope="module")
 def published():
-    from plait.bench.published import PUBLISHED, Published, published_row
+    from plait.bench.published import published_rows
 
-    return [published_row(Published(**{**r.__dict__, "rank": False})) for r in PUBLISHED]
+    return published_rows(rank=False)
 
 
 def test_megatrons_weak_scaling_table_within_ten_percent_with_its_slope(published):
