@@ -216,7 +216,7 @@ def run_memory(layouts: list[tuple[str, Config, int]]) -> list[dict]:
     out = []
     for name, cfg, nproc in layouts:
         rows = launch(nproc, bench_memory, cfg, threads=cfg.train.threads)[0]
-        worst = max(rows, key=lambda r: r["stepped"])
+        worst = max(rows, key=lambda r: r["steady"])
         out.append({"layout": name, "ranks": nproc, **worst})
     first = out[0]
     args = layouts[0][1].model.args()
@@ -226,13 +226,14 @@ def run_memory(layouts: list[tuple[str, Config, int]]) -> list[dict]:
         "fp32, what every rank built before #30); peak resident memory over the baseline, "
         "the rank that grew most"))
     for col in ("layout", "ranks", "baseline", "building", "formula", "through step 1",
-                "formula", "held after the step", "step / whole fp32"):
+                "formula", f"through step {first['steps']}", "held after the steps",
+                "peak / whole fp32"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for r in out:
         table.add_row(r["layout"], str(r["ranks"]), _size(r["baseline"]), _size(r["built"]),
                       _size(r["startup_formula"]), _size(r["stepped"]),
-                      _size(r["step_formula"]), _size(r["held"]),
-                      f"{r['stepped'] / r['whole_fp32']:.2f}")
+                      _size(r["step_formula"]), _size(r["steady"]), _size(r["held"]),
+                      f"{r['steady'] / r['whole_fp32']:.2f}")
     Console(width=150).print(table)
     return out
 

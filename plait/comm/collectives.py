@@ -16,6 +16,16 @@ a profiler) so that collectives deep inside autograd functions are counted witho
 counter through every call; it holds numbers, never process groups.
 
 A collective on a group of one is a no-op and is not recorded.
+
+On gloo, a flat all-gather and a reduce-scatter each make a buffer the size of the whole tensor
+(gloo gathers into a flat buffer of its own and copies out; its reduce-scatter all-reduces a clone
+and copies a chunk out), once per call, in its worker thread or the caller's. ZeRO-3 calls them
+for every unit twice a step, and those buffers, freed in between, are what fragments a CPU rank's
+heap (`plait/parallel/buffer_pool.py`). From `IN_PLACE` bytes on, on the CPU, plait does without
+them: the all-gather is n broadcasts, rank r's from its own chunk of `output` (each rank sends
+what the ring would: its chunk to the n - 1 others), and a reduce-scatter whose input the caller
+no longer needs (`scratch`) is the same all-reduce as gloo's, in place, and a copy. The ledger
+books the logical collective either way.
 """
 
 from __future__ import annotations
@@ -121,6 +131,49 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+IN_PLACE = 1 << 20  # bytes: gloo's own collectives below this (one call; small buffers are cheap)
+
+
+class _Together:
+    """Works in flight that finish as one: wait for each, then `then()`."""
+
+    def __init__(self, works: list, then=None):
+        self._works, self._then = works, then
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        if self._then is not None:
+            self._then()
+            self._then = None
+        return True
+
+
+def _in_place(t: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether plait's own gloo path (no whole-tensor buffer of gloo's) takes `t`."""
+    return (_nbytes(t) >= IN_PLACE and t.device.type == "cpu" and t.is_contiguous()
+            and "gloo" in str(dist.get_backend(group)))
+
+
+def _broadcast_all_gather(output, shard, group, async_op):
+    """All-gather as n broadcasts into `output`'s chunks, in place (no flat buffer of gloo's)."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    chunks = output.view(n, -1)  # (n, shard numel), rank-major
+    chunks[me].copy_(shard.reshape(-1))
+    work = _Together([dist.broadcast(chunks[r], group_src=r, group=group, async_op=True)
+                      for r in range(n)])
+    return work if async_op else work.wait()
+
+
+def _all_reduce_scatter(output, full, op, group, async_op):
+    """Reduce-scatter as gloo runs it (an all-reduce, then this rank's chunk), on `full` itself
+    rather than a clone: `full` is the caller's scratch."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    work = _Together([dist.all_reduce(full, op=op, group=group, async_op=True)],
+                     lambda: output.copy_(full.view(n, -1)[me].view(output.shape)))
+    return work if async_op else work.wait()
+
+
 def _run(op: Op, group: ProcessGroup, nbytes: int, call, async_op: bool) -> Pending | None:
     n = dist.get_world_size(group)
     LEDGER.record(op, n, nbytes)
@@ -168,10 +221,10 @@ def all_gather(
     if dist.get_world_size(group) == 1:
         output.copy_(shard.reshape(output.shape))
         return Pending(None) if async_op else None
-    return _run(
-        Op.ALL_GATHER, group, _nbytes(output),
-        lambda a: _all_gather_flat(output, shard, group=group, async_op=a), async_op,
-    )
+    gather = _broadcast_all_gather if _in_place(output, group) else \
+        lambda out, s, group, async_op: _all_gather_flat(out, s, group=group, async_op=async_op)
+    return _run(Op.ALL_GATHER, group, _nbytes(output),
+                lambda a: gather(output, shard, group, a), async_op)
 
 
 def reduce_scatter(
@@ -180,11 +233,16 @@ def reduce_scatter(
     group: ProcessGroup,
     op: ReduceOp = ReduceOp.SUM,
     async_op: bool = False,
+    scratch: bool = False,
 ) -> Pending | None:
-    """`output` <- this rank's 1/n chunk (along dim 0) of the reduction of every rank's `full`."""
+    """`output` <- this rank's 1/n chunk (along dim 0) of the reduction of every rank's `full`.
+    `scratch`: the caller no longer needs `full`, which may be left holding anything."""
     if dist.get_world_size(group) == 1:
         output.copy_(full.reshape(output.shape))
         return Pending(None) if async_op else None
+    if scratch and _in_place(full, group):
+        return _run(Op.REDUCE_SCATTER, group, _nbytes(full),
+                    lambda a: _all_reduce_scatter(output, full, op, group, a), async_op)
     return _run(
         Op.REDUCE_SCATTER, group, _nbytes(full),
         lambda a: _reduce_scatter_flat(output, full, op=op, group=group, async_op=a), async_op,

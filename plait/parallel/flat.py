@@ -94,6 +94,7 @@ class FlatParam:
                 p.data = view  # the parameter now lives in the flat buffer
         self.grad: torch.Tensor | None = None  # (N * shard_numel,) staging for the reduce-scatter
         self.grad_shard: torch.Tensor | None = None  # this rank's averaged gradient slice
+        self.grad_shard_memory: torch.Tensor | None = None  # what grad_shard is, each step
         self.ready: set[int] = set()  # positions whose gradient has arrived this step
 
     def _materialize(self, fill, param_dtype, master_device, shard_device) -> None:

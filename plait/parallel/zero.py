@@ -38,6 +38,7 @@ from plait.comm import all_gather, all_reduce, reduce_scatter
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression
 from plait.mesh import Axis
+from plait.parallel.buffer_pool import BufferPool
 from plait.parallel.data_parallel import (
     SyncedReplicas,
     _broadcast_replicas,
@@ -78,6 +79,7 @@ class ShardedEngine(SyncedReplicas):
         self._inflight: list = []  # (flat, its reduce-scatter) of the group last launched
         self.peak_params = self.peak_grads = 0  # this step's, measured from `begin_step`
         self.overrides = overrides or {}  # name -> the axis sharding it, if not `shard`
+        self.buffers = BufferPool()  # gradient staging (and ZeRO-3's gathered units), reused
         if any(p.is_meta for p in module.parameters()):
             return  # materialized slice by slice: equal replicas by construction
         _broadcast_replicas(module, shard.group,
@@ -94,11 +96,14 @@ class ShardedEngine(SyncedReplicas):
 
     def _reduce_grad(self, flat: FlatParam):
         """Start the reduce-scatter of a flat gradient into this rank's `grad_shard`."""
-        flat.grad_shard = torch.empty_like(flat.slice.shard, dtype=self.reduce_dtype)
+        if flat.grad_shard_memory is None:  # made once, reused every step
+            flat.grad_shard_memory = torch.empty_like(flat.slice.shard, dtype=self.reduce_dtype)
+        flat.grad_shard = flat.grad_shard_memory
         if self._compressing(flat.size):
             return self.compression.method.reduce_scatter(
                 flat.key, flat.grad, flat.grad_shard, flat.segments, flat.group)
-        return reduce_scatter(flat.grad_shard, flat.grad, flat.group, async_op=True)
+        return reduce_scatter(flat.grad_shard, flat.grad, flat.group, async_op=True,
+                              scratch=True)  # the staging is let go once reduced
 
     def _launch_group(self, flats: list[FlatParam]) -> None:
         """Start the reduce-scatters of a bucket (ZeRO-1/2) or a unit's flats (ZeRO-3), after
@@ -116,8 +121,14 @@ class ShardedEngine(SyncedReplicas):
             pending.wait()
             if self.replicate is not None:
                 all_reduce(flat.grad_shard, self.replicate.group)
+            self.buffers.detach(flat.grad.untyped_storage())
             flat.grad = None  # the staging buffer
         self._inflight = []
+
+    def _staging(self, flat: FlatParam) -> torch.Tensor:
+        """A zeroed buffer the size of `flat` in the reduction dtype, for its gradient (reused
+        from a group reduced earlier: `buffer_pool.py`)."""
+        return self.buffers.zeros(flat.full.numel(), self.reduce_dtype, flat.full.device)
 
     def _hand_over(self) -> None:
         """After the step's last reduce-scatter: each slice gets its averaged gradient."""
@@ -232,7 +243,7 @@ class ZeroDataParallel(ShardedEngine):
             if not self._sync:
                 return
             if bucket.grad is None:
-                bucket.grad = torch.zeros_like(bucket.full, dtype=self.reduce_dtype)
+                bucket.grad = self._staging(bucket)
             self._note_peak()
             torch.div(p.grad, self.dp_size, out=bucket.view(bucket.grad, position))  # average
             if self.stage == 2:

@@ -276,7 +276,7 @@ class Zero3DataParallel(ShardedEngine):
             return
         unit.versions = _versions(unit)  # before the gather writes
         for flat in unit.flats:
-            flat.full.untyped_storage().resize_(flat.full_bytes)
+            self.buffers.attach(flat.full.untyped_storage(), flat.full_bytes)
             shard = flat.slice.shard.to(flat.full.device, non_blocking=True)  # offloaded: H2D
             unit.pending.append(all_gather(flat.full, shard, flat.group, async_op=True))
         self.gathered_bytes += sum(f.full_bytes for f in unit.flats)
@@ -295,7 +295,7 @@ class Zero3DataParallel(ShardedEngine):
     def _free(self, unit: Unit) -> None:
         if unit.gathered:
             for flat in unit.flats:
-                flat.full.untyped_storage().resize_(0)
+                self.buffers.detach(flat.full.untyped_storage())
             unit.gathered = False
             self.gathered_bytes -= sum(f.full_bytes for f in unit.flats)
 
@@ -353,8 +353,7 @@ class Zero3DataParallel(ShardedEngine):
             if self._sync:
                 if flat.grad is None:  # the unit's first gradient: stage all of its flats
                     for f in unit.flats:
-                        f.grad = torch.zeros(f.full.numel(), dtype=self.reduce_dtype,
-                                             device=p.device)
+                        f.grad = self._staging(f)
                 self._note_peak()
                 torch.div(p.grad, self.dp_size, out=flat.view(flat.grad, position))
                 p.grad = None  # the flat gradient holds it now
@@ -383,6 +382,9 @@ class Zero3DataParallel(ShardedEngine):
                 "take part in the loss, and finish_gradients follow a backward outside no_sync()"
             )
         self._hand_over()
+        # The optimizer's step needs the memory more (AdamW's update makes a copy of the
+        # slices): the next forward makes the buffers it needs again.
+        self.buffers.release_idle()
         for unit in self.units:
             unit.reduced = unit.ran = False
         self._step_done()

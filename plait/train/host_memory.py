@@ -2,20 +2,28 @@
 
 glibc's malloc serves blocks above a threshold with their own `mmap`, which `free` returns to the
 kernel at once; below it, from the heap, where freed memory is kept for reuse. The threshold
-starts at 128 KiB and rises to the size of each such block freed (up to 32 MiB), so a ZeRO-3
-rank on the CPU, which gathers and frees a unit after the other, soon serves its units from the
-heap, where the gaps between longer-lived tensors keep them resident: measured on a 76M-parameter
-model (dim 512, 24 blocks) at dp8, a rank's peak resident memory grew by 2.3 times the
-whole fp32 model over three steps, against 0.85 times with the threshold fixed at 1 MiB, for
-steps 1.8 times slower (each gather faults in fresh pages). The same holds while a rank
-materializes its part of a model (`plait.model.materialize`) and lays it out in flat buckets: the
-fp32 tensors it frees stay resident (a dp2 x tp2 x pp2 rank of a 304M-parameter model: 629 MiB
-over its baseline, against 318 MiB with the threshold fixed).
+starts at 128 KiB and rises to the size of each such block freed (up to 32 MiB). Neither extreme
+suits a training step on the CPU:
 
-So the trainer, on the CPU, fixes the threshold at 1 MiB while it builds the model; then ZeRO-3
-keeps it (its units are freed every step), the other engines set it to 32 MiB (glibc's own
-ceiling, where the rising threshold ends anyway). `MALLOC_MMAP_THRESHOLD_` in the environment,
-glibc's own setting, takes precedence.
+- Fresh mappings for every block of 1 MiB and more keep the peak at what is alive at once, but
+  each allocation faults in zeroed pages: ZeRO-3's steps on the default recipe took 1.6 times
+  fully_shard's (each gather, each activation, each gradient on fresh pages).
+- The heap for everything up to 32 MiB is fast, but blocks freed between longer-lived ones stay
+  resident: ZeRO-3 gathering and freeing units grew a rank of a 76M-parameter model at dp8 by
+  2.3 times the whole fp32 model over three steps; FSDP2 in processes of its own (glibc's own
+  policy) peaks at 4.5 times the whole model on a 95M one (docs/big-models.md).
+
+So the trainer, on the CPU, fixes the threshold at 1 MiB while it builds the model and through
+its first step: what lives for the run (the model's slices, optimizer state, gradient slices, DDP's
+buckets) is made then, each block in a mapping of its own, out of the heap's way, and what the
+build frees goes back. From the second step on it takes glibc's ceiling, 32 MiB, and turns off
+glibc's fast bins (freed small chunks kept uncoalesced between the big ones: the steady peak of
+`tests/dist/test_big_model.py`'s ranks reached 412 MiB in 3 runs with them, at most 362 in 3
+without), so a step's blocks come from the heap and are reused. What used to come and go in the heap at the size
+of whole units is gone: ZeRO-3 reuses its gathered units and gradient staging
+(`plait/parallel/buffer_pool.py`), and gloo's own flat buffers are avoided
+(`plait/comm/collectives.py`). `MALLOC_MMAP_THRESHOLD_` in the environment, glibc's own setting,
+takes precedence.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import ctypes
 import os
 from pathlib import Path
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+M_MXFAST = 1  # mallopt's parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
 THRESHOLD = 1 << 20
 STEADY_THRESHOLD = 32 << 20  # glibc's own ceiling for the rising threshold
 
@@ -34,12 +43,15 @@ _set: list[int] = []  # the thresholds this process set, in order
 
 def release_freed_memory(threshold: int = THRESHOLD) -> bool:
     """Serve blocks of `threshold` bytes and more by `mmap`, so that freeing them returns them to
-    the kernel. False where the C library is not glibc or the user set glibc's variable."""
+    the kernel; at `STEADY_THRESHOLD`, without fast bins. False where the C library is not glibc
+    or the user set glibc's variable."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         done = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+        if done and threshold == STEADY_THRESHOLD:
+            libc.mallopt(M_MXFAST, 0)
     except (OSError, AttributeError):
         return False
     if done:

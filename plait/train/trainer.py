@@ -72,8 +72,9 @@ class Trainer:
                  verify: bool = False):
         self.cfg, self.train_cfg, self.device = cfg, cfg.train, device
         args = cfg.model.args()
-        if device.type == "cpu":  # freed build temporaries go back to the kernel at once
-            release_freed_memory()
+        # On the CPU, freed build temporaries go back to the kernel at once, until the first
+        # step is over (`train_step`).
+        self._steady = device.type != "cpu" or not release_freed_memory()
         # On `meta`: each rank materializes only what it holds, once the model is cut.
         model, source = build_sharded(args, cfg.train.seed, device, cfg.model.hf)
         # --verify: the whole model, for one step of a single process to compare with.
@@ -89,8 +90,6 @@ class Trainer:
         )
         self.scaler = self.parallelized.scaler  # fp16's; None otherwise
         del model  # its pieces live in the chunks now; other stages' layers are let go
-        if device.type == "cpu" and cfg.parallel.zero != 3:  # ZeRO-3 keeps freeing its units
-            release_freed_memory(STEADY_THRESHOLD)
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_for(self.parallelized, cfg.train)
         self.resumed_from = find(cfg.checkpoint.resume, cfg.checkpoint.dir)
@@ -148,6 +147,12 @@ class Trainer:
         with self.activations:  # peak bytes saved for backward during the step
             loss_sum, norm = self.parallelized.step(self._microbatches(*batch),
                                                     self.optimizer, self.train_cfg.grad_clip)
+        if not self._steady:
+            # What lives for the run (optimizer state, ZeRO's reused buffers, DDP's gradient
+            # buckets) was made in its own mappings; from now on what a step makes and frees
+            # is served from the heap, for reuse (`train/host_memory.py`).
+            release_freed_memory(STEADY_THRESHOLD)
+            self._steady = True
         result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,
                   "grad_norm": norm, "skipped": not math.isfinite(norm), "data_wait_s": waited}
         # Under fp16 a non-finite norm is the loss scale's business (an overflow: skipped, the

@@ -4,9 +4,10 @@ each process's own count (VmHWM), restarted after a tiny model's step so that th
 everything the trainer imports are the baseline. No rank grows, while it builds its part, beyond
 `cost.startup_bytes`, nor, through its first step, beyond the formula's peak model state
 (`cost.state_bytes`: its slices, the units gathered at once, the gradient staging in flight)
-plus the step's activations -- + 32 and 16 MiB (allocator, gloo buffers) -- a bound below the
-whole model's fp32 size: no rank ever held the model whole. Before #30 each rank built the whole
-model first, and staged its whole gradient."""
+plus the step's activations -- + 32 and 16 MiB (allocator, gloo buffers) -- nor, through three
+steps, once the heap serves the step's blocks, beyond that + 96 MiB: a bound below the whole
+model's fp32 size. No rank ever held the model whole. Before #30 each rank built the whole model
+first, and staged its whole gradient."""
 
 from __future__ import annotations
 
@@ -16,15 +17,21 @@ from plait.bench.memory import bench_memory
 from plait.launch import launch
 
 MiB = 2**20
-# 18 blocks of dim 512: 57M parameters, 219 MiB in fp32; a unit (one block) is 12 MiB.
-MODEL = ["model.n_layers=18", "model.dim=512", "model.n_heads=8", "model.n_kv_heads=8",
+# 40 blocks of dim 512: 127M parameters, 484 MiB in fp32; a unit (one block) is 12 MiB.
+MODEL = ["model.n_layers=40", "model.dim=512", "model.n_heads=8", "model.n_kv_heads=8",
          "data.seq_len=2", "train.global_batch=8", "parallel.zero=3"]
+# From the second step on, the blocks a step makes and frees (the weights' gradients, AdamW's
+# and the gradient norm's temporaries: 1 to 3 MiB each here) come from glibc's heap, which keeps
+# what was freed for reuse (train/host_memory.py): measured 17 to 75 MiB over the formula on
+# this machine through steps 2-4 (FSDP2 on the same model, in processes of its own, peaks at
+# 4.5 times the whole fp32 model: docs/big-models.md).
+HEAP = 96 * MiB
 
 
 def test_no_rank_holds_the_whole_model_at_zero3_dp8():
     for r in launch(8, bench_memory, tiny_config(*MODEL))[0]:
         bound = r["step_formula"] + 16 * MiB  # the step's peak model state + activations
-        assert bound < r["whole_fp32"], "the model is too small to show anything"
+        assert bound + HEAP < 0.9 * r["whole_fp32"], "the model is too small to show anything"
         # Building: + 32 MiB. One rank in a few runs peaks 15-20 MiB over the others (its
         # peers' first messages landing in gloo's buffers while it still builds, measured up to
         # +14 MiB over its formula, and past +16 MiB in 2 of 10 runs on this machine); the
@@ -34,3 +41,6 @@ def test_no_rank_holds_the_whole_model_at_zero3_dp8():
         assert r["stepped"] <= bound, \
             f"rank {r['rank']}: {r['stepped'] / MiB:.1f} MiB over its baseline, bound " \
             f"{bound / MiB:.1f}"
+        assert r["steps"] == 3 and r["steady"] <= bound + HEAP, \
+            f"rank {r['rank']}: {r['steady'] / MiB:.1f} MiB through 3 steps, bound " \
+            f"{(bound + HEAP) / MiB:.1f}"

@@ -98,6 +98,37 @@ def test_collectives_values_and_bytes(n):
         assert booked["async_all_reduce"][0] == Fraction(2 * (n - 1) * D, n)
 
 
+def _in_place_against_gloo():
+    """plait's paths for big CPU tensors on gloo (n broadcasts; an all-reduce of the caller's
+    scratch) against gloo's own all-gather and reduce-scatter on the same inputs."""
+    from plait.comm.collectives import IN_PLACE, _in_place
+
+    world, rank, n = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    numel = IN_PLACE // 4 // n + 5  # an fp32 shard a little over 1/n of the threshold
+    torch.manual_seed(rank)
+    shard = torch.randn(numel)
+    full = torch.randn(numel * n)
+    ours, theirs = torch.empty(numel * n), torch.empty(numel * n)
+    LEDGER.reset()
+    comm.all_gather(ours, shard, world, async_op=True).wait()
+    dist.all_gather_into_tensor(theirs, shard, group=world)
+    mine, expect = torch.empty(numel), torch.empty(numel)
+    dist.reduce_scatter_tensor(expect, full, group=world)
+    comm.reduce_scatter(mine, full, world, async_op=True, scratch=True).wait()
+    small = torch.empty(4 * n)
+    return (_in_place(ours, world), _in_place(small, world), torch.equal(ours, theirs),
+            torch.equal(mine, expect), dict(LEDGER.calls), LEDGER.bytes, numel * n * 4)
+
+
+def test_big_gloo_collectives_in_place_equal_gloo():
+    for in_place, small_too, gathered, reduced, calls, moved, D in run_world(
+            _in_place_against_gloo, 3):
+        assert in_place and not small_too
+        assert gathered and reduced  # bit for bit: the same all-reduce, the same bytes
+        assert calls == {Op.ALL_GATHER: 1, Op.REDUCE_SCATTER: 1}
+        assert moved == 2 * Fraction(2 * D, 3)  # one all-gather and one reduce-scatter
+
+
 def test_group_of_one_is_a_noop():
     def body():
         solo = dist.new_group([dist.get_rank()])  # every rank makes the same calls, in order

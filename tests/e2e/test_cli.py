@@ -471,15 +471,17 @@ def test_bench_step_with_muon_compares_its_owners_with_everyone_orthogonalizing(
 
 
 def test_bench_step_runs_each_side_in_processes_of_its_own():
-    """plait's ZeRO-3 fixes glibc's mmap threshold for its whole process (train/host_memory.py);
-    torch's fully_shard, launched apart, keeps glibc's own, as a user of torch alone has it."""
+    """plait's trainer sets glibc's mmap threshold for its whole process (1 MiB, then glibc's 32
+    MiB ceiling after the first step: train/host_memory.py); torch's fully_shard, launched
+    apart, keeps glibc's own, as a user of torch alone has it."""
     from plait.bench.step_runs import run_step
     from plait.config import load_config
-    from plait.train.host_memory import THRESHOLD
+    from plait.train.host_memory import STEADY_THRESHOLD
 
     cfg = load_config(None, ["parallel.zero=3", *TINY])
     rows = run_step(2, cfg, steps=1, repeats=1)
-    assert [r["malloc_threshold"] for r in rows] == [{"plait": THRESHOLD, "torch": None}] * 2
+    assert [r["malloc_threshold"] for r in rows] == \
+        [{"plait": STEADY_THRESHOLD, "torch": None}] * 2
     # The pipeline composition's bench too: its plait side builds a ZeRO-3 row beside ZeRO-1.
     cfg = load_config(None, ["parallel.pp=2", "parallel.zero=1", "model.n_layers=2", *TINY])
     rows = run_step(2, cfg, steps=1, repeats=1)
