@@ -11,7 +11,7 @@ suits a training step on the CPU:
 - The heap for everything up to 32 MiB is fast, but blocks freed between longer-lived ones stay
   resident: ZeRO-3 gathering and freeing units grew a rank of a 76M-parameter model at dp8 by
   2.3 times the whole fp32 model over three steps; FSDP2 in processes of its own (glibc's own
-  policy) peaks at 4.5 times the whole model on a 95M one (docs/big-models.md).
+  policy) peaks at 4.4-4.8 times the whole fp32 model (docs/big-models.md).
 
 So the trainer, on the CPU, fixes the threshold at 1 MiB while it builds the model and through
 its first step: what lives for the run (the model's slices, optimizer state, gradient slices, DDP's
@@ -19,8 +19,8 @@ buckets) is made then, each block in a mapping of its own, out of the heap's way
 build frees goes back. From the second step on it takes glibc's ceiling, 32 MiB, and turns off
 glibc's fast bins (freed small chunks kept uncoalesced between the big ones: the steady peak of
 `tests/dist/test_big_model.py`'s ranks reached 412 MiB in 3 runs with them, at most 362 in 3
-without), so a step's blocks come from the heap and are reused. What used to come and go in the heap at the size
-of whole units is gone: ZeRO-3 reuses its gathered units and gradient staging
+without), so a step's blocks come from the heap and are reused. What used to come and go in the
+heap at the size of whole units is gone: ZeRO-3 reuses its gathered units and gradient staging
 (`plait/parallel/buffer_pool.py`), and gloo's own flat buffers are avoided
 (`plait/comm/collectives.py`). `MALLOC_MMAP_THRESHOLD_` in the environment, glibc's own setting,
 takes precedence.
