@@ -19,7 +19,7 @@ of one request or larger (the smallest idle one that fits is taken; when none fi
 made and the largest idle one, too small, is let go). Under `reshard_after_forward` that is the
 units in flight at once (the running one and the prefetched one) and the two staging buffers
 (one reducing while the next fills); a pipeline's units held across micro-batches keep that many.
-ZeRO-3 lets the idle ones go once its backward is over (`release_idle`): the optimizer's step
+The engines let the idle ones go once the backward is over (`release_idle`): the optimizer's step
 needs the memory more (AdamW's update makes a copy of the slices), and the next forward makes
 those few again, where the step used to make two per unit. Buffers under `SMALLEST` bytes (norm
 gains, biases) are left to the allocator: too small for a fresh page to cost, and pooled they

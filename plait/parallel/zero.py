@@ -131,8 +131,11 @@ class ShardedEngine(SyncedReplicas):
         return self.buffers.zeros(flat.full.numel(), self.reduce_dtype, flat.full.device)
 
     def _hand_over(self) -> None:
-        """After the step's last reduce-scatter: each slice gets its averaged gradient."""
+        """After the step's last reduce-scatter: each slice gets its averaged gradient. The idle
+        buffers go: the optimizer's step needs the memory more (AdamW's update makes a copy of
+        the slices), and the next step makes the few it needs again."""
         self._settle()
+        self.buffers.release_idle()
         for flat in self.flats:
             flat.slice.set_grad(flat.grad_shard)
 

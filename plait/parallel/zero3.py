@@ -382,9 +382,6 @@ class Zero3DataParallel(ShardedEngine):
                 "take part in the loss, and finish_gradients follow a backward outside no_sync()"
             )
         self._hand_over()
-        # The optimizer's step needs the memory more (AdamW's update makes a copy of the
-        # slices): the next forward makes the buffers it needs again.
-        self.buffers.release_idle()
         for unit in self.units:
             unit.reduced = unit.ran = False
         self._step_done()
