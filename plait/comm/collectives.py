@@ -221,10 +221,13 @@ def all_gather(
     if dist.get_world_size(group) == 1:
         output.copy_(shard.reshape(output.shape))
         return Pending(None) if async_op else None
-    gather = _broadcast_all_gather if _in_place(output, group) else \
-        lambda out, s, group, async_op: _all_gather_flat(out, s, group=group, async_op=async_op)
-    return _run(Op.ALL_GATHER, group, _nbytes(output),
-                lambda a: gather(output, shard, group, a), async_op)
+    if _in_place(output, group):
+        return _run(Op.ALL_GATHER, group, _nbytes(output),
+                    lambda a: _broadcast_all_gather(output, shard, group, a), async_op)
+    return _run(
+        Op.ALL_GATHER, group, _nbytes(output),
+        lambda a: _all_gather_flat(output, shard, group=group, async_op=a), async_op,
+    )
 
 
 def reduce_scatter(

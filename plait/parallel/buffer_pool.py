@@ -39,7 +39,7 @@ class BufferPool:
 
     def __init__(self):
         self._idle: list[torch.UntypedStorage] = []  # by size, smallest first
-        self._attached: dict[int, int] = {}  # storage's identity -> the bytes it asked for
+        self._attached: set[int] = set()  # the identities of the storages holding one
         self._most = 0  # the most buffers attached at once
 
     def attach(self, storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -56,15 +56,16 @@ class BufferPool:
         else:
             buffer = self._idle.pop(fit)
         storage._swap_data_ptr_(buffer)  # `buffer` is the empty one now
-        self._attached[storage._cdata] = nbytes
+        self._attached.add(storage._cdata)
         self._most = max(self._most, len(self._attached))
 
     def detach(self, storage: torch.UntypedStorage) -> None:
         """Take `storage`'s memory back: the storage is empty after (what still views it reads
         nothing until the next `attach`)."""
-        if self._attached.pop(storage._cdata, None) is None:
+        if storage._cdata not in self._attached:
             storage.resize_(0)  # small, or allocated before the pool (a model built whole)
             return
+        self._attached.remove(storage._cdata)
         buffer = torch.UntypedStorage(0, device=storage.device)
         storage._swap_data_ptr_(buffer)
         if len(self._idle) + len(self._attached) < self._most:
