@@ -24,6 +24,10 @@ needs the memory more (AdamW's update makes a copy of the slices), and the next 
 those few again, where the step used to make two per unit. Buffers under `SMALLEST` bytes (norm
 gains, biases) are left to the allocator: too small for a fresh page to cost, and pooled they
 would each hold a large buffer.
+
+Only host memory is pooled. A GPU's memory already comes from torch's caching allocator, which
+reuses freed blocks without the kernel or the heap in between; the pool leaves it to that
+(`attach` is a plain resize there), as it does on a torch without `_swap_data_ptr_` (2.11 has none).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import torch
 
 SMALLEST = 1 << 20  # bytes: smaller buffers are allocated and freed as usual
+SWAPS = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # 2.13 has it, 2.11 not
 
 
 class BufferPool:
@@ -45,7 +50,8 @@ class BufferPool:
     def attach(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give `storage` (empty) `nbytes` bytes or more, reused where one is idle. Its contents
         are whatever its last user left."""
-        if nbytes < SMALLEST or storage.device.type == "meta":  # meta: a fake tensor's (trace)
+        # meta: a fake tensor's (predict.trace); cuda and the rest: their own caching allocator.
+        if nbytes < SMALLEST or storage.device.type != "cpu" or not SWAPS:
             storage.resize_(nbytes)
             return
         fit = next((i for i, b in enumerate(self._idle) if b.nbytes() >= nbytes), None)
