@@ -130,6 +130,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if group is None:
                 lse[lo : lo + per] = torch.logsumexp(z, dim=-1)
                 picked[lo : lo + per] = z.gather(1, t[:, None]).squeeze(1)
+                del z  # before the next run's are made
                 continue
             top = z.max(dim=-1).values
             all_reduce(top, group, op=ReduceOp.MAX)
@@ -151,15 +152,36 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         per = ctx.per
         for lo in range(0, len(x), per):
-            z = (x[lo : lo + per] @ w.T).float()
-            p = (z - lse[lo : lo + per, None]).exp_()  # d loss / d z = softmax - [v = target]
+            # d loss / d z = softmax - [v = target], made in place over the run's logits; each
+            # run's let go before the next's are made (`backward_bytes` counts what is held).
+            p = (x[lo : lo + per] @ w.T).float().sub_(lse[lo : lo + per, None]).exp_()
             t = targets[lo : lo + per] - ctx.start
             mine = (t >= 0) & (t < len(w)) if ctx.split else torch.ones_like(t, dtype=torch.bool)
             p[torch.arange(len(p), device=p.device), t.masked_fill(~mine, 0)] -= mine.to(p.dtype)
             g = p.mul_(grad_loss[lo : lo + per, None]).to(ctx.dtype)
+            del p
             grad_x[lo : lo + per] = g @ w
-            grad_w += (g.T @ x[lo : lo + per]).float()
+            grad_w.add_(g.T @ x[lo : lo + per])  # in fp32, as a float() copy would add it
+            del g
         return grad_x.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def backward_bytes(tokens: int, vocab: int, dim: int, per: int, matmul: int, hidden: int,
+                   weight: int) -> int:
+    """Bytes `LinearCrossEntropy.backward` holds at its most besides what it was given: over
+    `tokens` tokens, `vocab` (local) head rows of width `dim`, `per` tokens a run, with element
+    sizes `matmul` (its matmuls'), `hidden` and `weight` (its inputs'). Throughout: the inputs'
+    casts to the matmul dtype (where they differ), grad_x (matmul dtype) and grad_w (fp32). At
+    the most, one of: a run's fp32 logits and the half-precision product they came from (then
+    the gradient cast back beside them: the same), a run's cast gradient and its weight-gradient
+    product, or at the end the gradients cast to the inputs' dtypes. (The runs' index tensors,
+    a few bytes per token, are not counted.)"""
+    x, w, run = tokens * dim, vocab * dim, min(per, tokens) * vocab
+    held = (hidden != matmul) * x * matmul + (weight != matmul) * w * matmul + x * matmul + 4 * w
+    half = matmul != 4
+    loop = max((4 + half * matmul) * run, (matmul if half else 4) * run + w * matmul)
+    end = (hidden != matmul) * x * hidden + (weight != 4) * w * weight
+    return held + max(loop, end)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,

@@ -17,7 +17,7 @@ from plait.parallel.pipeline.stage import chunk_sizes
 from plait.planner import gemm
 from plait.planner.hardware import Cluster
 from plait.predict import cost
-from plait.predict.activations import activation_bytes, microbatch_bytes
+from plait.predict.activations import activation_bytes, loss_backward_bytes, microbatch_bytes
 from plait.predict.cost import ChunkLayout, routed_traffic
 from plait.predict.trace import Untraceable, trace_class
 
@@ -299,17 +299,20 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
         state, traffic, model_flops, time, offloaded, startup, waited = priced[kind]
         if time > step:
             step, comm_s = time, waited
+        # The last chunk's fused loss: its backward's logits and head gradient, on top.
+        loss = loss_backward_bytes(cfg, dims) if any(c.last for c in chunks) and \
+            not cfg.model.hf else 0
         per_stage.append((state, _activations(cfg, dims, chunks, stage), traffic, model_flops,
-                          offloaded, startup))
+                          offloaded, startup, loss))
     state, act, traffic, *_ = per_stage[0]
     memory = {**{k: state[k] for k in ("params", "grads", "optimizer", "peak")},
               "activations": act}
     memory["total"] = sum(v for k, v in state.items() if k != "peak") + act
     # On the device: the step's peak and activations, less what offload keeps in host memory;
     # and, before the first step, what building the rank's part of the model takes.
-    peak = max(s["peak"] - off + a for s, a, _, _, off, _ in per_stage)
-    startup = max(st for *_, st in per_stage)
-    host = cluster.per_node * max(off for *_, off, _ in per_stage)
+    peak = max(s["peak"] - off + a + loss for s, a, _, _, off, _, loss in per_stage)
+    startup = max(st for *_, st, _ in per_stage)
+    host = cluster.per_node * max(off for *_, off, _, _ in per_stage)
     model_flops = sum(f[3] for f in per_stage) * dims.batch * dims.tp
     tokens = cfg.train.global_batch * cfg.data.seq_len
     fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \

@@ -39,7 +39,7 @@ from plait.mesh import ParallelDims
 from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
-from plait.parallel.vocab_parallel import compute_device, fits_one_run
+from plait.parallel.vocab_parallel import backward_bytes, compute_device, fits_one_run, logit_block
 
 
 @dataclass(frozen=True)
@@ -188,3 +188,17 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     elif dims.tp == 1 and first or targets and rows == 1:
         peak += 8 * window
     return peak
+
+
+def loss_backward_bytes(cfg: Config, dims: ParallelDims) -> int:
+    """What the last stage's fused cross-entropy holds at its most in its backward, on top of the
+    activations (`vocab_parallel.backward_bytes`: the logits of a run, the head's gradient in
+    fp32); 0 where a micro-batch's logits are one run (kept whole, counted as activations)."""
+    args, b = cfg.model.args(), _sizes(cfg)
+    tokens = cfg.train.global_batch // dims.rows // microbatches(cfg.parallel, dims) \
+        * cfg.data.seq_len // dims.cp
+    vocab, device = args.vocab_size // dims.tp, compute_device(cfg)
+    if fits_one_run(tokens, vocab, device):
+        return 0
+    per = max(1, logit_block(device) // vocab)
+    return backward_bytes(tokens, vocab, args.dim, per, b.matmul, b.stream, b.stream)

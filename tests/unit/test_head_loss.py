@@ -85,3 +85,41 @@ def test_a_gpu_makes_bigger_runs_and_the_formula_follows_the_device():
         held[device] = activation_bytes(cfg, ParallelDims(), chunks)
     # the softmax, less the few bytes per token (log-sum-exp, targets) only the fused path keeps
     assert 4 * 1024 * 128256 - 16 * 1024 < held["cuda"] - held["cpu"] <= 4 * 1024 * 128256
+
+
+@pytest.mark.parametrize("tokens,dim,vocab,per,dtype,inputs", [
+    (512, 64, 1000, 100, torch.float32, torch.float32),  # fp32: the run's product is its logits
+    (512, 64, 1000, 100, torch.bfloat16, torch.float32),  # autocast over fp32 weights
+    (512, 64, 1000, 100, torch.bfloat16, torch.bfloat16),  # ZeRO's bf16 weights
+    (512, 64, 1000, 512, torch.bfloat16, torch.float32),  # one run
+    (512, 256, 300, 64, torch.bfloat16, torch.float32),  # wide: the end's casts are the most
+    (1000, 32, 5000, 128, torch.bfloat16, torch.float32),  # the last run shorter
+])
+def test_the_backward_holds_what_backward_bytes_says(tokens, dim, vocab, per, dtype, inputs):
+    """`backward_bytes`, which the planner adds to the last stage's peak, against torch's own
+    count of the backward's tensors (`MemTracker`, by storage, exact bytes on a CPU). The tracker
+    also counts the storages of inputs the backward takes views of (the hidden states and the
+    weight where no cast copies them, and the saved log-sum-exp and targets) and of the incoming
+    gradient: added below. What the formula leaves out, the runs' index tensors (arange, the
+    shifted targets, their mask: 8 + 8 + 1 bytes a token of a run) and the mean's gradient (4
+    bytes a token), stay within 32 bytes a token; a term of the formula missing or doubled is
+    at least a run's logits (per x vocab x 2 bytes, 12,800 here at the least) or a whole
+    matrix."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from plait.parallel.vocab_parallel import LinearCrossEntropy, backward_bytes
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, dim, generator=g).to(inputs).requires_grad_()
+    weight = torch.randn(vocab, dim, generator=g).to(inputs).requires_grad_()
+    targets = torch.randint(vocab, (tokens,), generator=g)
+    loss = LinearCrossEntropy.apply(hidden, weight, targets, dtype, per, None, 0).mean()
+    tracker = MemTracker()
+    with tracker:
+        grads = torch.autograd.grad(loss, (hidden, weight))
+    del grads
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    viewed = (inputs == dtype) * (hidden.nbytes + weight.nbytes) + 4 * tokens + 8 * tokens
+    size = dtype.itemsize
+    want = backward_bytes(tokens, vocab, dim, per, size, inputs.itemsize, inputs.itemsize)
+    assert 0 <= measured - viewed - want <= 32 * tokens, (measured - viewed, want)
