@@ -81,7 +81,8 @@ def _titan(name, source, model, gpus, batch, pins, tps, memory, compiled, fp8=Fa
            seq=8192) -> Published:
     return Published(name, source, (*model, f"data.seq_len={seq}", f"model.max_seq_len={seq}"),
                      gpus, "h100-96gb", batch,
-                     {"zero": 3, "cp": 1, "tp": 1, "pp": 1, "microbatches": 1, **pins},
+                     {"zero": 3, "cp": 1, "tp": 1, "pp": 1, "microbatches": 1,
+                      "sequence_parallel": pins.get("tp", 1) > 1, **pins},  # torchtitan's TP
                      ("tps", tps), "compiled" if compiled else "eager", "fp8" if fp8 else "bf16",
                      memory)
 

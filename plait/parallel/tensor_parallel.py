@@ -43,6 +43,7 @@ from plait.mesh import Axis
 from plait.model.plan import ModelPlan, has_plan, matching, needs_plan, plan_of, tp_misfit
 from plait.parallel.dropout import SplitRegionRng
 from plait.parallel.placement import PlacementRecord
+from plait.parallel.sequence_parallel import keep_shard, mark
 from plait.parallel.vocab_parallel import VocabParallelEmbedding
 
 
@@ -111,9 +112,12 @@ def _wrap_half(module: nn.Module, group: ProcessGroup, rank: int,
         x = args[0] if args else kwargs[first]
         if rng is not None:
             rng.enter(x.device)
+        whole = enter(x, group)
+        if sequence_parallel:  # its column-parallel linears keep x, the shard
+            whole = mark(whole, x, group)
         if args:
-            return (enter(x, group), *args[1:]), kwargs
-        return args, {**kwargs, first: enter(x, group)}
+            return (whole, *args[1:]), kwargs
+        return args, {**kwargs, first: whole}
 
     def post(mod, args, out):
         if rng is not None:
@@ -150,6 +154,8 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
         for block in _blocks(chunk, plan).values():
             for path, dim in block_splits(plan, block).items():
                 _split_linear(block.get_submodule(path), dim, rank, size)
+                if sequence_parallel and dim == 0:
+                    keep_shard(block.get_submodule(path))
             for half in plan.tp_halves:
                 _wrap_half(block.get_submodule(half), group, rank, sequence_parallel)
         enter = gather_from_sp if sequence_parallel else copy_to_tp

@@ -17,7 +17,12 @@ from plait.parallel.pipeline.stage import chunk_sizes
 from plait.planner import gemm
 from plait.planner.hardware import Cluster
 from plait.predict import cost
-from plait.predict.activations import activation_bytes, loss_backward_bytes, microbatch_bytes
+from plait.predict.activations import (
+    activation_bytes,
+    loss_backward_bytes,
+    microbatch_bytes,
+    regathered_bytes,
+)
 from plait.predict.cost import ChunkLayout, routed_traffic
 from plait.predict.trace import Untraceable, trace_class
 
@@ -168,7 +173,8 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     seconds += attention / gemm.attention_rate(cfg.data.seq_len, device)
     plain = with_degrees(cfg, activation_checkpointing="none")
     moved = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
-                for c in chunks) * engine.elementwise_passes
+                + regathered_bytes(plain, dims, rows, c.layers - c.moe) for c in chunks) \
+        * engine.elementwise_passes
     moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again
     moved += sum(gemm.fp8_cast_bytes(out, inner, tokens * share) for out, inner, share, fp8
                  in weights if fp8) * (4 / 3 if recompute == "full" else 1)

@@ -5,19 +5,22 @@ the planner and `--dry-run`, checked against measurement in the composition matr
 Per micro-batch of r rows and s tokens, with A = r s dim elements, F = r s ffn_dim, T = tp and
 S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
 
-    none       per norm its input and x / rms(x) (A / S each) and its output as the matmuls read
-               it (A: gathered under sequence parallelism); q, k, v (k and v repeated to every
-               query head) and the attention output (4 A / T); w1 x and w3 x (2 F / T: the
-               gate is made again in backward, `model/feed_forward.py`); per token an rsqrt
-               per norm (2 r s / S) and the attention's log-sum-exp per head (r s heads / T)
-    selective  the matmuls' inputs and outputs: block input and mid-block residual (A / S each),
-               the norm outputs the matmuls read (A each), q, k, v at their own head counts and
-               the attention output (/ T), w1 x and w3 x (2 F / T)
+    none       per norm its input and x / rms(x) (A / S each) and its output as the matmuls
+               read it (A; under sequence parallelism its shard, A / S, which the
+               column-parallel linears gather again in backward:
+               `parallel/sequence_parallel.py`); q, k, v (k and v repeated to every query
+               head) and the attention output (4 A / T); w1 x and w3 x (2 F / T: the gate is
+               made again in backward, `model/feed_forward.py`); per token an rsqrt per norm
+               (2 r s / S) and the attention's log-sum-exp per head (r s heads / T)
+    selective  the matmuls' inputs and outputs: block input and mid-block residual (A / S
+               each), the norm outputs the matmuls read (A each; A / S under SP), q, k, v at
+               their own head counts and the attention output (/ T), w1 x and w3 x (2 F / T)
     full       the block input (A / S)
 
 In bf16 (`_Sizes`; fp16 the same): matmul outputs take 2 bytes; under autocast over fp32 weights
 each matmul keeps its own bf16 cast of its input (three of the attention norm's output, two of
-the feed-forward norm's) and of its weight (but w2, which keeps its fp32 weight); with bf16
+the feed-forward norm's) and of its weight (but w2, which keeps its fp32 weight; under sequence
+parallelism only wo: the column-parallel linears keep the fp32 shard and weight); with bf16
 weights (ZeRO) the residual stream is bf16 and each norm keeps its fp32 upcast and a bf16 x /
 rms(x). Each chunk's forward keeps the rotary tables; the first chunk the embedding's indices,
 the last chunk the final norm, a log-sum-exp per token and the targets (the cross-entropy fused
@@ -70,31 +73,41 @@ def _sizes(cfg: Config) -> _Sizes:
     return _Sizes(4, 2, 8, 2, True)  # autocast: the matmul reads a bf16 cast of the norm output
 
 
-def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
-    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C."""
+def block_bytes(cfg: Config, T: int, rows: int, C: int = 1, whole_inputs: bool = False) -> int:
+    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C;
+    `whole_inputs`: as if the column-parallel linears kept their gathered inputs under sequence
+    parallelism (what the elementwise work still makes: `planner.price`)."""
     args, mode, b = cfg.model.args(), cfg.train.activation_checkpointing, _sizes(cfg)
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
+    shards = S > 1 and not whole_inputs
     tokens = rows * cfg.data.seq_len // C
     A, Ff = tokens * args.dim, tokens * args.ffn_dim
     kv = Fraction(args.n_kv_heads, args.n_heads)
     if mode == "full":
         return b.stream * A // S
-    if b.weight_casts:
+    if b.weight_casts and shards:
+        # wo alone: the column-parallel linears keep their fp32 weight and the input's shard
+        # (`parallel/sequence_parallel.py`), w2 its fp32 weight (`feed_forward.GatedDown`)
+        casts = 2 * args.dim * args.head_dim * args.n_heads // T
+    elif b.weight_casts:
         # w2 keeps its fp32 weight, not a cast (`feed_forward.GatedDown`)
         linear = 2 * args.dim * args.head_dim * (args.n_heads + args.n_kv_heads) \
             + 2 * args.dim * args.ffn_dim
         casts = 2 * linear // T
     else:
         casts = 0
+    # What the column-parallel matmuls keep of the two norms' outputs: under sequence
+    # parallelism the shards (gathered again in backward), else the whole as they read it.
+    norm_outs = 2 * b.stream * Fraction(A, S) if shards else b.norm_outs * A
     if mode == "selective":
-        kept = (2 * b.stream * Fraction(A, S) + b.norm_outs * A
+        kept = (2 * b.stream * Fraction(A, S) + norm_outs
                 + b.matmul * Fraction(A * (2 + 2 * kv) + 2 * Ff, T))
     else:
         # q, k, v, output: ring attention keeps k and v at their own head counts, not repeated
         # to every head; Ulysses's output comes back through an all-to-all into a tensor of its
         # own, beside the one attention keeps.
         attention = 4 if C == 1 else 2 + 2 * kv if cfg.parallel.cp_method == "ring" else 5
-        kept = (2 * b.norm_local * Fraction(A, S) + b.norm_outs * A
+        kept = (2 * b.norm_local * Fraction(A, S) + norm_outs
                 + b.matmul * Fraction(attention * A + 2 * Ff, T)
                 + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * args.n_heads, T))
     return int(kept) + casts
@@ -126,6 +139,13 @@ def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
         casts = (E // dims.ep - 1) * 2 * 2 * args.dim * args.ffn_dim // T
     else:
         rows_kept, casts = 3 * b.matmul * A * args.dim + 4 * A, 0
+    if cfg.parallel.sequence_parallel and T > 1:
+        # The router and the experts read the gathered input as a dense block's feed-forward
+        # did before its linears kept the shard (`block_bytes`): that, not the shard; and the
+        # one feed-forward's weight casts the dense block no longer counts.
+        whole = (2 if b.weight_casts else 1) * b.norm_out * N * args.dim
+        casts += 2 * 2 * args.dim * args.ffn_dim // T if b.weight_casts else 0
+        rows_kept += whole - b.stream * N * args.dim // T
     return router + indices + rows_kept + ffn + casts
 
 
@@ -202,3 +222,13 @@ def loss_backward_bytes(cfg: Config, dims: ParallelDims) -> int:
         return 0
     per = max(1, logit_block(device) // vocab)
     return backward_bytes(tokens, vocab, args.dim, per, b.matmul, b.stream, b.stream)
+
+
+def regathered_bytes(cfg: Config, dims: ParallelDims, rows: int, layers: int) -> int:
+    """Per micro-batch, what sequence parallelism's column-parallel linears make whole and do
+    not keep (`parallel/sequence_parallel.py`): their gathered inputs and weight casts, made in
+    forward and again in backward; 0 without sequence parallelism."""
+    if not (cfg.parallel.sequence_parallel and dims.tp > 1):
+        return 0
+    whole = block_bytes(cfg, dims.tp, rows, dims.cp, whole_inputs=True)
+    return layers * (whole - block_bytes(cfg, dims.tp, rows, dims.cp))

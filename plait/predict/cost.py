@@ -133,6 +133,9 @@ class _Step:
     last: bool
     recompute: bool  # full activation checkpointing
     twice: int  # blocks a split backward walks twice (chunks after the first)
+    # Block halves whose column-parallel linears keep their input's shard under sequence
+    # parallelism (all but a mixture of experts' feed-forward), per backward pass over them.
+    regathered: int = 0
 
     @staticmethod
     def of(cfg: Config, dims: ParallelDims, chunks: list[ChunkLayout]) -> _Step:
@@ -147,7 +150,8 @@ class _Step:
                      2 if half else 4, rows * seq * cfg.model.args().dim,
                      sum(c.layers for c in chunks), any(c.first for c in chunks),
                      any(c.last for c in chunks), train.activation_checkpointing == "full",
-                     sum(c.layers for c in chunks if c.index > 0) if split else 0)
+                     sum(c.layers for c in chunks if c.index > 0) if split else 0,
+                     sum((2 * c.layers - c.moe) * (1 + (split and c.index > 0)) for c in chunks))
 
 
 def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
@@ -226,7 +230,11 @@ def _tensor_traffic(t: Traffic, cfg: Config, record: PlacementRecord, s: _Step) 
     ends = s.first + s.last
     head_twice = int(s.last and s.split and s.C > 1)
     if cfg.parallel.sequence_parallel:
-        t.add("tp", Op.ALL_GATHER, T, A * s.act_b, M * (2 * blocks * (1 + s.recompute) + ends))
+        # Each half's input gathered on the way in (again when recomputed), and again in each
+        # backward pass for its column-parallel linears, which keep the shard
+        # (`parallel/sequence_parallel.py`).
+        t.add("tp", Op.ALL_GATHER, T, A * s.act_b,
+              M * (2 * blocks * (1 + s.recompute) + ends + s.regathered))
         t.add("tp", Op.ALL_GATHER, T, A * s.mm_b, M * 2 * (blocks + twice))
         t.add("tp", Op.REDUCE_SCATTER, T, A * s.mm_b, M * blocks * (2 + s.recompute))
         t.add("tp", Op.REDUCE_SCATTER, T, A * s.act_b,

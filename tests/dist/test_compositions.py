@@ -92,6 +92,9 @@ BF16_ROWS = [
     ("pp2-dp2-bf16", 4, ["parallel.pp=2"]),
     ("dp2-tp2-zero1-bf16", 4, ["parallel.tp=2", "parallel.zero=1"]),
     ("3d-zero3-bf16", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=3"]),
+    ("tp2-sp-bf16", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("dp2-tp2-zero3-sp-bf16", 4, ["parallel.tp=2", "parallel.zero=3",
+                                  "parallel.sequence_parallel=true"]),
 ]
 
 

@@ -96,12 +96,13 @@ def test_outputs_and_every_gradient_equal_the_unsharded_model(tp, sequence_paral
         if not sequence_parallel:
             assert r["calls"] == {Op.ALL_REDUCE: 4 * L + 2 + 3}
             assert r["bytes"] == (4 * L + 2) * ring * act + 3 * ring * per_token
-        else:  # same bytes as all-gathers and reduce-scatter; norms' weight grads all-reduced
+        else:  # same bytes as all-gathers and reduce-scatter; norms' weight grads all-reduced;
+            # and each half's input gathered again in backward (its linears keep the shard)
             norms = 2 * L + 1
-            assert r["calls"] == {Op.ALL_GATHER: 4 * L + 2, Op.REDUCE_SCATTER: 4 * L + 2,
+            assert r["calls"] == {Op.ALL_GATHER: 6 * L + 2, Op.REDUCE_SCATTER: 4 * L + 2,
                                   Op.ALL_REDUCE: 3 + norms}
             half = (tp - 1) / tp
-            assert r["bytes"] == ((8 * L + 4) * half * act + 3 * ring * per_token
+            assert r["bytes"] == ((10 * L + 4) * half * act + 3 * ring * per_token
                                   + norms * ring * h * 4)
 
 
