@@ -252,3 +252,47 @@ def test_the_fused_head_loss_equals_the_whole_logits_cross_entropy(block):
         torch.testing.assert_close(grad_x, want_x, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(grad_w, want_w, rtol=1e-5, atol=1e-7)
         assert calls == {Op.ALL_REDUCE: 3 * runs}
+
+
+def _two_linears_on_a_gathered_input(precision):
+    """Two column-parallel linears (as q and k) reading one sequence-parallel gather, plain and
+    keeping the shard: outputs and gradients, and the gathers each made."""
+    from torch import nn
+
+    from plait.comm.autograd import gather_from_sp
+    from plait.parallel.sequence_parallel import keep_shard, mark
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    torch.manual_seed(0)  # the same weights on every rank, each its own shard of the rows
+    linears = [nn.Linear(32, 48, bias=False) for _ in range(2)]
+    x = torch.randn(2, 16, 32).chunk(dist.get_world_size(), dim=1)[rank]
+    out = {}
+    for keeping in (False, True):
+        copies = [nn.Linear(32, 48, bias=False) for _ in range(2)]
+        for copy, linear in zip(copies, linears, strict=True):
+            copy.weight.data.copy_(linear.weight.data)
+            if keeping:
+                keep_shard(copy)
+        shard = x.clone().requires_grad_()
+        LEDGER.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            h = shard * 1.0  # a norm's output, say
+            whole = gather_from_sp(h, group)
+            if keeping:
+                whole = mark(whole, h, group)
+            y = sum(c(whole).float().pow(2).sum() for c in copies)
+        y.backward()
+        out[keeping] = ([shard.grad, *(c.weight.grad for c in copies)],
+                        LEDGER.calls.get(Op.ALL_GATHER, 0))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_linears_keeping_the_shard_equal_the_plain_ones_bit_for_bit(precision):
+    """`sequence_parallel.ShardKeepingLinear`'s backward runs the products F.linear's does, on
+    the same gathered input (made again, once for both linears): the same bits, in fp32 and
+    under bf16 autocast, and one all-gather more than the plain linears' single one."""
+    for r in run_world(_two_linears_on_a_gathered_input, 2, precision):
+        (plain, plain_gathers), (kept, kept_gathers) = r[False], r[True]
+        assert all(torch.equal(a, b) for a, b in zip(plain, kept, strict=True))
+        assert (plain_gathers, kept_gathers) == (1, 2)
