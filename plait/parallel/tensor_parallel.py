@@ -12,9 +12,11 @@ around it (names and call signatures stay the model's own):
 
 Under sequence parallelism the residual stream, the norms and the dropout-free elementwise work
 hold (batch, seq / T, dim): activation memory of those regions divided by T for the same bytes
-communicated. Every replicated parameter (the norms) then sees a shard of the tokens, so its
-weight gradient is a partial sum and is all-reduced over `tp` as it arrives; so is a parameter
-the plan lists in `tp_partial_grads` (a mixture of experts' router), with or without SP.
+communicated; the column-parallel linears keep their input's shard rather than the gathered
+input, and gather it again in backward (`sequence_parallel.py`). Every replicated parameter (the
+norms) then sees a shard of the tokens, so its weight gradient is a partial sum and is
+all-reduced over `tp` as it arrives; so is a parameter the plan lists in `tp_partial_grads` (a
+mixture of experts' router), with or without SP.
 
 The embedding and the output head are split by vocabulary (`vocab_parallel`); the head's logits
 stay split for plait's vocabulary-parallel cross-entropy, and are all-gathered (`whole_logits`)

@@ -22,12 +22,12 @@ Attention (torch's fused kernel, forward and backward), counted as PaLM counts i
 token and layer, the causal mask's skipped half included, so its rate is twice the kernel's):
 56% of the dense peak at 2K tokens and 94% at 8K (32 heads of 128, measured on the same H200),
 log-linear in the length between, and no more beyond: a later sweep on that H200 (batches of 32K
-tokens, torch 2.11's SDPA) measured 90% at 8K, 92.5% at 16K, 94.4% at 32K and 94.1% at 64K. Elementwise work (norms, rotary,
-activations, casts, the softmax of the loss) is memory-bound: a step moves a multiple of the
-bytes of the activations it would keep without checkpointing, the engine's
-`elementwise_passes` (`hardware.Engine`: plait's eager step 26, calibrated on a 1B step on the
-H200 and checked on a 125M one and on full checkpointing, docs/planning.md; an engine of fused
-kernels 4), a third more under full recomputation. The optimizer (AdamW, foreach) moves 96
+tokens, torch 2.11's SDPA) measured 90% at 8K, 92.5% at 16K, 94.4% at 32K and 94.1% at 64K.
+Elementwise work (norms, rotary, activations, casts, the softmax of the loss) is memory-bound: a
+step moves a multiple of the bytes of the activations it would keep without checkpointing, the
+engine's `elementwise_passes` (`hardware.Engine`: plait's eager step 26, calibrated on a 1B step
+on the H200 and checked on a 125M one and on full checkpointing, docs/planning.md; an engine of
+fused kernels 4), a third more under full recomputation. The optimizer (AdamW, foreach) moves 96
 bytes per element of its state's slice (measured: 33 ms for 1.5B on the H200).
 """
 
