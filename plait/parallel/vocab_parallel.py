@@ -101,6 +101,12 @@ def logit_block(device: str) -> int:
     return LOGIT_BLOCK["cpu" if device == "cpu" else "cuda"]
 
 
+def run_tokens(vocab: int, device: str, block: int = 0) -> int:
+    """Tokens in one run of `linear_cross_entropy` over a (local) vocabulary of `vocab` rows:
+    `block` logits at a time (0: the device's `logit_block`), at least one token."""
+    return max(1, (block or logit_block(device)) // vocab)
+
+
 def compute_device(cfg) -> str:
     """The kind of device a configuration's ranks compute on: train.device, "auto" resolved as
     the workers resolve it (a GPU when there is one)."""
@@ -179,7 +185,7 @@ def backward_bytes(tokens: int, vocab: int, dim: int, per: int, matmul: int, hid
     x, w, run = tokens * dim, vocab * dim, min(per, tokens) * vocab
     held = (hidden != matmul) * x * matmul + (weight != matmul) * w * matmul + x * matmul + 4 * w
     half = matmul != 4
-    loop = max((4 + half * matmul) * run, (matmul if half else 4) * run + w * matmul)
+    loop = max((4 + half * matmul) * run, matmul * (run + w))
     end = (hidden != matmul) * x * hidden + (weight != 4) * w * weight
     return held + max(loop, end)
 
@@ -195,7 +201,7 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.T
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
         else head.weight.dtype
     start = vocab_range(vocab_size, group)[0] if group is not None else 0
-    per = max(1, (block or logit_block(device)) // head.weight.shape[0])
+    per = run_tokens(head.weight.shape[0], device, block)
     with torch.autocast(device, enabled=False):
         losses = LinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, targets.flatten(),
                                           dtype, per, group, start)

@@ -42,7 +42,7 @@ from plait.mesh import ParallelDims
 from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
-from plait.parallel.vocab_parallel import backward_bytes, compute_device, fits_one_run, logit_block
+from plait.parallel.vocab_parallel import backward_bytes, compute_device, fits_one_run, run_tokens
 
 
 @dataclass(frozen=True)
@@ -220,8 +220,8 @@ def loss_backward_bytes(cfg: Config, dims: ParallelDims) -> int:
     vocab, device = args.vocab_size // dims.tp, compute_device(cfg)
     if fits_one_run(tokens, vocab, device):
         return 0
-    per = max(1, logit_block(device) // vocab)
-    return backward_bytes(tokens, vocab, args.dim, per, b.matmul, b.stream, b.stream)
+    return backward_bytes(tokens, vocab, args.dim, run_tokens(vocab, device), b.matmul,
+                          b.stream, b.stream)
 
 
 def regathered_bytes(cfg: Config, dims: ParallelDims, rows: int, layers: int) -> int:

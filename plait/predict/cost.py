@@ -53,7 +53,7 @@ from plait.parallel.muon_routes import (
 )
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
-from plait.parallel.vocab_parallel import compute_device, logit_block
+from plait.parallel.vocab_parallel import compute_device, run_tokens
 from plait.predict.state_cost import (  # noqa: F401 - re-exported
     compression_method,
     dtype_bytes,
@@ -245,7 +245,7 @@ def _tensor_traffic(t: Traffic, cfg: Config, record: PlacementRecord, s: _Step) 
     if s.last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit,
         # per run of tokens (`vocab_parallel.linear_cross_entropy`)
         tokens, vocab = s.rows * s.seq, cfg.model.args().vocab_size // T
-        per = max(1, logit_block(compute_device(cfg)) // vocab)
+        per = run_tokens(vocab, compute_device(cfg))
         t.add("tp", Op.ALL_REDUCE, T, per * 4, M * 3 * (tokens // per))
         t.add("tp", Op.ALL_REDUCE, T, tokens % per * 4, M * 3 * bool(tokens % per))
     # Each replicated parameter whose gradient is a partial sum over tp (under sequence
