@@ -22,8 +22,10 @@ Sources (each row names its own):
   (GiB) measured; one forward per step where there is no pipeline (no accumulation). Eager and
   torch.compile rows alike are priced with plait's eager engine (what compile's fusion saves is
   not modeled: those rows are expected slower than published), Float8 rows with fp8 matmuls
-  (`hardware.planned_precision`). Async TP rows are left out: plait's tensor parallelism does not
-  overlap its collectives.
+  (`hardware.planned_precision`), attention at FlashAttention-2's rate (`gemm.FLASH2_SHARE`:
+  the torch of December 2024 and June 2025 ran it, not cuDNN's kernel). Async TP's rows are
+  left out (plait's tensor parallelism does not overlap its collectives), but for the 405B's
+  (Table 5 ran with it), priced without it.
 """
 
 from __future__ import annotations
@@ -113,10 +115,10 @@ PUBLISHED = [
     _titan("8B FSDP 4 CP 2, 64K tokens", TITAN, L8B, 8, 4, {**FULL, "cp": 2}, 2540, 84.2, True,
            True, 65536),
     _titan("70B FSDP 32 TP 8", TITAN, L70B, 256, 512, {**FULL, "tp": 8}, 829, 71.9, True, True),
-    _titan("405B FSDP 8 TP 8 PP 8, 1F1B", TITAN, L405B, 512, 256,
+    _titan("405B FSDP 8 TP 8 PP 8, 1F1B, async TP", TITAN, L405B, 512, 256,
            {**FULL, "tp": 8, "pp": 8, "pp_schedule": "1f1b", "microbatches": 8}, 100, 82.5, True,
            True),
-    _titan("405B FSDP 8 TP 8 PP 8, interleaved", TITAN, L405B, 512, 256,
+    _titan("405B FSDP 8 TP 8 PP 8, interleaved, async TP", TITAN, L405B, 512, 256,
            {**FULL, "tp": 8, "pp": 8, "pp_schedule": "interleaved", "microbatches": 16}, 128,
            72.7, True, True),
     _titan("70B FSDP 32 TP 8, bf16", TITAN_ASYNC, L70B, 256, 512, {**FULL, "tp": 8}, 597.3, 0,
@@ -140,10 +142,13 @@ def _published_tokens_per_s(row: Published, cfg, peak: float, flops_per_token: f
 
 
 def _cluster(row: Published):
+    from plait.planner.gemm import FLASH2_SHARE
     from plait.planner.hardware import DEVICES, FUSED_PASSES, Cluster, Engine
 
-    engine = Engine("megatron-2021", FUSED_PASSES, overlap_dp=False) \
-        if row.engine == "fused" else Engine()
+    if row.engine == "fused":
+        engine = Engine("megatron-2021", FUSED_PASSES, overlap_dp=False)
+    else:  # torchtitan's: torch of 2024-2025, whose SDPA ran FlashAttention-2
+        engine = Engine("torchtitan", attention_kernel=FLASH2_SHARE)
     return Cluster(row.gpus, 8, DEVICES[row.gpu], engine)
 
 

@@ -19,7 +19,9 @@ it; full checkpointing repeats the forward. Their rate over the layout's own sha
 its matmul FLOPs (a Hugging Face model's counted by its trace).
 
 Attention (torch's fused kernel, forward and backward), counted as PaLM counts it (12 s d per
-token and layer, the causal mask's skipped half included, so its rate is twice the kernel's):
+token and layer, the causal mask's skipped half included, so its rate is twice the kernel's),
+the rate of torch 2.11's kernel on Hopper (cuDNN's; an engine on FlashAttention-2, as torch
+ran before, at `FLASH2_SHARE` of it):
 56% of the dense peak at 2K tokens and 94% at 8K (32 heads of 128, measured on the same H200),
 log-linear in the length between, and no more beyond: a later sweep on that H200 (batches of 32K
 tokens, torch 2.11's SDPA) measured 90% at 8K, 92.5% at 16K, 94.4% at 32K and 94.1% at 64K.
@@ -43,6 +45,12 @@ MEMORY_SHARE = 0.85  # of the datasheet's bandwidth a streaming kernel reaches
 PEAK_SHARE = {"bf16": 0.74, "fp8": 0.64}  # of the datasheet's dense peak, large products
 ATTENTION_SHARE = ((2048, 0.56), (8192, 0.94))  # measured, forward + backward (PaLM's count)
 ATTENTION_MAX = 0.94  # saturated: 16K to 64K tokens measured 0.925-0.944
+# FlashAttention-2's rate against cuDNN's on an H100 SXM, forward and backward alike at 2K-16K
+# tokens, head dim 128 (Shah et al. 2024, "FlashAttention-3", figures 5-6: 298-335 against
+# 484-539 TFLOP/s forward, 291-322 against 465-518 backward). The sweep above ran torch 2.11,
+# whose SDPA prefers cuDNN's kernel on Hopper; torch of 2024-2025 ran FlashAttention-2 first
+# (cuDNN's kernel opt-in: pytorch/pytorch#138522).
+FLASH2_SHARE = 0.62
 OPTIMIZER_BYTES = 96  # per element of the optimizer's slice, per step
 
 

@@ -177,7 +177,9 @@ class Engine:
     and read once, its gradient written once and read once (torch.compile's fusion is not
     modeled).
     `fp8`: the linear layers' matmuls in fp8 (`train.precision = "fp8"`, priced only), the
-    output head's in bf16, with the casts' traffic (`gemm.fp8_cast_bytes`)."""
+    output head's in bf16, with the casts' traffic (`gemm.fp8_cast_bytes`).
+    `attention_kernel`: its attention kernel's rate against the one measured (torch 2.11's SDPA
+    on Hopper, cuDNN's): `gemm.FLASH2_SHARE` for an engine on FlashAttention-2."""
 
     name: str = "plait"
     elementwise_passes: float = 26.0
@@ -185,6 +187,7 @@ class Engine:
     # Data-parallel gradient reduction beside the backward (plait's buckets, torch's DDP and
     # FSDP); Megatron-LM of 2021 all-reduced after the backward (its "local" DDP).
     overlap_dp: bool = True
+    attention_kernel: float = 1.0
 
 
 FUSED_PASSES = 4.0

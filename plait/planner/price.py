@@ -170,11 +170,12 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     attention *= 4 / 3 if recompute in ("full", "selective") else 1
     seconds = (flops - attention) / gemm.matmul_rate(weights, tokens, device,
                                                      recompute == "full")
-    seconds += attention / gemm.attention_rate(cfg.data.seq_len, device)
+    seconds += attention / (gemm.attention_rate(cfg.data.seq_len, device)
+                            * engine.attention_kernel)
     plain = with_degrees(cfg, activation_checkpointing="none")
     moved = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
-                + regathered_bytes(plain, dims, rows, c.layers - c.moe) for c in chunks) \
-        * engine.elementwise_passes
+                for c in chunks) * engine.elementwise_passes
+    moved += sum(regathered_bytes(plain, dims, rows, c.layers, c.moe) for c in chunks)
     moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again
     moved += sum(gemm.fp8_cast_bytes(out, inner, tokens * share) for out, inner, share, fp8
                  in weights if fp8) * (4 / 3 if recompute == "full" else 1)

@@ -224,11 +224,15 @@ def loss_backward_bytes(cfg: Config, dims: ParallelDims) -> int:
                           b.stream, b.stream)
 
 
-def regathered_bytes(cfg: Config, dims: ParallelDims, rows: int, layers: int) -> int:
-    """Per micro-batch, what sequence parallelism's column-parallel linears make whole and do
-    not keep (`parallel/sequence_parallel.py`): their gathered inputs and weight casts, made in
-    forward and again in backward; 0 without sequence parallelism."""
-    if not (cfg.parallel.sequence_parallel and dims.tp > 1):
+def regathered_bytes(cfg: Config, dims: ParallelDims, rows: int, layers: int, moe: int = 0) -> int:
+    """Per micro-batch, the elementwise traffic of sequence parallelism's gathered inputs
+    (`parallel/sequence_parallel.py`): each half's input is gathered in forward and again in
+    backward, and goes from the all-gather to the column-parallel matmuls, which read it as it
+    is; only autocast over fp32 parameters casts it first (the fp32 gather read, a bf16 copy
+    written: 6 bytes an element, once per half and pass; a mixture of experts' feed-forward
+    keeps its gathered input, and is not gathered again). 0 without sequence parallelism and
+    where the gathered input is already the matmuls' dtype (bf16 parameters, fp32)."""
+    if not (cfg.parallel.sequence_parallel and dims.tp > 1) or not _sizes(cfg).weight_casts:
         return 0
-    whole = block_bytes(cfg, dims.tp, rows, dims.cp, whole_inputs=True)
-    return layers * (whole - block_bytes(cfg, dims.tp, rows, dims.cp))
+    whole = rows * cfg.data.seq_len // dims.cp * cfg.model.args().dim
+    return (2 * layers - moe) * 2 * whole * (4 + 2)

@@ -75,16 +75,45 @@ def test_megatrons_weak_scaling_table_within_ten_percent_with_its_slope(publishe
     assert slope > 0
 
 
-def test_torchtitans_runs_fit_where_they_ran_and_price_within_a_third(published):
+def test_torchtitans_runs_fit_where_they_ran_and_price_within_a_quarter(published):
     """torchtitan's H100 (96 GB, 500 W) rows: every one fits without offload where it ran (the
     8B at tp 8 did not while plait's column-parallel linears kept their gathered inputs under
     sequence parallelism: 84.6 GiB with params offload; `parallel/sequence_parallel.py`), each
-    within 35% (median 15%; eager and compiled alike priced as plait's eager step), and the 8B
-    at FSDP on 8 GPUs, which held 82.4 GiB there, below that (it needed offload while plait's
-    SwiGLU kept its gate: 90.2 GiB)."""
+    within 25% (median 10%; eager and compiled alike priced as plait's eager step, attention at
+    FlashAttention-2's rate, which the torch of those runs used), and the 8B at FSDP on 8 GPUs,
+    which held 82.4 GiB there, below that (it needed offload while plait's SwiGLU kept its gate:
+    90.2 GiB)."""
     rows = [r for r in published if r["source"].startswith("torchtitan")]
     plain = [r for r in rows if r["fits"] and r["degrees"]["offload"] == "none"]
     errors = [abs(r["predicted"] / r["published"] - 1) for r in plain]
-    assert plain == rows and statistics.median(errors) <= 0.15 and max(errors) <= 0.35
+    assert plain == rows and statistics.median(errors) <= 0.10 and max(errors) <= 0.25, errors
     eight = next(r for r in rows if r["name"] == "8B FSDP" and r["gpus"] == 8)
     assert eight in plain and eight["memory_gib"] < eight["published_gib"]
+
+
+def test_the_issues_criterion_over_megatron_and_torchtitan(published):
+    """Over Megatron-LM's Table 1 and torchtitan's rows together, each layout pinned: median
+    |error| on throughput within 10%, the worst within 25% (Llama 3's rows, Meta's own engine,
+    are shown beside, not counted)."""
+    rows = [r for r in published if r["source"].startswith(("Narayanan", "torchtitan"))]
+    errors = [abs(r["predicted"] / r["published"] - 1) for r in rows]
+    assert len(rows) == 24 and statistics.median(errors) <= 0.10 and max(errors) <= 0.25, errors
+
+
+def test_sequence_parallel_gathers_cost_only_autocasts_cast():
+    """Sequence parallelism's gathered inputs go from the all-gather to the matmuls: no
+    elementwise traffic with bf16 parameters (ZeRO) or in fp32; under autocast over fp32
+    parameters, one fp32 -> bf16 cast per half, in forward and again in backward."""
+    from plait.config import load_config
+    from plait.mesh import ParallelDims
+    from plait.predict.activations import regathered_bytes
+
+    dims, rows = ParallelDims(tp=4, dp=2), 2
+    base = ["model.preset='small'", "data.seq_len=256", "parallel.sequence_parallel=true"]
+    for extra, want in ((["train.precision='bf16'"], 2 * 2 * 2 * rows * 256 * 192 * 6),
+                        (["train.precision='bf16'", "parallel.zero=3"], 0), ([], 0)):
+        cfg = load_config(None, [*base, *extra])
+        assert regathered_bytes(cfg, dims, rows, 2) == want
+        assert regathered_bytes(cfg, ParallelDims(tp=1, dp=8), rows, 2) == 0
+    cfg = load_config(None, [*base, "train.precision='bf16'"])
+    assert regathered_bytes(cfg, dims, rows, 2, moe=1) == 3 * 2 * rows * 256 * 192 * 6
