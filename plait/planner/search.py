@@ -196,7 +196,9 @@ def reasons(p: PricedLayout, cluster: Cluster) -> list[str]:
     if d["tp"] > 1:
         where = "within a node" if cluster.within_node(1, d["tp"]) else "across nodes"
         out.append(f"tensor parallelism {d['tp']} {where}"
-                   + (" with sequence parallelism" if d["sequence_parallel"] else ""))
+                   + (" with sequence parallelism" if d["sequence_parallel"] else "")
+                   + ", its collectives on the critical path (plait does not overlap them with "
+                   "the matmuls, as Megatron-LM's and torchtitan's async TP do)")
     if d["pp"] > 1:
         out.append(f"{d['pp']} pipeline stages, {d['pp_schedule']}, {d['microbatches']} "
                    f"micro-batches: bubble {p.bubble:.0%}")
@@ -209,4 +211,7 @@ def reasons(p: PricedLayout, cluster: Cluster) -> list[str]:
     if d["dp"] > 1:
         out.append(f"data parallelism {d['dp']}" + (f" (hybrid: shards of {d['dp_shard']})"
                                                     if d["dp_shard"] else ""))
+    if p.comm_s:
+        out.append(f"communication not hidden: {p.comm_s:.3g} s of the {p.step_time_s:.3g} s "
+                   "step")
     return out

@@ -423,3 +423,19 @@ def test_a_cuda_device_name_finds_its_datasheet(cuda_name, key):
     from plait.planner.hardware import known_device
 
     assert known_device(cuda_name) is (DEVICES[key] if key else None)
+
+
+def test_the_plan_says_tensor_parallelism_is_not_overlapped():
+    """plait's tp collectives sit on the critical path (no async TP): the plan's reasons say so,
+    with the communication left exposed, which a tp layout has and a data-parallel one hides."""
+    from plait.planner.search import reasons
+
+    cfg = load_config(None, ["model.preset='1b'", "train.global_batch=64", "data.seq_len=4096",
+                             *BF16])
+    cluster = Cluster(8, 8, DEVICES["h100"])
+    tp = rank_plans(cfg, cluster, {**FAST, "tp": 8, "pp": 1, "cp": 1})[0]
+    said = "; ".join(reasons(tp, cluster))
+    assert tp.comm_s > 0 and "does not overlap them" in said
+    assert f"communication not hidden: {tp.comm_s:.3g} s" in said
+    dp = rank_plans(cfg, cluster, {**FAST, "tp": 1, "pp": 1, "cp": 1, "zero": 0})[0]
+    assert "does not overlap" not in "; ".join(reasons(dp, cluster))
