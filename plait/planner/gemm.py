@@ -48,8 +48,9 @@ ATTENTION_MAX = 0.94  # saturated: 16K to 64K tokens measured 0.925-0.944
 # FlashAttention-2's rate against cuDNN's on an H100 SXM, forward and backward alike at 2K-16K
 # tokens, head dim 128 (Shah et al. 2024, "FlashAttention-3", figures 5-6: 298-335 against
 # 484-539 TFLOP/s forward, 291-322 against 465-518 backward). The sweep above ran torch 2.11,
-# whose SDPA prefers cuDNN's kernel on Hopper; torch of 2024-2025 ran FlashAttention-2 first
-# (cuDNN's kernel opt-in: pytorch/pytorch#138522).
+# whose SDPA prefers cuDNN's kernel on Hopper (its backend was not recorded, but its 0.94 is
+# 465 TFLOP/s of executed work, beyond FlashAttention-2's ~320 on the same SMs); torch of
+# 2024-2025 ran FlashAttention-2 first (cuDNN's kernel opt-in: pytorch/pytorch#138522).
 FLASH2_SHARE = 0.62
 OPTIMIZER_BYTES = 96  # per element of the optimizer's slice, per step
 
