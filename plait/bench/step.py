@@ -204,13 +204,17 @@ def start_worker(cfg: Config):
 
 
 SIDES = ("plait", "torch")  # each in processes of its own (run_step)
+# plait's DDP with communication skipped, the exposed-communication baseline of a DDP row: in
+# processes of its own too, so that plait's processes hold one model, as the peer's do.
+NO_COMM = "no_comm"
 
 
 @record
 def bench_step(cfg: Config, steps: int, side: str) -> dict | None:
-    """One side's step times on this world: plait's ("plait", with its DDP without communication
-    and, for a Hugging Face model, plait's Llama of its shape) or the peer's ("torch"), and the
-    glibc threshold this process set (None: glibc's own, as a user of torch alone has it)."""
+    """One side's step times on this world: plait's ("plait", and for a Hugging Face model
+    plait's Llama of its shape), the peer's ("torch") or plait's DDP without communication
+    (`NO_COMM`), and the glibc threshold this process set (None: glibc's own, as a user of
+    torch alone has it)."""
     # fully_shard's ShardedGradScaler replicates its one-element found-inf tensors, and says so.
     warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1")
     dims, mesh = start_worker(cfg)
@@ -225,17 +229,17 @@ def bench_step(cfg: Config, steps: int, side: str) -> dict | None:
 
     if side == "torch":
         runners = {"torch": torch_runner(model(), mesh, cfg, batches).step}
+    elif side == NO_COMM:
+        local = model()
+        half = HALF.get(cfg.train.precision)
+        scaler = torch.amp.GradScaler("cpu") if cfg.train.precision == "fp16" else None
+        runners = {NO_COMM: _Runner(BucketedDataParallel(local, group),
+                                    torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
+                                    communicate=False, half=half, scaler=scaler).step}
     else:
         runners = {"plait": plait_step(cfg, dims, mesh)}
     if side == "plait" and cfg.model.hf:  # running someone else's module: vs plait's Llama
         runners["llama"] = plait_step(as_plaits_llama(cfg), dims, mesh)
-    if side == "plait" and not cfg.parallel.zero:
-        local = model()
-        half = HALF.get(cfg.train.precision)
-        scaler = torch.amp.GradScaler("cpu") if cfg.train.precision == "fp16" else None
-        runners["no_comm"] = _Runner(BucketedDataParallel(local, group),
-                                     torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
-                                     communicate=False, half=half, scaler=scaler).step
     times = step_times(runners, group, steps)
     dist.destroy_process_group()
     return {**times, "malloc_threshold": malloc_threshold()} if rank == 0 else None

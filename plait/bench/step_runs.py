@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.bench.load import BUSY, OtherLoad
-from plait.bench.step import SIDES, bench_step, summarize, with_free_dp, world_sizes
+from plait.bench.step import NO_COMM, SIDES, bench_step, summarize, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
 from plait.checks import validate
 from plait.config import Config, ConfigError, microbatches
@@ -77,20 +77,23 @@ def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict
 
 
 def _step_row(n: int, cfg: Config, steps: int, repeats: int) -> dict:
-    """`bench step` at `n` ranks, its sides isolated (`in_turns`)."""
-    return {"ranks": n, **in_turns(n, bench_step, cfg, steps, repeats)}
+    """`bench step` at `n` ranks, its sides isolated (`in_turns`); a DDP row (and only it has
+    one) with plait's DDP without communication, in processes of its own as well."""
+    sides = SIDES if cfg.parallel.zero or n == 1 else (*SIDES, NO_COMM)
+    return {"ranks": n, **in_turns(n, bench_step, cfg, steps, repeats, sides)}
 
 
-def in_turns(n: int, worker, cfg: Config, steps: int, repeats: int) -> dict:
-    """A bench's sides (`worker(cfg, steps, side)` for each of SIDES: rank 0 returns each of its
-    step functions' times and the glibc threshold its process set), each side in processes of
-    its own with the environment a user of that side has, launched by turns over `repeats`
-    launches (the side that goes first alternating), the steps pooled: each name's median and
+def in_turns(n: int, worker, cfg: Config, steps: int, repeats: int,
+             sides: tuple[str, ...] = SIDES) -> dict:
+    """A bench's sides (`worker(cfg, steps, side)` for each of `sides`: rank 0 returns each of
+    its step functions' times and the glibc threshold its process set), each side in processes
+    of its own with the environment a user of that side has, launched by turns over `repeats`
+    launches (the order reversed every other launch), the steps pooled: each name's median and
     spread (`summarize`), the machine's other load meanwhile, each side's threshold."""
     times, thresholds = {}, {}
     with OtherLoad() as load:
         for repeat in range(repeats):
-            for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+            for side in sides if repeat % 2 == 0 else sides[::-1]:
                 got = launch(n, worker, cfg, steps, side, threads=cfg.train.threads,
                              preload=PRELOAD if cfg.model.hf else ())[0]
                 thresholds[side] = got.pop("malloc_threshold")
