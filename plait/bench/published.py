@@ -10,7 +10,8 @@ Sources (each row names its own):
   (1 + s / 6h + V / 16lh) FLOPs per batch. The schedule is not named per row: the interleaved one
   (the paper's own) is assumed where pp > 1; micro-batches are the planner's best for the
   layout. Megatron-LM fused its elementwise kernels and all-reduced the gradients after the
-  backward (its "local" DDP of 2021): `Engine("megatron-2021", FUSED_PASSES, overlap_dp=False)`.
+  backward (its "local" DDP of 2021), on half parameters (no autocast casts):
+  `Engine("megatron-2021", FUSED_PASSES, overlap_dp=False, autocast=False)`.
 - Llama 3: Llama Team 2024, "The Llama 3 Herd of Models", Table 4: 405B at 8,192 tokens on
   H100 SXM 80 GB, tp 8, pp 16, ZeRO-1; MFU 43% and 41% (model FLOPs per token 6N + 6 l s d, as
   plait counts). Recomputation and micro-batches are the planner's best that fit.
@@ -146,7 +147,7 @@ def _cluster(row: Published):
     from plait.planner.hardware import DEVICES, FUSED_PASSES, Cluster, Engine
 
     if row.engine == "fused":
-        engine = Engine("megatron-2021", FUSED_PASSES, overlap_dp=False)
+        engine = Engine("megatron-2021", FUSED_PASSES, overlap_dp=False, autocast=False)
     else:  # torchtitan's: torch of 2024-2025, whose SDPA ran FlashAttention-2
         engine = Engine("torchtitan", attention_kernel=FLASH2_SHARE)
     return Cluster(row.gpus, 8, DEVICES[row.gpu], engine)

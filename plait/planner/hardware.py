@@ -179,7 +179,10 @@ class Engine:
     `fp8`: the linear layers' matmuls in fp8 (`train.precision = "fp8"`, priced only), the
     output head's in bf16, with the casts' traffic (`gemm.fp8_cast_bytes`).
     `attention_kernel`: its attention kernel's rate against the one measured (torch 2.11's SDPA
-    on Hopper, cuDNN's): `gemm.FLASH2_SHARE` for an engine on FlashAttention-2."""
+    on Hopper, cuDNN's): `gemm.FLASH2_SHARE` for an engine on FlashAttention-2.
+    `autocast`: half precision by autocast over fp32 parameters where the layout keeps them
+    whole (plait's), which casts sequence parallelism's gathered inputs
+    (`activations.regathered_bytes`); Megatron-LM keeps half parameters and casts nothing."""
 
     name: str = "plait"
     elementwise_passes: float = 26.0
@@ -188,6 +191,7 @@ class Engine:
     # FSDP); Megatron-LM of 2021 all-reduced after the backward (its "local" DDP).
     overlap_dp: bool = True
     attention_kernel: float = 1.0
+    autocast: bool = True
 
 
 FUSED_PASSES = 4.0

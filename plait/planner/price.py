@@ -175,7 +175,8 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     plain = with_degrees(cfg, activation_checkpointing="none")
     moved = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
                 for c in chunks) * engine.elementwise_passes
-    moved += sum(regathered_bytes(plain, dims, rows, c.layers, c.moe) for c in chunks)
+    if engine.autocast:
+        moved += sum(regathered_bytes(plain, dims, rows, c.layers, c.moe) for c in chunks)
     moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again
     moved += sum(gemm.fp8_cast_bytes(out, inner, tokens * share) for out, inner, share, fp8
                  in weights if fp8) * (4 / 3 if recompute == "full" else 1)

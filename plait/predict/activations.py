@@ -229,10 +229,12 @@ def regathered_bytes(cfg: Config, dims: ParallelDims, rows: int, layers: int, mo
     (`parallel/sequence_parallel.py`): each half's input is gathered in forward and again in
     backward, and goes from the all-gather to the column-parallel matmuls, which read it as it
     is; only autocast over fp32 parameters casts it first (the fp32 gather read, a bf16 copy
-    written: 6 bytes an element, once per half and pass; a mixture of experts' feed-forward
-    keeps its gathered input, and is not gathered again). 0 without sequence parallelism and
-    where the gathered input is already the matmuls' dtype (bf16 parameters, fp32)."""
+    written: 6 bytes an element), in forward once per linear (q, k, v; w1, w3), in backward
+    once per half. A mixture of experts' feed-forward keeps its gathered input and is not
+    gathered again (its casts are its activations'). 0 without sequence parallelism and where
+    the gathered input is already the matmuls' dtype (bf16 parameters, fp32)."""
     if not (cfg.parallel.sequence_parallel and dims.tp > 1) or not _sizes(cfg).weight_casts:
         return 0
     whole = rows * cfg.data.seq_len // dims.cp * cfg.model.args().dim
-    return (2 * layers - moe) * 2 * whole * (4 + 2)
+    casts = layers * (3 + 1) + (layers - moe) * (2 + 1)  # attention's half, the feed-forward's
+    return casts * whole * (4 + 2)

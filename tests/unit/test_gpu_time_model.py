@@ -103,17 +103,18 @@ def test_the_issues_criterion_over_megatron_and_torchtitan(published):
 def test_sequence_parallel_gathers_cost_only_autocasts_cast():
     """Sequence parallelism's gathered inputs go from the all-gather to the matmuls: no
     elementwise traffic with bf16 parameters (ZeRO) or in fp32; under autocast over fp32
-    parameters, one fp32 -> bf16 cast per half, in forward and again in backward."""
+    parameters, an fp32 -> bf16 cast (6 bytes an element) per linear in forward (q, k, v; w1,
+    w3) and per half in backward (`ShardKeepingLinear`)."""
     from plait.config import load_config
     from plait.mesh import ParallelDims
     from plait.predict.activations import regathered_bytes
 
     dims, rows = ParallelDims(tp=4, dp=2), 2
     base = ["model.preset='small'", "data.seq_len=256", "parallel.sequence_parallel=true"]
-    for extra, want in ((["train.precision='bf16'"], 2 * 2 * 2 * rows * 256 * 192 * 6),
+    for extra, want in ((["train.precision='bf16'"], 2 * 7 * rows * 256 * 192 * 6),
                         (["train.precision='bf16'", "parallel.zero=3"], 0), ([], 0)):
         cfg = load_config(None, [*base, *extra])
         assert regathered_bytes(cfg, dims, rows, 2) == want
         assert regathered_bytes(cfg, ParallelDims(tp=1, dp=8), rows, 2) == 0
     cfg = load_config(None, [*base, "train.precision='bf16'"])
-    assert regathered_bytes(cfg, dims, rows, 2, moe=1) == 3 * 2 * rows * 256 * 192 * 6
+    assert regathered_bytes(cfg, dims, rows, 2, moe=1) == (7 + 4) * rows * 256 * 192 * 6
