@@ -73,13 +73,11 @@ def _sizes(cfg: Config) -> _Sizes:
     return _Sizes(4, 2, 8, 2, True)  # autocast: the matmul reads a bf16 cast of the norm output
 
 
-def block_bytes(cfg: Config, T: int, rows: int, C: int = 1, whole_inputs: bool = False) -> int:
-    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C;
-    `whole_inputs`: as if the column-parallel linears kept their gathered inputs under sequence
-    parallelism (what the elementwise work still makes: `planner.price`)."""
+def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
+    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C."""
     args, mode, b = cfg.model.args(), cfg.train.activation_checkpointing, _sizes(cfg)
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
-    shards = S > 1 and not whole_inputs
+    shards = S > 1
     tokens = rows * cfg.data.seq_len // C
     A, Ff = tokens * args.dim, tokens * args.ffn_dim
     kv = Fraction(args.n_kv_heads, args.n_heads)
