@@ -18,15 +18,17 @@ Sources (each row names its own):
 - torchtitan: benchmarks/llama3_h100_202412_torchtitan.md (Tables 1-6, December 2024) and
   benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (the vanilla-TP rows) in
   github.com/pytorch/torchtitan: Llama 3.1 8B / 70B / 405B at 8,192 tokens (or as the row
-  says) on Grand Teton's H100s (96 GB HBM2e, 500 W: `h100-96gb`), FSDP (ZeRO-3), the layout,
+  says) on Grand Teton's H100s (96 GB HBM2e, 500 W: `h100-96gb`), and docs/performance.md as of
+  2024-12-03 (commit 4d88a8a): Llama 3 8B and 70B on 64 A100 80 GB, local batch 1, eager (its
+  "selective op" row for the 8B); FSDP (ZeRO-3), the layout,
   local batch, checkpointing and precision of each table; tokens/s per GPU and the peak memory
   (GiB) measured; one forward per step where there is no pipeline (no accumulation). Eager and
   torch.compile rows alike are priced with plait's eager engine (what compile's fusion saves is
   not modeled: those rows are expected slower than published), Float8 rows with fp8 matmuls
-  (`hardware.planned_precision`), attention at FlashAttention-2's rate (`gemm.FLASH2_SHARE`:
-  the torch of December 2024 and June 2025 ran it, not cuDNN's kernel). Async TP's rows are
-  left out (plait's tensor parallelism does not overlap its collectives), but for the 405B's
-  (Table 5 ran with it), priced without it.
+  (`hardware.planned_precision`), attention on the H100s at FlashAttention-2's rate
+  (`gemm.FLASH2_SHARE`: the torch of December 2024 and June 2025 ran it, not cuDNN's kernel).
+  Async TP's rows are left out (plait's tensor parallelism does not overlap its collectives),
+  but for the 405B's (Table 5 ran with it), priced without it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ MEGATRON = "Narayanan et al. 2021, Table 1"
 LLAMA3 = "Llama 3 Herd, Table 4"
 TITAN = "torchtitan llama3_h100_202412"
 TITAN_ASYNC = "torchtitan asyncTP_llama3_h100_2025-06"
+TITAN_A100 = "torchtitan performance.md, 2024-12"
 
 # Llama 3.1's shapes (Llama Team 2024, Table 3), 8,192 tokens.
 L8B = ["model.preset='70b'", "model.dim=4096", "model.n_layers=32", "model.n_heads=32",
@@ -81,9 +84,9 @@ def _megatron(params, heads, dim, layers, tp, pp, gpus, batch, tflops) -> Publis
 
 
 def _titan(name, source, model, gpus, batch, pins, tps, memory, compiled, fp8=False,
-           seq=8192) -> Published:
+           seq=8192, gpu="h100-96gb") -> Published:
     return Published(name, source, (*model, f"data.seq_len={seq}", f"model.max_seq_len={seq}"),
-                     gpus, "h100-96gb", batch,
+                     gpus, gpu, batch,
                      {"zero": 3, "cp": 1, "tp": 1, "pp": 1, "microbatches": 1,
                       "sequence_parallel": pins.get("tp", 1) > 1, **pins},  # torchtitan's TP
                      ("tps", tps), "compiled" if compiled else "eager", "fp8" if fp8 else "bf16",
@@ -127,6 +130,8 @@ PUBLISHED = [
     _titan("8B FSDP 8 TP 8, bf16", TITAN_ASYNC, L8B, 64, 96, {**SEL, "tp": 8}, 4378, 0, True),
     _titan("8B FSDP 8 TP 8, Float8", TITAN_ASYNC, L8B, 64, 96, {**SEL, "tp": 8}, 5078.1, 0, True,
            True),
+    _titan("8B FSDP, A100", TITAN_A100, L8B, 64, 64, SEL, 2973, 0, False, gpu="a100"),
+    _titan("70B FSDP, A100", TITAN_A100, L70B, 64, 64, FULL, 331, 0, False, gpu="a100"),
 ]
 
 

@@ -77,25 +77,29 @@ class Device:
     sms: int = 132  # streaming multiprocessors: how many tiles of a matmul run at once
     hbm_gbps: float = 3350.0  # device memory bandwidth (GB/s): elementwise work, the optimizer
     fp8: bool = False  # has fp8 tensor cores, at twice the dense bf16 peak
+    # Hopper and later: cuDNN's attention kernel (the one the attention rates were measured
+    # with) outruns FlashAttention-2 there (`gemm.FLASH2_SHARE`); on earlier GPUs FA2 is the
+    # kernel of their generation, priced at the same rates.
+    hopper: bool = False
 
 
 DEVICES = {
     "a100": Device("A100 SXM 80GB", 312e12, 80 * GB, 300, 25, host_memory_bytes=1000 * GB,
                    sms=108, hbm_gbps=2039),
     "h100": Device("H100 SXM 80GB", 989e12, 80 * GB, 450, 50, pcie_gbps=64,
-                   host_memory_bytes=2000 * GB, fp8=True),
+                   host_memory_bytes=2000 * GB, fp8=True, hopper=True),
     # torchtitan's benchmark cluster (Grand Teton): 96 GB HBM2e at 2.4 TB/s, a 500 W limit; its
     # peak "between SXM and NVL" by torchtitan's note, taken as their midpoint.
     "h100-96gb": Device("H100 96GB 500W", 912e12, 96 * GB, 450, 50, pcie_gbps=64,
-                        host_memory_bytes=2000 * GB, hbm_gbps=2400, fp8=True),
+                        host_memory_bytes=2000 * GB, hbm_gbps=2400, fp8=True, hopper=True),
     "h100-pcie": Device("H100 PCIe 80GB", 756e12, 80 * GB, 64, 50, pcie_gbps=64, sms=114,
-                        hbm_gbps=2000, fp8=True),
+                        hbm_gbps=2000, fp8=True, hopper=True),
     "h100-nvl": Device("H100 NVL 94GB", 835e12, 94 * GB, 64, 50, pcie_gbps=64, hbm_gbps=3900,
-                       fp8=True),
+                       fp8=True, hopper=True),
     "h200": Device("H200 SXM 141GB", 989e12, 141 * GB, 450, 50, pcie_gbps=64,
-                   host_memory_bytes=2000 * GB, hbm_gbps=4800, fp8=True),
+                   host_memory_bytes=2000 * GB, hbm_gbps=4800, fp8=True, hopper=True),
     "b200": Device("B200 180GB", 2250e12, 180 * GB, 900, 50, pcie_gbps=64,
-                   host_memory_bytes=2000 * GB, sms=148, hbm_gbps=8000, fp8=True),
+                   host_memory_bytes=2000 * GB, sms=148, hbm_gbps=8000, fp8=True, hopper=True),
     "rtx4090": Device("RTX 4090 24GB", 165e12, 24 * GB, 32, 12.5, sms=128, hbm_gbps=1008,
                       fp8=True),
     "a10": Device("A10 24GB", 125e12, 24 * GB, 32, 12.5, sms=72, hbm_gbps=600),
@@ -179,7 +183,8 @@ class Engine:
     `fp8`: the linear layers' matmuls in fp8 (`train.precision = "fp8"`, priced only), the
     output head's in bf16, with the casts' traffic (`gemm.fp8_cast_bytes`).
     `attention_kernel`: its attention kernel's rate against the one measured (torch 2.11's SDPA
-    on Hopper, cuDNN's): `gemm.FLASH2_SHARE` for an engine on FlashAttention-2.
+    on Hopper, cuDNN's), on Hopper and later (`Device.hopper`): `gemm.FLASH2_SHARE` for an
+    engine on FlashAttention-2.
     `autocast`: half precision by autocast over fp32 parameters where the layout keeps them
     whole (plait's), which casts sequence parallelism's gathered inputs
     (`activations.regathered_bytes`); Megatron-LM keeps half parameters and casts nothing."""

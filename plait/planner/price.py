@@ -170,8 +170,8 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     attention *= 4 / 3 if recompute in ("full", "selective") else 1
     seconds = (flops - attention) / gemm.matmul_rate(weights, tokens, device,
                                                      recompute == "full")
-    seconds += attention / (gemm.attention_rate(cfg.data.seq_len, device)
-                            * engine.attention_kernel)
+    kernel = engine.attention_kernel if device.hopper else 1.0
+    seconds += attention / (gemm.attention_rate(cfg.data.seq_len, device) * kernel)
     plain = with_degrees(cfg, activation_checkpointing="none")
     moved = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
                 for c in chunks) * engine.elementwise_passes
