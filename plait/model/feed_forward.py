@@ -45,10 +45,16 @@ class GatedDown(torch.autograd.Function):
         return grad_a, grad_gate * silu, grad_w, None
 
 
+def matmul_dtype(device: str, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a hand-written linear's matmul runs in on `device`: autocast's where it is on
+    (as F.linear's would), else the weight's."""
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+        else weight.dtype
+
+
 def _gated_down(a: torch.Tensor, *, b: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     device = a.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-        else linear.weight.dtype
+    dtype = matmul_dtype(device, linear.weight)
     with torch.autocast(device, enabled=False):
         return GatedDown.apply(a, b, linear.weight, dtype)
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from plait.comm.autograd import _gather_seq
+from plait.model.feed_forward import matmul_dtype
 
 _MARK = "_plait_sequence_shard"
 
@@ -88,8 +89,7 @@ def _forward(x: torch.Tensor, *, linear: nn.Linear) -> torch.Tensor:
         return F.linear(x, linear.weight, linear.bias)
     shard, regathered = marked
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-        else linear.weight.dtype
+    dtype = matmul_dtype(device, linear.weight)
     with torch.autocast(device, enabled=False):
         return ShardKeepingLinear.apply(x, shard.detach(), linear.weight, regathered, dtype)
 

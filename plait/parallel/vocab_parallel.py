@@ -16,6 +16,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from plait.comm import all_reduce
 from plait.comm.autograd import reduce_from_tp, reduce_scatter_to_sp
 from plait.mesh import Axis
+from plait.model.feed_forward import matmul_dtype
 
 
 def vocab_range(vocab_size: int, group: ProcessGroup) -> tuple[int, int]:
@@ -198,8 +199,7 @@ def linear_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.T
     a vocabulary-split head's (its input as its forward receives it); `block`: logits at a time
     (0: the device's `logit_block`)."""
     device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
-        else head.weight.dtype
+    dtype = matmul_dtype(device, head.weight)
     start = vocab_range(vocab_size, group)[0] if group is not None else 0
     per = run_tokens(head.weight.shape[0], device, block)
     with torch.autocast(device, enabled=False):
