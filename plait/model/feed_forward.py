@@ -70,8 +70,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.w1(x), self.w3(x)
-        if isinstance(self.w2.weight, DTensor):  # torch's tensor parallelism (bench step's
-            # peer) converts w2's input alone to a DTensor: the plain composition
+        if isinstance(self.w2.weight, DTensor) or torch.compiler.is_compiling():
+            # The plain composition: torch's tensor parallelism (bench step's peer) converts w2's
+            # input alone to a DTensor; under torch.compile the compiler chooses what to keep
+            # (and cannot trace a forward swapped on the module)
             return self.w2(F.silu(a) * b)
         # w2 called as a module (its hooks run: a ZeRO-3 unit of its own gathers its weight),
         # its forward `GatedDown` for this call.
