@@ -459,11 +459,10 @@ def test_bench_step_compares_with_torch_ddp_at_each_world_size(capsys):
 
 @pytest.mark.parametrize("stage,peer", [(1, "ZeroRedundancyOptimizer"), (3, "fully_shard")])
 def test_bench_step_zero_against_its_torch_peer(stage, peer):
-    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", f"parallel.zero={stage}",
-                      *TINY)
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "--repeats", "1",
+                      f"parallel.zero={stage}", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert peer in proc.stdout and f"ZeRO-{stage}" in proc.stdout
-
 
 
 def test_bench_step_with_muon_compares_its_owners_with_everyone_orthogonalizing():
@@ -495,8 +494,10 @@ def test_bench_step_runs_each_side_in_processes_of_its_own():
     assert [r["variant"] for r in rows][1] == "plait ZeRO-3"
     assert {r["malloc_threshold"]["torch"] for r in rows} == {None}
 
+
 def test_bench_step_tensor_parallel_against_dtensor():
-    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2", *TINY)
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "--repeats", "1",
+                      "parallel.tp=2", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for variant in ("plait TP", "plait TP + sequence parallel", "torch DTensor TP"):
         assert variant in proc.stdout, variant
@@ -505,8 +506,8 @@ def test_bench_step_tensor_parallel_against_dtensor():
 
 
 def test_bench_step_3d_against_torchs_composition():
-    proc = plait("bench", "step", "--nproc", "4", "--steps", "1", "parallel.pp=2", "parallel.tp=2",
-                 "parallel.zero=1", "model.n_layers=4", *TINY)
+    proc = plait("bench", "step", "--nproc", "4", "--steps", "1", "--repeats", "1", "parallel.pp=2",
+                 "parallel.tp=2", "parallel.zero=1", "model.n_layers=4", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for variant in ("plait ZeRO-1", "plait ZeRO-3", "torch pipelining + parallelize_module"):
         assert variant in proc.stdout, variant

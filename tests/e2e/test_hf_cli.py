@@ -76,15 +76,17 @@ def test_bench_step_runs_a_hf_model_against_torchs_peers_and_plaits_llama(tmp_pa
     """ZeRO-3 against fully_shard and plait's Llama, and tp against DTensor with the model's own
     tp plan: runs, and has every column; no timing is asserted (timings live in the bench)."""
     folder = write_model(tmp_path / "llama", "llama")
-    proc = plait_here("bench", "step", "--nproc", "1", "--steps", "1", "parallel.zero=3",
-                      f"model.hf={folder}", "data.seq_len=32", "train.global_batch=8")
+    proc = plait_here("bench", "step", "--nproc", "1", "--steps", "1", "--repeats", "1",
+                      "parallel.zero=3", f"model.hf={folder}", "data.seq_len=32",
+                      "train.global_batch=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fully_shard" in proc.stdout and "Llama (ms)" in proc.stdout and "HF /" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("│")]
     assert [row.split("│")[1].strip() for row in rows] == ["1"]
     assert all(len(row.split("│")) == 14 for row in rows)  # 12 columns
-    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "parallel.tp=2",
-                      f"model.hf={folder}", "data.seq_len=32", "train.global_batch=8")
+    proc = plait_here("bench", "step", "--nproc", "2", "--steps", "1", "--repeats", "1",
+                      "parallel.tp=2", f"model.hf={folder}", "data.seq_len=32",
+                      "train.global_batch=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for variant in ("plait TP", "plait TP + sequence parallel", "torch DTensor TP"):
         assert variant in proc.stdout, variant

@@ -95,12 +95,15 @@ def test_a_lost_node_leaves_the_job_to_the_other_and_the_run_ends_bit_exact(tmp_
     assert straight.returncode == 0, straight.stderr
     args = ["-m", "plait", "train", *run, f"checkpoint.dir={tmp_path / 'two'}"]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see cli.py: #135712
+    # The lost node leaves the rendezvous once its heartbeat is keep_alive_interval x
+    # max_attempt old: 4 s here, not the default 15 (the test's time, not what it shows).
+    conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4"
     with EmulatedNodes(2, rate_mbit=1000) as nodes:
         logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]  # noqa: SIM115
         procs = [nodes.torchrun(i, 1, args, env={**env, **({ENV: "node:0:5"} if i else {})},
                                 nnodes="1:2", launcher=("--max-restarts", "1"),
-                                rdzv_conf="last_call_timeout=1", stdout=logs[i],
-                                stderr=subprocess.STDOUT) for i in range(2)]
+                                rdzv_conf=conf, stdout=logs[i], stderr=subprocess.STDOUT)
+                 for i in range(2)]
         codes = [p.wait(timeout=240) for p in procs]
     out = (tmp_path / "node0.log").read_text()
     assert codes[0] == 0 and codes[1] == -signal.SIGKILL, out[-3000:]
