@@ -153,14 +153,18 @@ def _train_as_torchrun_worker(args: argparse.Namespace, cfg: Config) -> None:
 def _launch_local(args: argparse.Namespace, cfg: Config, nproc: int) -> None:
     """`--nproc N` local workers through the elastic launcher; a failure ends this process with
     status 1 and the workers' report (the first to fail as the cause)."""
+    from plait import forkserver
+
+    # The workers' server imports their stack while this process imports torch for itself.
+    stack = [*forkserver.TRAINING, *(forkserver.HF if cfg.model.hf else ())]
+    forkserver.start(stack, cfg.train.threads)
     from plait.launch import ChildFailedError, launch
-    from plait.model.hf import PRELOAD
-    from plait.train.run import TRAINING_STACK, run_training
+    from plait.train.run import run_training
 
     try:
         results = launch(nproc, run_training, cfg, outputs(args), args.verify,
                          threads=cfg.train.threads, max_restarts=args.max_restarts,
-                         preload=(TRAINING_STACK, *(PRELOAD if cfg.model.hf else ())))
+                         preload=stack)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         sys.exit(1)

@@ -11,6 +11,7 @@ worker leaves its pid beside its error file, the launcher waits on a pidfd of ea
 
 Workers are forked from a forkserver that imported torch and the entrypoint's module once, not
 spawned: a spawned worker imports torch again (~3 s of CPU each, 8 workers on 2 cores: ~20 s).
+`plait train` starts that server before it imports torch itself (`plait/forkserver.py`).
 
 Everything listens on loopback. torch's `TCPStore` server binds every interface whatever host it
 is given, so the local rendezvous (`plait-loopback`, torch's dynamic c10d rendezvous) hands its
@@ -22,7 +23,6 @@ gloo connections use the loopback interface (GLOO_SOCKET_IFNAME=lo).
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import runpy
 import select
@@ -50,6 +50,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from plait import forkserver
 
 LOOPBACK = "127.0.0.1"
 
@@ -91,13 +93,6 @@ def _loopback_rendezvous(params: RendezvousParameters) -> DynamicRendezvousHandl
 rendezvous_handler_registry.register("plait-loopback", _loopback_rendezvous)
 
 
-def _quiet_loopback(threads: int) -> None:
-    # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    if sys.platform.startswith("linux"):
-        # Gloo otherwise picks the interface the hostname resolves to, which may not be loopback.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 @record
@@ -134,13 +129,13 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
     workers (up to that many times) when one fails; the error is raised after the last.
     `preload`: more modules the workers will import, imported once by the forkserver (the
     entrypoint's own module always is)."""
-    _quiet_loopback(threads)
+    # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     # Workers are forked from one server process that imported torch and the entrypoint's module
     # once (a fresh interpreter, started before any worker, so no lock of the launcher's threads
-    # is inherited): each spawned worker would import them again, ~3 s of CPU each.
-    # torch._dynamo too: torch.optim imports it when the first optimizer is built (0.7 s each).
-    multiprocessing.set_forkserver_preload([entrypoint.__module__, __name__, "torch._dynamo",
-                                            *preload])
+    # is inherited): each spawned worker would import them again, ~3 s of CPU each. Already
+    # running when the caller started it early (`plait.forkserver`).
+    forkserver.start([entrypoint.__module__, *preload], threads)
     # The agent keeps per-run logs and error files in a folder; ours is removed afterwards (the
     # failed worker's traceback is read into the exception before).
     with tempfile.TemporaryDirectory(prefix="plait-launch-") as logs:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from plait import forkserver
 from plait.model.args import ModelArgs
 from plait.model.documents import Documents
 from plait.model.materialize import Stacked
@@ -79,7 +80,7 @@ HF_PLANS["MixtralForCausalLM"] = ModelPlan(
 
 
 # What a worker of a `model.hf` run imports: once, in the launcher's forkserver.
-PRELOAD = ("plait.model.hf", "transformers.modeling_utils")
+PRELOAD = forkserver.HF
 
 
 def read_config(folder: str | Path) -> dict:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from plait import forkserver
 from plait.checks import validate
 from plait.comm.watchdog import Heartbeat, diagnose, is_timeout
 from plait.config import Config
@@ -21,8 +22,8 @@ from plait.train.outputs import Outputs
 from plait.train.progress import print_summary
 
 # What a worker imports after starting; the launcher's forkserver imports it before forking the
-# workers (`launch(preload=...)`), and the launcher process itself never needs it.
-TRAINING_STACK = "plait.train.trainer"
+# workers (`forkserver.TRAINING`), and the launcher process itself never needs it.
+TRAINING_STACK = forkserver.TRAINING[1]
 
 
 def worker_device(choice: str = "auto") -> torch.device:

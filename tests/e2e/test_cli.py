@@ -1,5 +1,6 @@
 """The real thing: `plait train` launching workers through the elastic launcher, and torchrun."""
 
+import ast
 import contextlib
 import io
 import json
@@ -315,13 +316,13 @@ def _listening(pids: set[int]) -> list[str]:
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_job_listens_on_loopback_only_and_names_a_stopped_rank(tmp_path, rank):
     """A running job: every socket its processes listen on is on loopback. Then SIGSTOP one rank:
-    with parallel.timeout_s = 5 the other rank gives up within the timeout plus a margin, the
+    with parallel.timeout_s = 3 the other rank gives up within the timeout plus a margin, the
     job ends non-zero, and the message names the one that stopped answering. Stopped
     within a heartbeat of its start (rank 0, as soon as two steps are logged), a rank is still
     credited with the collectives the waiting rank completed with it."""
     stopped = None
     try:
-        with running_job(tmp_path, "parallel.timeout_s=5") as proc:
+        with running_job(tmp_path, "parallel.timeout_s=3") as proc:
             waiting = _worker_pid(proc.pid, rank=1 - rank)
             stopped = _worker_pid(proc.pid, rank=rank)
             addresses = _listening({proc.pid, waiting, stopped})
@@ -340,9 +341,9 @@ def test_a_job_listens_on_loopback_only_and_names_a_stopped_rank(tmp_path, rank)
                 os.kill(stopped, signal.SIGKILL)
     assert len(addresses) >= 3  # the launcher's stores and the workers' gloo connections
     assert set(addresses) <= {"127.0.0.1", "::1"}, addresses
-    assert elapsed < 5 + 15, elapsed
+    assert elapsed < 3 + 15, elapsed
     assert proc.returncode != 0
-    assert "did not complete within parallel.timeout_s=5 s" in err
+    assert "did not complete within parallel.timeout_s=3 s" in err
     late = f"rank(s) that did not arrive: {rank} (stopped answering"
     assert late in err
     joined = int(err.split(late)[1].split("collectives up to #")[1].split(" ")[0])
@@ -352,6 +353,26 @@ def test_a_job_listens_on_loopback_only_and_names_a_stopped_rank(tmp_path, rank)
 
 def test_launcher_returns_results_by_rank():
     assert launch(3, workers.world_sum) == [6.0, 6.0, 6.0]
+
+
+def test_the_workers_server_starts_before_the_launcher_imports_torch():
+    """`plait train`'s workers are forked from a server that imports torch and the trainer (3 s
+    here); started before the launcher imports torch for itself, the two imports overlap
+    (`plait/forkserver.py`). The server's start is stopped here, before any worker."""
+    probe = ("import multiprocessing.forkserver as f, sys\n"
+             "def ensure_running():\n"
+             "    print('torch' in sys.modules, f._forkserver._preload_modules)\n"
+             "    sys.exit(0)\n"
+             "f.ensure_running = ensure_running\n"
+             "from plait import cli\n"
+             "cli.main(sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-c", probe, "train", "--nproc", "2", *TINY],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    imported, preload = proc.stdout.split(" ", 1)
+    assert imported == "False"
+    assert {"plait.train.run", "plait.train.trainer", "plait.launch"} <= \
+        set(ast.literal_eval(preload))
 
 
 def test_a_failing_worker_brings_the_job_down_with_its_traceback():

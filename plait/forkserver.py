@@ -1,0 +1,36 @@
+"""The launcher's forkserver (`plait.launch`), startable before the launcher imports torch.
+
+The workers are forked from a server process that imported torch and the training stack once
+(`launch`). Started as soon as the job is checked, that server imports them while the launcher
+imports torch for itself: on two cores the two imports overlap, and a job's workers start about
+2 s sooner. Nothing here imports torch."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import sys
+
+LAUNCHER = "plait.launch"  # the module whose `_worker` every worker runs
+# What a training job's workers import: their entrypoint's module and the trainer it imports on
+# starting (`train/run.py`); with a Hugging Face model, transformers' modeling code.
+TRAINING = ("plait.train.run", "plait.train.trainer")
+HF = ("plait.model.hf", "transformers.modeling_utils")
+
+
+def worker_environment(threads: int) -> None:
+    """What the workers inherit from this process's environment: their intra-op threads, and
+    gloo on the loopback interface (it otherwise picks the one the hostname resolves to)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def start(modules: list[str], threads: int) -> None:
+    """Start the server (once per process; later calls find it running), importing `modules`
+    and what every worker needs: torch's launcher and torch._dynamo, which torch.optim imports
+    when the first optimizer is built (0.7 s a worker)."""
+    worker_environment(threads)
+    multiprocessing.set_forkserver_preload([*modules, LAUNCHER, "torch._dynamo"])
+    multiprocessing.forkserver.ensure_running()
