@@ -15,8 +15,8 @@ own SM count and bandwidth (`hardware.Device`, datasheets).
 A step's matmuls are its linear layers' (`matmul_rate`): per weight (out x in, as this rank
 holds it under tp and ep) and micro-batch of m tokens, forward (m, out, in), the input's gradient
 (m, in, out) and the weight's (out, in, m); a routed expert's m is the share of tokens routed to
-it; full checkpointing repeats the forward. Their rate over the layout's own shapes prices all
-its matmul FLOPs (a Hugging Face model's counted by its trace).
+it; full checkpointing repeats the blocks' forwards (not the head's). Their rate over the
+layout's own shapes prices all its matmul FLOPs (a Hugging Face model's counted by its trace).
 
 Attention (torch's fused kernel, forward and backward), counted as PaLM counts it (12 s d per
 token and layer, the causal mask's skipped half included, so its rate is twice the kernel's),
@@ -68,12 +68,12 @@ def gemm_seconds(m: int, n: int, k: int, device, fp8: bool = False) -> float:
     return max(compute, memory) + LAUNCH_S[kind]
 
 
-def matmul_rate(weights, tokens: float, device, recompute: bool = False) -> float:
+def matmul_rate(weights, tokens: float, device) -> float:
     """FLOP/s of a step's linear layers: `weights` are (out, in, share of the tokens it sees,
-    in fp8) per weight, `tokens` a micro-batch's; forward, both gradients, and a second forward
-    under full recomputation."""
+    in fp8, its forward run again by full recomputation) per weight, `tokens` a micro-batch's;
+    forward, both gradients, and the second forward where there is one."""
     flops = seconds = 0.0
-    for out, inner, share, fp8 in weights:
+    for out, inner, share, fp8, recompute in weights:
         m = max(1, round(tokens * share))
         forward = gemm_seconds(m, out, inner, device, fp8)
         seconds += forward * (2 if recompute else 1) + gemm_seconds(m, inner, out, device, fp8) \

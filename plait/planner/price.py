@@ -161,15 +161,15 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     rows = max(1, cfg.train.global_batch // dims.rows // M)
     tokens = rows * cfg.data.seq_len // dims.cp
     routed = _routed(args, dims)
+    recompute = cfg.train.activation_checkpointing
+    # Full recomputation runs each block's forward again; the head's is not repeated.
     weights = [(*_local_matrix(p), routed if ".experts." in name else 1.0,
-                engine.fp8 and not _is_head(name))
+                engine.fp8 and not _is_head(name), recompute == "full" and not _is_head(name))
                for name, p in record.params.items()
                if len(p.shape) == 2 and "embed" not in name]
-    recompute = cfg.train.activation_checkpointing
     attention = _attention_per_token(cfg, dims, chunks) * tokens * M
     attention *= 4 / 3 if recompute in ("full", "selective") else 1
-    seconds = (flops - attention) / gemm.matmul_rate(weights, tokens, device,
-                                                     recompute == "full")
+    seconds = (flops - attention) / gemm.matmul_rate(weights, tokens, device)
     kernel = engine.attention_kernel if device.hopper else 1.0
     seconds += attention / (gemm.attention_rate(cfg.data.seq_len, device) * kernel)
     plain = with_degrees(cfg, activation_checkpointing="none")
@@ -178,8 +178,8 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     if engine.autocast:
         moved += sum(regathered_bytes(plain, dims, rows, c.layers, c.moe) for c in chunks)
     moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again
-    moved += sum(gemm.fp8_cast_bytes(out, inner, tokens * share) for out, inner, share, fp8
-                 in weights if fp8) * (4 / 3 if recompute == "full" else 1)
+    moved += sum(gemm.fp8_cast_bytes(out, inner, tokens * share) * (4 / 3 if again else 1)
+                 for out, inner, share, fp8, again in weights if fp8)
     param_b, _ = cost.dtype_bytes(cfg)
     elements = state["optimizer"] // (12 if param_b == 2 else 8)
     return seconds + gemm.memory_seconds(M * moved + elements * gemm.OPTIMIZER_BYTES, device)
@@ -254,11 +254,12 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks,
         return float(plain.flops), float(traced.flops)
     tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
     routed = _routed(cfg.model.args(), dims)
-    matmul = sum(p.local_numel * (routed if ".experts." in n else 1)
-                 for n, p in record.params.items() if not n.startswith("tok_embeddings"))
+    matmul = {n: p.local_numel * (routed if ".experts." in n else 1)
+              for n, p in record.params.items() if not n.startswith("tok_embeddings")}
     attention = _attention_per_token(cfg, dims, chunks)
-    model = tokens * (6 * matmul + attention)
-    extra = {"full": tokens * (2 * matmul + attention / 3),  # one more forward
+    model = tokens * (6 * sum(matmul.values()) + attention)
+    blocks = sum(v for n, v in matmul.items() if not _is_head(n))  # what "full" runs again
+    extra = {"full": tokens * (2 * blocks + attention / 3),  # the blocks' forward once more
              "selective": tokens * attention / 3}.get(cfg.train.activation_checkpointing, 0.0)
     return model, model + extra
 
