@@ -93,8 +93,6 @@ def _loopback_rendezvous(params: RendezvousParameters) -> DynamicRendezvousHandl
 rendezvous_handler_registry.register("plait-loopback", _loopback_rendezvous)
 
 
-
-
 @record
 def _run_script(script: str, args: list[str]) -> None:
     """A worker of `launch_script`: the script as `python script args...` would run it."""
