@@ -8,13 +8,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from plait import forkserver
 from plait.bench.load import BUSY, OtherLoad
 from plait.bench.step import NO_COMM, SIDES, bench_step, summarize, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
 from plait.checks import validate
 from plait.config import Config, ConfigError, microbatches
 from plait.launch import launch
-from plait.model.hf import PRELOAD
 from plait.train.progress import each
 
 
@@ -95,7 +95,7 @@ def in_turns(n: int, worker, cfg: Config, steps: int, repeats: int,
         for repeat in range(repeats):
             for side in sides if repeat % 2 == 0 else sides[::-1]:
                 got = launch(n, worker, cfg, steps, side, threads=cfg.train.threads,
-                             preload=PRELOAD if cfg.model.hf else ())[0]
+                             preload=forkserver.HF if cfg.model.hf else ())[0]
                 thresholds[side] = got.pop("malloc_threshold")
                 for name, ts in got.items():
                     times.setdefault(name, []).extend(ts)

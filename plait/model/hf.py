@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from plait import forkserver
 from plait.model.args import ModelArgs
 from plait.model.documents import Documents
 from plait.model.materialize import Stacked
@@ -77,10 +76,6 @@ HF_PLANS["MixtralForCausalLM"] = ModelPlan(
        "recompute": ("input_layernorm", "post_attention_layernorm")},
     moe_experts="mlp.experts",
 )
-
-
-# What a worker of a `model.hf` run imports: once, in the launcher's forkserver.
-PRELOAD = forkserver.HF
 
 
 def read_config(folder: str | Path) -> dict:
