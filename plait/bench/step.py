@@ -46,7 +46,7 @@ from plait.model.plan import has_plan, plan_of
 from plait.parallel import BucketedDataParallel
 from plait.parallel.loss_scaling import HALF
 from plait.train.data import TokenData
-from plait.train.host_memory import malloc_threshold
+from plait.train.host_memory import STEADY_THRESHOLD, malloc_threshold, release_freed_memory
 from plait.train.trainer import Trainer, build_configured_model
 
 
@@ -236,6 +236,7 @@ def bench_step(cfg: Config, steps: int, side: str) -> dict | None:
         runners = {NO_COMM: _Runner(BucketedDataParallel(local, group),
                                     torch.optim.AdamW(local.parameters(), lr=1e-4), batches,
                                     communicate=False, half=half, scaler=scaler).step}
+        release_freed_memory(STEADY_THRESHOLD)  # plait's step's allocator, as its trainer has it
     else:
         runners = {"plait": plait_step(cfg, dims, mesh)}
     if side == "plait" and cfg.model.hf:  # running someone else's module: vs plait's Llama

@@ -19,7 +19,14 @@ buckets) is made then, each block in a mapping of its own, out of the heap's way
 build frees goes back. From the second step on it takes glibc's ceiling, 32 MiB, and turns off
 glibc's fast bins (freed small chunks kept uncoalesced between the big ones: the steady peak of
 `tests/dist/test_big_model.py`'s ranks reached 412 MiB in 3 runs with them, at most 362 in 3
-without), so a step's blocks come from the heap and are reused. What used to come and go in the
+without), so a step's blocks come from the heap and are reused; and it stops glibc trimming the
+heap's top. A threshold set by hand leaves the trim threshold at 128 KiB (glibc's dynamic policy
+would have raised it with the threshold), so every backward, freeing the activations at the top
+of the heap, handed them back to the kernel, and the next forward faulted them in again: 10,000
+page faults a step on the default recipe at 2 ranks, 6% of its time (torch's DDP, in a process of
+its own under glibc's dynamic policy, took about 7,000). Untrimmed, a step reuses the pages the
+last one used; what stays resident is the heap's high-water mark, which the step's peak reached
+anyway (as a GPU's caching allocator keeps what it once held). What used to come and go in the
 heap at the size of whole units is gone: ZeRO-3 reuses its gathered units and gradient staging
 (`plait/parallel/buffer_pool.py`), and gloo's own flat buffers are avoided
 (`plait/comm/collectives.py`). `MALLOC_MMAP_THRESHOLD_` in the environment, glibc's own setting,
@@ -33,7 +40,10 @@ import os
 from pathlib import Path
 
 M_MXFAST = 1  # mallopt's parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+NEVER = -1  # M_TRIM_THRESHOLD's value for "never trim" (mallopt(3))
+DEFAULT_TRIM = 128 << 10  # glibc's own trim threshold
 THRESHOLD = 1 << 20
 STEADY_THRESHOLD = 32 << 20  # glibc's own ceiling for the rising threshold
 
@@ -43,8 +53,8 @@ _set: list[int] = []  # the thresholds this process set, in order
 
 def release_freed_memory(threshold: int = THRESHOLD) -> bool:
     """Serve blocks of `threshold` bytes and more by `mmap`, so that freeing them returns them to
-    the kernel; at `STEADY_THRESHOLD`, without fast bins. False where the C library is not glibc
-    or the user set glibc's variable."""
+    the kernel; at `STEADY_THRESHOLD`, without fast bins and never trimming the heap's top. False
+    where the C library is not glibc or the user set glibc's variable."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
@@ -52,6 +62,9 @@ def release_freed_memory(threshold: int = THRESHOLD) -> bool:
         done = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
         if done and threshold == STEADY_THRESHOLD:
             libc.mallopt(M_MXFAST, 0)
+            libc.mallopt(M_TRIM_THRESHOLD, NEVER)
+        elif done:
+            libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM)  # what is freed goes back again
     except (OSError, AttributeError):
         return False
     if done:

@@ -475,6 +475,9 @@ def test_bench_step_compares_with_torch_ddp_at_each_world_size(capsys):
     assert [r["ranks"] for r in rows] == [1, 2]
     assert [set(r["malloc_threshold"]) for r in rows] == \
         [{"plait", "torch"}, {"plait", "torch", "no_comm"}]
+    # The baseline is plait's step, allocator included (train/host_memory.py); torch keeps glibc's.
+    assert rows[1]["malloc_threshold"]["no_comm"] == rows[1]["malloc_threshold"]["plait"] != \
+        rows[1]["malloc_threshold"]["torch"]
     assert rows[1]["exposed"] is not None and rows[1]["no_comm"] > 0
 
 
