@@ -23,8 +23,9 @@ MODEL = ["model.n_layers=40", "model.dim=512", "model.n_heads=8", "model.n_kv_he
 # From the second step on, the blocks a step makes and frees (the weights' gradients, AdamW's
 # and the gradient norm's temporaries: 1 to 3 MiB each here) come from glibc's heap, which keeps
 # what was freed for reuse (train/host_memory.py): measured 22 to 83 MiB over the formula on
-# this machine through steps 2-3, in 5 runs; 6 to 67 in 3 runs with the heap's top untrimmed (FSDP2 on such models, in processes of its own,
-# peaks at 4.4-4.8 times the whole fp32 model: docs/big-models.md).
+# this machine through steps 2-3, in 5 runs; 6 to 67 in 3 runs with the heap's top untrimmed
+# (FSDP2 on such models, in processes of its own, peaks at 4.4-4.8 times the whole fp32 model:
+# docs/big-models.md).
 HEAP = 96 * MiB
 
 
