@@ -15,7 +15,8 @@ import sys
 LAUNCHER = "plait.launch"  # the module whose `_worker` every worker runs
 # What a training job's workers import: their entrypoint's module and the trainer it imports on
 # starting (`train/run.py`); with a Hugging Face model, transformers' modeling code.
-TRAINING = ("plait.train.run", "plait.train.trainer")
+TRAINER = "plait.train.trainer"  # imported by a worker after starting, never by the launcher
+TRAINING = ("plait.train.run", TRAINER)
 HF = ("plait.model.hf", "transformers.modeling_utils")
 
 

@@ -21,10 +21,6 @@ from plait.mesh import build_mesh
 from plait.train.outputs import Outputs
 from plait.train.progress import print_summary
 
-# What a worker imports after starting; the launcher's forkserver imports it before forking the
-# workers (`forkserver.TRAINING`), and the launcher process itself never needs it.
-TRAINING_STACK = forkserver.TRAINING[1]
-
 
 def worker_device(choice: str = "auto") -> torch.device:
     """`train.device`: "cpu", "cuda" (this worker's GPU, cuda:LOCAL_RANK), or "auto" (cuda when
@@ -56,7 +52,7 @@ def run_training(cfg: Config, outputs: Outputs | None = None, verify: bool = Fal
     collective that does not complete within parallel.timeout_s ends the job with a message
     naming the ranks that did not arrive. `verify`: instead, one step against one process
     (`train/verify.py`); returns the verdict, the same on every rank."""
-    trainer_class = importlib.import_module(TRAINING_STACK).Trainer
+    trainer_class = importlib.import_module(forkserver.TRAINER).Trainer  # the forkserver's import
     torch.set_num_threads(cfg.train.threads)
     device = worker_device(cfg.train.device)
     timeout_s = cfg.parallel.timeout_s
