@@ -39,8 +39,31 @@ def check_placements(results) -> None:
     return names
 
 
+def _held(full: torch.Tensor, placement) -> torch.Tensor:
+    """This rank's tensor-parallel shard of a one-process tensor (the whole when unsplit)."""
+    shard = placement[1].get("tp")
+    return full if shard is None else full.chunk(shard.count, dim=shard.dim)[shard.index]
+
+
+def master_differences(r, ref) -> dict[str, torch.Tensor]:
+    """|run - reference| for every element rank `r`'s optimizer steps, per parameter, compared
+    where both keep full precision: ZeRO's fp32 masters of bf16/fp16 parameters (the
+    parameters themselves otherwise). The half parameters are those masters rounded, so a master
+    a hair off a rounding boundary turns into a whole half-precision step of the parameter: 2^-8
+    or 2^-7 on a norm gain near 1.0, which alone puts a 64-element tensor's mean difference at
+    1.2e-4 per element flipped. How often that happens is the CPU kernels' to decide (AVX2 and
+    AVX-512 differ), while the masters differ by summation order alone."""
+    out = {}
+    for name, pieces in r["masters"].items():
+        full = torch.cat([v for _, v in sorted(ref["masters"][name], key=lambda x: x[0])])
+        want = _held(full.view(ref["params"][name].shape), r["placements"][name]).reshape(-1)
+        out[name] = torch.cat([(v - want[s : s + v.numel()]).abs() for s, v in pieces])
+    return out
+
+
 def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
     dims = validate(cfg, len(results))
+    differences: dict[str, list[torch.Tensor]] = {}
     for r in results:
         # Exact accounting: the last step's collectives and the model state after it equal the
         # formulas of plait.predict.cost, and so does what `plait train --dry-run` predicts for
@@ -70,14 +93,14 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
             cfg.parallel.zero == 3  # ZeRO-3's held_params are gathered whole
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=loss_rtol, atol=0)
-        tp = r["placements"]
-        for name, p in r["params"].items():
-            want = ref["params"][name]
-            shard = tp[name][1].get("tp")
-            if shard is not None:
-                want = want.chunk(shard.count, dim=shard.dim)[shard.index]
-            if param_atol is not None:
-                assert_params_close(p, want, name, atol=param_atol, steps=STEPS)
-            else:
-                assert (p.float() - want.float()).abs().mean() <= param_mean_atol, name
+        if param_atol is not None:
+            for name, p in r["params"].items():
+                assert_params_close(p, _held(ref["params"][name], r["placements"][name]), name,
+                                    atol=param_atol, steps=STEPS)
+        else:
+            for name, diff in master_differences(r, ref).items():
+                differences.setdefault(name, []).append(diff)
+    for name, diffs in differences.items():  # over every rank's pieces: a ZeRO slice may hold
+        mean = torch.cat(diffs).mean()       # a few elements of a tensor
+        assert mean <= param_mean_atol, f"{name}: mean |master - one process| {mean:.2e}"
     assert check_placements(results) == set(ref["params"])  # every parameter held somewhere

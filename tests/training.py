@@ -63,6 +63,17 @@ def held_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
+def held_masters(trainer: Trainer) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """What this rank's optimizer steps, by single-device name: (first element in the (tensor-
+    parallel) parameter flattened, the elements), in full precision (ZeRO's fp32 masters of bf16
+    parameters; the parameters themselves otherwise)."""
+    held: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for piece in trainer.parallelized.engine.held_pieces():
+        values = piece.tensor.view(-1)[piece.lo : piece.lo + piece.numel]
+        held.setdefault(piece.name, []).append((piece.start, values.detach().float().clone()))
+    return held
+
+
 def train_here(cfg, steps: int | None = None):
     """Train on the current world: losses, validation loss, parameters after the run, the ledger
     of one more step, gradient bytes, and the averaged gradients of step 0 (those a parameter
@@ -107,6 +118,7 @@ def run_steps(cfg, steps: int = 4, probe=None):
         "coords": dims.coords(dist.get_rank()),
         "losses": losses,
         "params": held_params(trainer),
+        "masters": held_masters(trainer),
         "placements": {n: (p.shape, dict(p.shards), set(p.replicated))
                        for n, p in record.params.items()},
         "ledger": ledger,
@@ -197,4 +209,5 @@ def grad_scaler_reference(cfg, steps: int = 4, inject: tuple[str, int] | None = 
         out["losses"].append(loss.item())
         out["scales"].append(scaler.get_scale())
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["masters"] = {n: [(0, p.detach().float().view(-1).clone())] for n, p in params.items()}
     return out

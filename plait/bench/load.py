@@ -59,7 +59,7 @@ class OtherLoad:
     machine's cores during the block (0 on a quiet machine, 1: every core busy elsewhere)."""
 
     def __init__(self, every_s: float = 0.5):
-        self.every_s, self.share = every_s, 0.0
+        self.every_s, self.share, self.ours_s, self.others_s = every_s, 0.0, 0.0, 0.0
         self._stop = threading.Event()
 
     def __enter__(self) -> OtherLoad:
@@ -87,6 +87,8 @@ class OtherLoad:
         self._thread.join()
         self._sample()
         wall = time.perf_counter() - self._start
-        ours = sum(self._last[pid] - self._seen[pid] for pid in self._last)
-        others = max(0.0, _machine_busy() - self._busy - ours)
-        self.share = others / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
+        # CPU seconds during the block: ours (a process of ours that ended between two samples
+        # loses what it used after the last one to the others) and everyone else's.
+        self.ours_s = sum(self._last[pid] - self._seen[pid] for pid in self._last)
+        self.others_s = max(0.0, _machine_busy() - self._busy - self.ours_s)
+        self.share = self.others_s / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0

@@ -80,6 +80,7 @@ def test_context_parallel_equals_one_process(reference, ranks, overrides):
     compare(cfg, run_world(run_steps, ranks, cfg, timeout=240), reference, 1e-5, 1e-5)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("ranks,overrides", [r[1:] for r in BF16_ROWS],
                          ids=[r[0] for r in BF16_ROWS])
 def test_bf16_context_parallel_tracks_one_process(bf16_references, ranks, overrides):

@@ -158,12 +158,6 @@ def compare(cfg, results, ref, muon: bool = False):
         for step, (got, want) in enumerate(zip(r["probe"]["routing"], ref["probe"]["routing"],
                                                strict=True)):
             for name, layer in got.items():
-                if muon:  # parameters a bf16 rounding apart: a token may change expert
-                    moved = sum(abs(a - b) for (kept, _), (ref_kept, _) in
-                                zip(layer, want[name], strict=True)
-                                for a, b in zip(kept, ref_kept, strict=True))
-                    assert moved <= 2, f"step {step}, layer {name}: routing differs"
-                    continue
                 assert layer == want[name], f"step {step}, layer {name}: routing differs"
     assert held.keys() == ref["params"].keys()  # every expert held somewhere
     for name, coords in held.items():  # an expert on one ep rank, the rest on all
@@ -193,11 +187,32 @@ def test_expert_parallel_equals_one_process(references, ranks, overrides):
     compare(cfg, run(ranks, cfg), references[cfg.parallel.microbatches or 1])
 
 
+@pytest.mark.kernels
 def test_muon_orthogonalizes_each_expert_on_its_ep_rank():
     """Muon (`parallel/muon.py`): each expert's matrices whole on their ep rank (split over tp,
     brought together there), the dense ones over dp x ep; the same training as one process."""
     cfg = config("parallel.ep=2", "parallel.tp=2", "train.optimizer='muon'")
-    compare(cfg, run(4, cfg), run(1, config("train.optimizer='muon'"))[0], muon=True)
+    results = run(4, cfg)
+    compare(cfg, results, replayed(results, config("train.optimizer='muon'")), muon=True)
+
+
+def replayed(results, cfg, route_groups: int = 1) -> dict:
+    """One process of `cfg` routing every training forward from the distributed run's scores
+    (`gathered`), which must make the distributed run's decisions: routing is a step function of
+    the scores, and where two layouts' scores are a rounding apart (Muon's bf16 Newton-Schulz
+    makes them so from step 1 on) a token near a tie may change expert on one CPU's kernels and
+    not on another's (4 tokens on an AVX2-only EPYC, none with AVX-512)."""
+    dist = gathered(results)
+    replay: dict = {}
+    for (step, layer), (scores, _) in dist.items():
+        replay.setdefault(step, {})[layer] = scores
+    ref = run(1, cfg, route_groups=route_groups, replay=replay)[0]
+    own = {(step, layer): pairs for step, layer, _, _, pairs in ref["probe"]["decisions"]}
+    assert own.keys() == dist.keys()
+    for key in sorted(own):
+        assert own[key] == dist[key][1], \
+            "step {}, layer {}: the distributed run's experts took other tokens".format(*key)
+    return ref
 
 
 def test_a_pipeline_stage_of_dense_blocks_keeps_its_ep_ranks_as_replicas():
@@ -208,6 +223,7 @@ def test_a_pipeline_stage_of_dense_blocks_keeps_its_ep_ranks_as_replicas():
     compare(cfg, run(4, cfg), run(1, config(*every))[0])
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("ranks,overrides", [
     (4, ["parallel.ep=2", "model.moe_capacity_factor=1.0"]),
     (2, ["parallel.ep=2", "model.moe_router='expert_choice'", "model.moe_capacity_factor=1.0"]),
@@ -219,16 +235,9 @@ def test_capacity_drops_the_tokens_a_single_process_drops(ranks, overrides):
     cfg = config(*overrides)
     results = run(ranks, cfg)
     dist = gathered(results)
-    replay: dict = {}
-    for (step, layer), (scores, _) in dist.items():
-        replay.setdefault(step, {})[layer] = scores
-    ref = run(1, config(*overrides[1:]), route_groups=ranks, replay=replay)[0]
+    ref = replayed(results, config(*overrides[1:]), route_groups=ranks)  # the decisions first
     own = {(step, layer): (scores, pairs) for step, layer, _, scores, pairs
            in ref["probe"]["decisions"]}
-    assert own.keys() == dist.keys()
-    for key in sorted(own):  # the decisions first, step by step
-        assert own[key][1] == dist[key][1], \
-            "step {}, layer {}: the distributed run's experts took other tokens".format(*key)
     for key in sorted(own):
         torch.testing.assert_close(own[key][0], dist[key][0], rtol=0, atol=1e-5,
                                    msg=lambda m, key=key: f"step {key[0]}, layer {key[1]}: {m}")

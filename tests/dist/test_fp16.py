@@ -106,6 +106,7 @@ def test_the_reference_overflows_once_and_grows_back(references):
         assert ref["skipped"] == 1
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("ranks,overrides,where", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_fp16_composition_tracks_grad_scaler(references, ranks, overrides, where):
     cfg = tiny_config(*BASE, *overrides)
