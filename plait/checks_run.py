@@ -63,6 +63,7 @@ def check_train(train: TrainConfig, dims: ParallelDims) -> None:
     if train.activation_checkpointing not in ("none", "full", "selective"):
         raise ConfigError("train.activation_checkpointing",
                           f"'none', 'full' or 'selective', got '{train.activation_checkpointing}'")
+    _check_compile(train)
     if train.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("train.device", f"'auto', 'cpu' or 'cuda', got '{train.device}'")
     if train.nan_policy not in ("stop", "skip"):
@@ -195,6 +196,18 @@ def _weights_signature(args: ModelArgs) -> dict:
     keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
             "rope_theta")
     return {k: getattr(args, k) for k in keys}
+
+
+def _check_compile(train: TrainConfig) -> None:
+    if not isinstance(train.compile, bool) and train.compile != "auto":
+        raise ConfigError("train.compile", f"true, false or 'auto', got {train.compile!r}")
+    if train.compile is not False and train.compile_backend != "inductor":
+        from torch._dynamo import list_backends
+
+        known = list_backends(exclude_tags=())
+        if train.compile_backend not in known:
+            raise ConfigError("train.compile_backend", f"one of torch.compile's backends "
+                              f"({', '.join(known)}), got '{train.compile_backend}'")
 
 
 def _check_optimizer(train: TrainConfig) -> None:

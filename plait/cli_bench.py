@@ -46,6 +46,30 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
     run_step(args.nproc, load(args), args.steps, args.repeats)
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> None:
+    sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
+    known = ("plait", "plait-compiled", "plait-hf", "loop", "loop-compiled")
+    if not sides or set(sides) - set(known):
+        raise ConfigError("--sides", f"comma-separated, from {', '.join(known)}; got "
+                          f"{args.sides!r}")
+    if args.steps < 1 or args.warmup < 2:
+        raise ConfigError("--warmup", f"need >= 1 timed steps after >= 2 warm-up steps (the "
+                          f"first compiles, the second makes the optimizer's state), got "
+                          f"{args.steps} after {args.warmup}")
+    if args.json_out:
+        check_output_path(args.json_out, "--json")
+    import torch
+
+    if args.shape == "1b" and not torch.cuda.is_available():
+        raise ConfigError("--shape", "the 1b shape is for a GPU and this machine has none; "
+                          "use --shape tiny")
+    from plait.bench.gpu import run_gpu, shape_config
+
+    cfg = shape_config(args.shape, [f"train.compile_backend='{args.compile_backend}'",
+                                    *args.overrides])
+    run_gpu(cfg, args.warmup, args.steps, sides, args.json_out)
+
+
 def cmd_bench_pp(args: argparse.Namespace) -> None:
     if args.nproc < 2:
         raise ConfigError("--nproc", f"a pipeline needs at least 2 stages, got {args.nproc}")

@@ -91,6 +91,20 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                 arg("--repeats", type=int, default=2,
                     help="launches of each side, by turns (each its own processes)"),
                 OVERRIDES)),
+    Command("gpu", "one device: plait's step (eager, compiled, on transformers' module) against "
+            "the plain torch loop over transformers' Llama (eager, compiled)",
+            "plait.cli_bench:cmd_bench_gpu", (
+                arg("--shape", choices=("1b", "tiny"), default="1b",
+                    help="plait's 1b preset at 8 x 2,048 tokens in bf16 (a GPU), or tiny"),
+                steps(10, "side"), arg("--warmup", type=int, default=3,
+                                       help="steps before the timed ones"),
+                arg("--compile-backend", default="inductor",
+                    help="torch.compile's backend for the compiled sides"),
+                arg("--sides", default=",".join(("plait", "plait-compiled", "plait-hf", "loop",
+                                                 "loop-compiled")),
+                    help="comma-separated sides to run"),
+                arg("--json", dest="json_out", help="also write the rows to this file"),
+                OVERRIDES)),
     Command("pp", "pipeline schedules: bubbles, memory, vs torch pipelining",
             "plait.cli_bench:cmd_bench_pp", (
                 nproc(2, "pipeline stages"), CONFIG, steps(5, "schedule"),

@@ -123,6 +123,10 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if there is one) | "cpu" | "cuda"
     nan_policy: str = "stop"  # a non-finite gradient norm: "stop" the run, or "skip" the update
     peak_tflops: float = 0.0  # per device, for MFU; 0 = known GPU table, or measured on CPU
+    # Each block's forward through torch.compile (plait/parallel/compile.py): true | false |
+    # "auto" (on for CUDA, off on the CPU)
+    compile: bool | str = "auto"
+    compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager": no code generated)
 
 
 @dataclass
@@ -283,7 +287,8 @@ def _typed(key: str, value: Any, hints: dict[str, type], cls) -> Any:
     want = hints[name]
     if get_origin(want) in (Union, types.UnionType):  # str | float: a word or a number
         words = [t for t in get_args(want) if t is not float]
-        if isinstance(value, bool) or not isinstance(value, (int, float, *words)):
+        if isinstance(value, bool) and bool not in words or \
+                not isinstance(value, (int, float, *words)):
             raise ConfigError(key, f"expected a word or a number, got {value!r}")
         want = type(value) if isinstance(value, tuple(words)) else float
     if get_origin(want) is list:

@@ -43,6 +43,13 @@ from torch.distributed import ProcessGroup, ReduceOp
 from plait.comm.trace import TRACER
 from plait.comm.watchdog import RECORDER
 
+# Every collective runs eagerly, also when called from a block that `train.compile` compiled: the
+# call is a graph break that dynamo does not step into (the process group, the ledger's
+# bookkeeping and the clocks it reads are not graph material; traced into, each resumed piece
+# guarded on a timestamp and recompiled at every call). The differentiable collectives that call
+# these (`plait.comm.autograd`) then run eagerly, whole, between the compiled pieces.
+_eager = torch.compiler.disable
+
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the first names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -115,6 +122,7 @@ class Pending:
                  op: Op = Op.ALL_REDUCE):
         self._work, self._traced, self._op = work, traced, op  # traced: (name, launched at, args)
 
+    @_eager
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
@@ -192,6 +200,7 @@ def _run(op: Op, group: ProcessGroup, nbytes: int, call, async_op: bool) -> Pend
     return None
 
 
+@_eager
 def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
 ) -> Pending | None:
@@ -204,6 +213,7 @@ def all_reduce(
     )
 
 
+@_eager
 def all_reduced(
     tensor: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM
 ) -> torch.Tensor:
@@ -214,6 +224,7 @@ def all_reduced(
     return out
 
 
+@_eager
 def all_gather(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
 ) -> Pending | None:
@@ -230,6 +241,7 @@ def all_gather(
     )
 
 
+@_eager
 def reduce_scatter(
     output: torch.Tensor,
     full: torch.Tensor,
@@ -252,6 +264,7 @@ def reduce_scatter(
     )
 
 
+@_eager
 def broadcast(
     tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False
 ) -> Pending | None:
@@ -265,6 +278,7 @@ def broadcast(
     )
 
 
+@_eager
 def all_to_all(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -287,6 +301,7 @@ def all_to_all(
     )
 
 
+@_eager
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup, async_op: bool = False,
          tag: int = 0):
     """To `dst`, a rank within `group`; the receiver's `tag` must match."""
@@ -295,6 +310,7 @@ def send(tensor: torch.Tensor, dst: int, group: ProcessGroup, async_op: bool = F
     return _run(Op.SEND, group, _nbytes(tensor), call, async_op)
 
 
+@_eager
 def recv(tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False,
          tag: int = 0):
     """Into `tensor`, from `src`, a rank within `group`."""
@@ -314,6 +330,7 @@ class _Batch:
             w.wait()
 
 
+@_eager
 def shift(tensor: torch.Tensor, out: torch.Tensor, group: ProcessGroup, tag: int = 0,
           async_op: bool = False) -> Pending | None:
     """Around the ring of `group`'s ranks: `tensor` to the next rank, `out` <- the previous rank's

@@ -298,6 +298,7 @@ class RingAttentionKernel(nn.Module):
         super().__init__()
         self.group, self.layout = cp.group, layout
 
+    @torch.compiler.disable  # the ring's sends: eager between compiled pieces (compile.py)
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
         return RingAttention.apply(q, k, v, self.group, self.layout, documents)
@@ -310,6 +311,7 @@ class UlyssesAttentionKernel(nn.Module):
         super().__init__()
         self.group, self.size = cp.group, cp.size
 
+    @torch.compiler.disable  # the all-to-alls: eager between compiled pieces (compile.py)
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 documents: Documents | None = None) -> torch.Tensor:
         if k.shape[2] % self.size:  # too few key/value heads to split: one per query head

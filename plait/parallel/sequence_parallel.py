@@ -98,4 +98,5 @@ def keep_shard(linear: nn.Module) -> None:
     """Make a bias-free column-parallel `linear` keep its input's shard where its input is a
     marked gather (its module hooks still run: it is still called as a module)."""
     if type(linear) is nn.Linear and linear.bias is None:
-        linear.forward = functools.partial(_forward, linear=linear)
+        # Eager under `train.compile` (plait/parallel/compile.py): it reads the gather's mark.
+        linear.forward = torch.compiler.disable(functools.partial(_forward, linear=linear))

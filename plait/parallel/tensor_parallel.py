@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -128,8 +129,10 @@ def _wrap_half(module: nn.Module, group: ProcessGroup, rank: int,
             return (leave(out[0], group), *out[1:])
         return leave(out, group)
 
-    module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post)
+    # Under `train.compile` the hooks run whole and eagerly between the compiled pieces of a
+    # block (plait/parallel/compile.py): one graph break each, nothing of theirs traced.
+    module.register_forward_pre_hook(torch.compiler.disable(pre), with_kwargs=True)
+    module.register_forward_hook(torch.compiler.disable(post))
 
 
 def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode, shape_wrapper
 
 from plait.comm import LEDGER, Op
@@ -119,22 +120,47 @@ class _Global:
         pass
 
 
+def _heads_broadcast(query_shape, key_shape, value_shape):
+    """Key and value shapes with their heads broadcast to the query's, as the kernels do under
+    grouped-query attention (`enable_gqa`): (batch, heads, seq, head dim) each."""
+    heads = query_shape[1]
+    return ((*key_shape[:1], heads, *key_shape[2:]), (*value_shape[:1], heads, *value_shape[2:]))
+
+
+def _gqa_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query_shape,
+                                        *_heads_broadcast(query_shape, key_shape, value_shape))
+
+
+def _gqa_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,
+                            out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(
+        grad_out_shape, query_shape, *_heads_broadcast(query_shape, key_shape, value_shape))
+
+
 class StepFlops(FlopCounterMode):
     """torch's FLOP counter (its per-operation formulas), totals only: without its module
     tracker, whose backward hooks on each module's inputs keep tensors alive past their time
     (measured: a split backward's last stage then held one more activation, and the activation
     count saw it). It counts attention's CPU kernel as torch counts its GPU kernels, and
     grouped matmuls (transformers' experts) by their products: torch 2.13 has no formula for
-    either, which counted nothing."""
+    either, which counted nothing. Attention with fewer key/value heads than query heads
+    (grouped-query) is counted with the key/value heads broadcast, as the kernel computes and as
+    torch 2.13 counts it: torch up to 2.11 asserted that the heads were equal, which stopped a
+    run of any grouped-query model on a GPU at its first step."""
 
     def __init__(self):
         super().__init__(display=False)
         aten = torch.ops.aten
-        for cpu, gpu in ((aten._scaled_dot_product_flash_attention_for_cpu,
-                          aten._scaled_dot_product_flash_attention),
-                         (aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                          aten._scaled_dot_product_flash_attention_backward)):
-            self.flop_registry[cpu] = self.flop_registry[gpu]
+        sdpa = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_cudnn_attention",
+                "_scaled_dot_product_flash_attention_for_cpu")
+        for name in sdpa:
+            if hasattr(aten, name):
+                self.flop_registry[getattr(aten, name)] = shape_wrapper(_gqa_sdpa_flop)
+            if hasattr(aten, name + "_backward"):
+                self.flop_registry[getattr(aten, name + "_backward")] = \
+                    shape_wrapper(_gqa_sdpa_backward_flop)
         self.flop_registry[aten._grouped_mm] = shape_wrapper(grouped_mm_flops)
         self.mod_tracker = _Global()
 

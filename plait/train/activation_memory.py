@@ -41,6 +41,7 @@ class SavedActivations:
     def _is_param(self, t: torch.Tensor) -> bool:
         return id(t) in self._params or (t._base is not None and id(t._base) in self._params)
 
+    @torch.compiler.disable  # a counter of what autograd keeps, never part of a compiled graph
     def _pack(self, t: torch.Tensor) -> _Held:
         # Held detached (same storage; autograd re-attaches what it needs on unpack): a saved
         # graph output held with its grad_fn makes a cycle through C++ that no collector frees

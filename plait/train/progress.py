@@ -97,7 +97,11 @@ def print_summary(summary, world_size: int) -> None:
         ("grads per rank", _bytes(state["grads"])),
         ("optimizer state per rank", _bytes(state["optimizer"])),
         ("model state at its peak in a step", _bytes(state["peak"])),
+        ("peak memory predicted (state + activations)", _bytes(summary.mem_predicted_peak)),
     ]
+    if summary.gpu_mem_allocated_peak is not None:  # the device's own count, rank 0
+        rows += [("GPU memory allocated at its peak", _bytes(summary.gpu_mem_allocated_peak)),
+                 ("GPU memory reserved at its peak", _bytes(summary.gpu_mem_reserved_peak))]
     if "compression" in state:  # error feedback, PowerSGD's Q
         rows.append(("compression state per rank", _bytes(state["compression"])))
     if summary.moe:  # mixture of experts: over the run's steps

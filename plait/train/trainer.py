@@ -27,6 +27,7 @@ from plait.config import Config, microbatches
 from plait.mesh import ParallelDims, rows_share
 from plait.model import build_configured, build_sharded, count_params
 from plait.parallel import cross_entropy, parallelize
+from plait.parallel.compile import apply_compile, compile_enabled, graph_breaks
 from plait.parallel.dropout import seed_ranks
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.predict.trace import Untraceable, model_flops
@@ -65,6 +66,9 @@ class Summary:
     skipped_steps: int = 0
     loss_scale: float = 0.0  # fp16: the scale at the end (0: no loss scaling)
     moe: list[dict] = field(default_factory=list)  # each step's routing metrics (MoE models)
+    mem_predicted_peak: int = 0  # the largest step's model state + activations, as counted
+    gpu_mem_allocated_peak: int | None = None  # the device's own peaks (None on the CPU)
+    gpu_mem_reserved_peak: int | None = None
 
 
 class Trainer:
@@ -89,6 +93,9 @@ class Trainer:
             scaler=LossScaler.of(cfg.train), whole=cfg.train.optimizer == "muon",
         )
         self.scaler = self.parallelized.scaler  # fp16's; None otherwise
+        self.compiled = 0  # blocks whose forward is compiled (`train.compile`)
+        if compile_enabled(cfg.train.compile, device):
+            self.compiled = apply_compile(self.parallelized.module, cfg.train.compile_backend)
         del model  # its pieces live in the chunks now; other stages' layers are let go
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_for(self.parallelized, cfg.train)
@@ -201,9 +208,16 @@ class Trainer:
             peak = peak_flops(self.device, self.train_cfg.peak_tflops)
             try:
                 flops = model_flops(self.cfg)
-            except Untraceable:  # the step reads values: 6N + attention (Kaplan; PaLM)
+            except Exception as e:  # noqa: BLE001 -- a diagnostic never stops a run
+                # Untraceable: the step reads values; anything else: torch's counter failed on
+                # an operation (torch 2.11's on grouped-query attention did). 6N + attention
+                # (Kaplan; PaLM) instead.
                 flops = self.tokens_per_step * flops_per_token(
                     self.cfg.model.args(), self.n_params, self.cfg.data.seq_len)
+                if not isinstance(e, Untraceable):
+                    print(f"plait: note: the FLOP count (torch's FlopCounterMode) failed "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                          "MFU uses 6N + attention's FLOPs per token instead", file=sys.stderr)
         t = torch.tensor([peak, flops], dtype=torch.float64, device=self.device)
         broadcast(t, src=0, group=dist.group.WORLD)
         return t[0].item(), t[1].item()
@@ -246,6 +260,8 @@ class Trainer:
             maybe_fail("step", step)
             result, elapsed, ledger = self._timed_step(step, step in traced)
             times.append(elapsed)
+            if step == self.start_step and self.compiled and self.is_logger:
+                self._say_compiled(elapsed)
             comm.append(ledger["bytes"])
             mfu = summary.flops_per_step / elapsed / peak
             record = self._record(step, result, elapsed, ledger, summary, mfu)
@@ -272,19 +288,35 @@ class Trainer:
         summary.loss_scale = self.scaler.scale if self.scaler is not None else 0.0
         return summary
 
+    def _say_compiled(self, first_step_s: float) -> None:
+        """One line after the first step: what was compiled, and what dynamo left eager."""
+        breaks, first = graph_breaks()
+        eager = f"; {breaks} graph break(s) run eager (first: {first})" if breaks else ""
+        print(f"plait: note: train.compile: {self.compiled} block(s) compiled "
+              f"({self.train_cfg.compile_backend}; the first step, compiling included, took "
+              f"{first_step_s:.1f} s){eager}", file=sys.stderr)
+
     def _timed_step(self, step: int, traced: bool) -> tuple[dict, float, dict]:
         """One training step: its result, its seconds and its collectives (the ledger's
         snapshot: the step's training traffic, before any logging reduction)."""
         LEDGER.reset()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         if traced:  # the step's own work: not the logging and validation after it
             TRACER.start(dist.get_rank())
         start = time.perf_counter()
         with TRACER.span(f"step {step}", STEP, step=step):
             result = self.train_step(step)
-            if self.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
         TRACER.pause()
+        # The device's own count of the step's peak (None on the CPU, which keeps none).
+        result["gpu_mem_allocated_peak"] = torch.cuda.max_memory_allocated(self.device) \
+            if cuda else None
+        result["gpu_mem_reserved_peak"] = torch.cuda.max_memory_reserved(self.device) \
+            if cuda else None
         return result, elapsed, LEDGER.snapshot()
 
     def _record(self, step: int, result: dict, elapsed: float, ledger: dict, summary: Summary,
@@ -293,6 +325,7 @@ class Trainer:
         the run's summary."""
         cfg = self.train_cfg
         loss = self._global_mean(result["loss"])
+        state = self.parallelized.state_bytes(self.optimizer)
         summary.losses.append(loss)
         summary.skipped_steps += result["skipped"]
         record = {
@@ -309,9 +342,20 @@ class Trainer:
             "comm_calls": ledger["calls"],
             "comm_wait_s": ledger["wait_s"],  # blocked in collectives: the exposed part
             "data_wait_s": result["data_wait_s"],  # reading this rank's rows of the batch
-            "model_state_bytes": self.parallelized.state_bytes(self.optimizer),
+            "model_state_bytes": state,
             "activation_bytes": result["activation_bytes"],
+            # What plait's counts say the step's peak is (model state at its peak in the step
+            # plus the activations kept for backward: the numbers --dry-run and the planner
+            # predict), beside what the device measured.
+            "mem_predicted_peak": state["peak"] + result["activation_bytes"],
+            "gpu_mem_allocated_peak": result["gpu_mem_allocated_peak"],
+            "gpu_mem_reserved_peak": result["gpu_mem_reserved_peak"],
         }
+        summary.gpu_mem_allocated_peak = max(summary.gpu_mem_allocated_peak or 0,
+                                             result["gpu_mem_allocated_peak"] or 0) or None
+        summary.gpu_mem_reserved_peak = max(summary.gpu_mem_reserved_peak or 0,
+                                            result["gpu_mem_reserved_peak"] or 0) or None
+        summary.mem_predicted_peak = max(summary.mem_predicted_peak, record["mem_predicted_peak"])
         if self.scaler is not None:  # the whole run's, resumes included
             record["loss_scale"] = self.scaler.scale
             record["skipped_steps"] = self.scaler.skipped

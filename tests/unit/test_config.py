@@ -149,6 +149,9 @@ BAD_INPUT = [
     (["train.eval_batches=0"], "train.eval_batches"),
     (["train.peak_tflops=-1"], "train.peak_tflops"),
     (["train.threads=0"], "train.threads"),
+    (["train.compile=yes"], "train.compile"),
+    (["train.compile=1"], "train.compile"),
+    (["train.compile=true", "train.compile_backend=nonesuch"], "train.compile_backend"),
     (["train.steps=0"], "train.steps"),
     (["train.steps=3.5"], "train.steps"),
     (["train.global_batch=0"], "train.global_batch"),
@@ -518,6 +521,7 @@ def _may_import_torch(argv: list[str], field: str) -> bool:
     return (argv[:2] == ["data", "prepare"] and ".jsonl" in argv[2]  # `datasets` reads JSON lines
             or "checkpoint.resume={files}/ck_tiny" in argv  # DCP's metadata of a checkpoint
             or field == "plan"  # the search found no layout: it priced them
+            or field == "train.compile_backend"  # torch.compile's list of backends
             or argv[0] == "bench" and not field.startswith("--"))  # a bench's own layouts
 
 

@@ -1,0 +1,75 @@
+"""Compiled blocks (`train.compile`): each transformer block's forward through `torch.compile`,
+as torchtitan compiles per block, on every layout.
+
+Why per block, and why the forward only. A block is the unit every transform already cuts at:
+ZeRO-3 gathers and frees around it, activation checkpointing keeps its input, a pipeline stage is
+a run of them. Those transforms act through the module's hooks (`Module.__call__`), which stay
+eager, outside the compiled region; what is compiled is `block.forward`, the block's own
+arithmetic, where inductor fuses the elementwise work (norms, rotary embedding, SwiGLU, residual
+adds) that is half of an eager step's time on a GPU. What inside a block cannot be traced --
+tensor parallelism's collectives (autograd functions that call `plait.comm`), ring attention's
+sends, routing that reads token counts -- is a graph break: dynamo compiles the pieces on either
+side and runs that part eagerly. The run says how many breaks there were, once, and never fails
+for them (`torch._dynamo.config.suppress_errors`: a block that cannot be compiled at all runs
+eager).
+
+Compiled once per distinct block, not per layer: dynamo treats a module's parameters and buffers
+as inputs (`inline_inbuilt_nn_modules`, torch's default since 2.5), so every layer of one class
+and shape reuses the first layer's graph (tests/dist/test_compile.py counts them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.model.plan import has_plan, plan_of
+from plait.parallel.wrap import WrapPolicy, wrapped_modules
+
+
+def compile_enabled(setting: bool | str, device: torch.device) -> bool:
+    """`train.compile`: true, false, or "auto": on for CUDA, off on the CPU (where compiling a
+    block costs 5-50 s per process and the fused kernels save little on a small model)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def blocks(chunk: nn.Module, policy: WrapPolicy | None = None) -> list[nn.Module]:
+    """The modules compiled one by one: the plan's blocks, or, for a model with no plan, the
+    modules the wrap policy names (ZeRO-3's units)."""
+    if has_plan(chunk):
+        return list(chunk.get_submodule(plan_of(chunk).blocks).values())
+    return wrapped_modules(chunk, policy or WrapPolicy())
+
+
+def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
+                  policy: WrapPolicy | None = None) -> int:
+    """Compile the forward of every block of every chunk in place; returns how many. Names,
+    parameters and hooks are unchanged."""
+    import torch._dynamo
+
+    # A block dynamo or the backend fails on runs eager (with torch's warning), not the run.
+    torch._dynamo.config.suppress_errors = True
+    count = 0
+    for chunk in chunks.values():
+        for block in blocks(chunk, policy):
+            block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+            count += 1
+    if count == 0:
+        raise ValueError("train.compile: no block to compile (the model has no plan naming its "
+                         "blocks, and the wrap policy chose no module); set train.compile=false")
+    return count
+
+
+def graph_breaks() -> tuple[int, str | None]:
+    """(graph breaks dynamo has taken in this process, the first one's reason)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    return sum(breaks.values()), next(iter(breaks), None)
+
+
+def compiled_graphs() -> int:
+    """Distinct graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
