@@ -28,6 +28,7 @@ import dataclasses
 import math
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +47,7 @@ from plait.config import ParallelConfig
 from plait.mesh import build_mesh, rows_share
 from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
 from plait.parallel.batch import Call, as_microbatches
+from plait.parallel.compile import apply_compile, compile_enabled
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.muon import MatrixExchange
 from plait.parallel.whole_matrices import Factory, WholeMatrices
@@ -284,6 +286,8 @@ def prepare(
     verify: bool = False,
     whole: bool | Callable[[str, nn.Parameter], bool] = False,
     groups: Callable[[str, nn.Parameter], str] | None = None,
+    compile: bool | None = None,  # noqa: A002 -- train.compile's name
+    compile_backend: str = "inductor",
 ) -> Prepared:
     """Apply `parallel` (default: DDP over every rank) to `model` on the world `init` joined.
     `loss_fn(outputs, targets)` is the mean loss of a micro-batch (None: cross-entropy over
@@ -295,7 +299,8 @@ def prepare(
     optimizer needs whole (a test of (name, parameter); True: Muon's, the 2-D weights of a plan's
     blocks or of `nn.Linear`s), for `Prepared.optimizer`. `groups(name, parameter)`: each
     parameter's optimizer group, for `Prepared.param_groups` (weight decay by name, under ZeRO
-    too)."""
+    too). `compile`: each unit's forward through `torch.compile` (the plan's blocks, or what
+    `wrap` chooses; None: on for CUDA, off on the CPU), with `compile_backend`."""
     if not dist.is_initialized():
         raise RuntimeError("call plait.init() first: it joins the world of processes")
     parallel = parallel or ParallelConfig()
@@ -317,6 +322,12 @@ def prepare(
                                precision=precision, activation_checkpointing=mode,
                                options=options, scaler=loss_scaler, whole=whole,
                                groups=groups)
+    if compile_enabled("auto" if compile is None else compile, where):
+        compiled = apply_compile(parallelized.module, compile_backend, wrap,
+                                 required=compile is not None)
+        if not compiled and dist.get_rank() == 0:
+            print("plait: note: compile: no unit to compile (no plan, and `wrap` chooses no "
+                  "module); the model runs eager", file=sys.stderr)
     # The reference's loss: the user's, or cross-entropy over whole logits (the layout's may be
     # the vocabulary-parallel one).
     return Prepared(parallelized, M, parallel, loss_fn or cross_entropy, reference,

@@ -42,9 +42,10 @@ def blocks(chunk: nn.Module, policy: WrapPolicy | None = None) -> list[nn.Module
 
 
 def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
-                  policy: WrapPolicy | None = None) -> int:
+                  policy: WrapPolicy | None = None, required: bool = True) -> int:
     """Compile the forward of every block of every chunk in place; returns how many. Names,
-    parameters and hooks are unchanged."""
+    parameters and hooks are unchanged. A model with no block to compile is refused where
+    compiling was asked for (`required`), and otherwise runs eager."""
     import torch._dynamo
 
     # A block dynamo or the backend fails on runs eager (with torch's warning), not the run.
@@ -54,7 +55,7 @@ def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
         for block in blocks(chunk, policy):
             block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
             count += 1
-    if count == 0:
+    if count == 0 and required:
         raise ValueError("train.compile: no block to compile (the model has no plan naming its "
                          "blocks, and the wrap policy chose no module); set train.compile=false")
     return count

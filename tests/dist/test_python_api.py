@@ -139,6 +139,36 @@ def test_zero_equals_one_process(name, one_process):
         _assert_same(got, one_process, name)
 
 
+def _compiled_run(parallel: plait.ParallelConfig, wrap):
+    plait.init()
+    job = plait.prepare(_model(False), F.cross_entropy, parallel, wrap=wrap, compile=True,
+                        compile_backend="aot_eager")
+    optimizer = torch.optim.AdamW(job.parameters(), lr=LR)
+    losses = [job.step(*job.local(x, y), optimizer, grad_clip=1.0) for x, y in _batches()]
+    from plait.parallel.compile import compiled_graphs
+
+    return losses, job.full_state_dict(), compiled_graphs()
+
+
+def test_a_modules_units_compile_and_train_as_one_process(one_process):
+    """`compile=True` on a module with no plan: the units `wrap` chooses (its conv blocks) each
+    compiled (a torch.compile capture, "aot_eager"), under ZeRO-3, equal to one process eager;
+    with no unit to compile, asking for it is refused."""
+    parallel, wrap = ZERO["zero3 units by class"]
+    for got in run_world(_compiled_run, 2, parallel, wrap):
+        _assert_same(got, one_process, "compiled ZeRO-3 units")
+        assert got[2] >= 1
+    for message in run_world(_refused_compile, 1):
+        assert "train.compile: no block to compile" in message
+
+
+def _refused_compile():
+    plait.init()
+    with pytest.raises(ValueError) as caught:
+        plait.prepare(_model(False), F.cross_entropy, compile=True)
+    return str(caught.value)
+
+
 def _refused(parallel):
     plait.init()
     with pytest.raises(ValueError) as caught:
