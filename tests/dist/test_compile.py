@@ -30,11 +30,10 @@ AOT = ["train.compile=true", "train.compile_backend='aot_eager'"]
 
 ROWS = [
     ("ddp-dp2", 2, []),
-    ("zero3-dp2", 2, ["parallel.zero=3"]),
+    ("zero3-dp2-ac-full", 2, ["parallel.zero=3", "train.activation_checkpointing=full"]),
     ("tp2-sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("pp2-1f1b", 2, ["parallel.pp=2", "parallel.pp_schedule='1f1b'", "parallel.microbatches=2"]),
     ("cp2-ring", 2, ["parallel.cp=2"]),
-    ("dp2-ac-full", 2, ["train.activation_checkpointing=full"]),
 ]
 
 

@@ -18,19 +18,23 @@ import torch
 from plait.comm.collectives import Op
 from plait.comm.compression import GatheredWithFeedback, Segment, members_numel
 
-_BIT = 2 ** torch.arange(8, dtype=torch.uint8)  # bit i of a byte is element i of its eight
+def _bits(device) -> torch.Tensor:
+    """2^i for i < 8: bit i of a byte is element i of its eight. Made per call, not once at
+    import: a module first imported during a fake-tensor trace (`plait train --dry-run`, the
+    planner) would keep a fake tensor for the real run."""
+    return 2 ** torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """(D,) bool -> (ceil(D / 8),) uint8."""
     padded = torch.zeros(-(-bits.numel() // 8) * 8, dtype=torch.uint8, device=bits.device)
     padded[: bits.numel()] = bits
-    return (padded.view(-1, 8) * _BIT.to(bits.device)).sum(dim=1, dtype=torch.uint8)
+    return (padded.view(-1, 8) * _bits(bits.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
     """(ceil(D / 8),) uint8 -> (D,) bool."""
-    return (packed[:, None] & _BIT.to(packed.device)).ne(0).view(-1)[:count]
+    return (packed[:, None] & _bits(packed.device)).ne(0).view(-1)[:count]
 
 
 class Sign(GatheredWithFeedback):
