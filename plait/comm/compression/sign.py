@@ -18,6 +18,7 @@ import torch
 from plait.comm.collectives import Op
 from plait.comm.compression import GatheredWithFeedback, Segment, members_numel
 
+
 def _bits(device) -> torch.Tensor:
     """2^i for i < 8: bit i of a byte is element i of its eight. Made per call, not once at
     import: a module first imported during a fake-tensor trace (`plait train --dry-run`, the
