@@ -39,7 +39,7 @@ def check_placements(results) -> None:
     return names
 
 
-def _held(full: torch.Tensor, placement) -> torch.Tensor:
+def held(full: torch.Tensor, placement) -> torch.Tensor:
     """This rank's tensor-parallel shard of a one-process tensor (the whole when unsplit)."""
     shard = placement[1].get("tp")
     return full if shard is None else full.chunk(shard.count, dim=shard.dim)[shard.index]
@@ -56,7 +56,7 @@ def master_differences(r, ref) -> dict[str, torch.Tensor]:
     out = {}
     for name, pieces in r["masters"].items():
         full = torch.cat([v for _, v in sorted(ref["masters"][name], key=lambda x: x[0])])
-        want = _held(full.view(ref["params"][name].shape), r["placements"][name]).reshape(-1)
+        want = held(full.view(ref["params"][name].shape), r["placements"][name]).reshape(-1)
         out[name] = torch.cat([(v - want[s : s + v.numel()]).abs() for s, v in pieces])
     return out
 
@@ -95,7 +95,7 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
                                    rtol=loss_rtol, atol=0)
         if param_atol is not None:
             for name, p in r["params"].items():
-                assert_params_close(p, _held(ref["params"][name], r["placements"][name]), name,
+                assert_params_close(p, held(ref["params"][name], r["placements"][name]), name,
                                     atol=param_atol, steps=STEPS)
         else:
             for name, diff in master_differences(r, ref).items():

@@ -215,12 +215,13 @@ def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES
     device = next(iter(rows.values()))["device"]
     peak = peak_flops(torch.device("cuda" if "CPU" not in device else "cpu"),
                       cfg.train.peak_tflops)
+    from plait.bench.step import summarize
+
+    timed = summarize({side: got["times"] for side, got in rows.items()})
     out = {}
     for side, got in rows.items():
-        ts = got["times"]
-        median = statistics.median(ts)
-        quartiles = statistics.quantiles(ts, n=4) if len(ts) > 1 else [median] * 3
-        out[side] = {"step_s": median, "spread": (quartiles[2] - quartiles[0]) / median,
+        median = timed[side]
+        out[side] = {"step_s": median, "spread": timed[f"{side}_spread"],
                      "tokens_per_s": tokens / median, "mfu": flops / median / peak,
                      "first_step_s": got["first_s"], "memory": got["memory"],
                      "microbatches": got["microbatches"], "notes": got["notes"]}

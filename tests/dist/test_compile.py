@@ -21,6 +21,7 @@ import pytest
 import torch
 from harness import run_world
 from hf_models import hf_config, train_reference, write_model
+from matrix import held
 from training import assert_params_close, run_steps, tiny_config
 
 from plait.parallel.compile import compiled_graphs, graph_breaks
@@ -57,11 +58,8 @@ def _equal(results, ref):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-5, atol=0)
         for name, p in r["params"].items():
-            want = ref["params"][name]
-            shard = r["placements"][name][1].get("tp")
-            if shard is not None:
-                want = want.chunk(shard.count, dim=shard.dim)[shard.index]
-            assert_params_close(p, want, name, steps=4)
+            assert_params_close(p, held(ref["params"][name], r["placements"][name]), name,
+                                steps=4)
 
 
 @pytest.mark.parametrize("ranks,overrides", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
