@@ -273,6 +273,21 @@ class Prepared:
         return rank_state.load(path, self.parallelized, optimizer)
 
 
+def _check_precision(precision: str, param_dtype: str, loss_scaler: LossScaler | None,
+                     whole: bool, parallel: ParallelConfig) -> None:
+    if precision not in ("fp32", *HALF):
+        raise ValueError(f"precision: 'fp32', 'bf16' or 'fp16', got {precision!r}")
+    if param_dtype not in ("auto", "fp32", precision):
+        raise ValueError(f"param_dtype: 'auto', 'fp32' or precision's {precision!r}, got "
+                         f"{param_dtype!r}")
+    if whole and param_dtype in HALF and parallel.zero == 0:
+        raise ValueError(f"param_dtype: {param_dtype!r} parameters under parallel.zero = 0 keep "
+                         "flat fp32 masters, and `whole` optimizers step whole matrices there: "
+                         "use parallel.zero >= 1, or 'auto'")
+    if loss_scaler is not None and precision != "fp16":
+        raise ValueError(f"loss_scaler: loss scaling is for precision='fp16', not {precision!r}")
+
+
 def prepare(
     model: nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -281,6 +296,7 @@ def prepare(
     wrap: WrapPolicy | None = None,
     checkpoint: WrapPolicy | None = None,
     precision: str = "fp32",
+    param_dtype: str = "auto",
     loss_scaler: LossScaler | None = None,
     device: torch.device | str | None = None,
     verify: bool = False,
@@ -293,7 +309,9 @@ def prepare(
     `loss_fn(outputs, targets)` is the mean loss of a micro-batch (None: cross-entropy over
     (b, s, V) logits); `wrap` chooses ZeRO-3's units and `checkpoint` the modules recomputed in
     the backward (classes, or a parameter count); `precision` "fp32", "bf16" or "fp16" (with
-    `loss_scaler`, default dynamic from 2^16: `plait.LossScaler`). The model's own
+    `loss_scaler`, default dynamic from 2^16: `plait.LossScaler`); `param_dtype` the parameters'
+    dtype under it (`train.param_dtype`: "auto", "fp32", or the half one, fp32 masters). The
+    model's own
     weights are used (every rank starts from rank 0's); move it to `device` first or pass it.
     `verify`: keep a copy of the model for `Prepared.verify`. `whole`: the parameters an
     optimizer needs whole (a test of (name, parameter); True: Muon's, the 2-D weights of a plan's
@@ -304,10 +322,7 @@ def prepare(
     if not dist.is_initialized():
         raise RuntimeError("call plait.init() first: it joins the world of processes")
     parallel = parallel or ParallelConfig()
-    if precision not in ("fp32", *HALF):
-        raise ValueError(f"precision: 'fp32', 'bf16' or 'fp16', got {precision!r}")
-    if loss_scaler is not None and precision != "fp16":
-        raise ValueError(f"loss_scaler: loss scaling is for precision='fp16', not {precision!r}")
+    _check_precision(precision, param_dtype, loss_scaler, bool(whole), parallel)
     dims = validate_parallel(parallel, dist.get_world_size(), precision)
     where = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(where)
@@ -319,7 +334,8 @@ def prepare(
     mode = "full" if checkpoint else "none"
     options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
     parallelized = parallelize(model, build_mesh(dims, where.type), parallel, microbatches=M,
-                               precision=precision, activation_checkpointing=mode,
+                               precision=precision, param_dtype=param_dtype,
+                               activation_checkpointing=mode,
                                options=options, scaler=loss_scaler, whole=whole,
                                groups=groups)
     if compile_enabled("auto" if compile is None else compile, where):

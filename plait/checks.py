@@ -54,6 +54,11 @@ def validate(cfg: Config, world_size: int) -> ParallelDims:
     if cfg.train.optimizer == "muon" and cfg.parallel.offload != "none":
         raise ConfigError("train.optimizer", "Muon orthogonalizes on the device and offload "
                           "keeps the optimizer in host memory: use parallel.offload = 'none'")
+    if cfg.train.optimizer == "muon" and cfg.parallel.zero == 0 \
+            and cfg.train.param_dtype in HALF_PRECISIONS:
+        raise ConfigError("train.param_dtype", f"'{cfg.train.param_dtype}' parameters under "
+                          "parallel.zero = 0 keep flat fp32 masters, and Muon steps whole "
+                          "matrices there: use parallel.zero >= 1 (the same masters), or 'auto'")
     check_data(cfg.data, args)
     check_checkpoint(cfg)
     return dims

@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-from plait.choices import HALF_PRECISIONS, MUON_ADJUST_LR, OPTIMIZERS
+from plait.choices import HALF_PRECISIONS, MUON_ADJUST_LR, OPTIMIZERS, PARAM_DTYPES
 from plait.config import Config, ConfigError, DataConfig, TrainConfig, model_section
 from plait.mesh import ParallelDims
 from plait.model.args import ModelArgs
@@ -45,13 +45,7 @@ def check_train(train: TrainConfig, dims: ParallelDims) -> None:
                           f"got {train.eval_every}")
     if train.eval_batches < 1:
         raise ConfigError("train.eval_batches", f"must be >= 1, got {train.eval_batches}")
-    if train.precision == "fp8":
-        raise ConfigError("train.precision", "'fp8' is priced by plait plan only (the linear "
-                          "layers' matmuls at a device's fp8 rate); the engine trains in 'fp32', "
-                          "'bf16' or 'fp16'")
-    if train.precision not in ("fp32", *HALF_PRECISIONS):
-        raise ConfigError("train.precision",
-                          f"'fp32', 'bf16' or 'fp16', got '{train.precision}'")
+    _check_precision(train)
     _check_loss_scale(train)
     if train.lr_scaling not in ("none", "linear"):
         raise ConfigError("train.lr_scaling", f"'none' or 'linear', got '{train.lr_scaling}'")
@@ -75,6 +69,24 @@ def check_train(train: TrainConfig, dims: ParallelDims) -> None:
             "train.global_batch",
             f"{train.global_batch} must be a positive multiple of {ranks}",
         )
+
+
+def _check_precision(train: TrainConfig) -> None:
+    """`train.precision` and `train.param_dtype`."""
+    if train.precision == "fp8":
+        raise ConfigError("train.precision", "'fp8' is priced by plait plan only (the linear "
+                          "layers' matmuls at a device's fp8 rate); the engine trains in 'fp32', "
+                          "'bf16' or 'fp16'")
+    if train.precision not in ("fp32", *HALF_PRECISIONS):
+        raise ConfigError("train.precision",
+                          f"'fp32', 'bf16' or 'fp16', got '{train.precision}'")
+    if train.param_dtype not in PARAM_DTYPES:
+        raise ConfigError("train.param_dtype", f"'auto', 'fp32', 'bf16' or 'fp16', got "
+                          f"'{train.param_dtype}'")
+    if train.param_dtype in HALF_PRECISIONS and train.param_dtype != train.precision:
+        raise ConfigError("train.param_dtype", f"'{train.param_dtype}' parameters compute in "
+                          f"train.precision's dtype, which is '{train.precision}': set "
+                          f"train.precision='{train.param_dtype}' too, or use 'auto'")
 
 
 def _check_loss_scale(train: TrainConfig) -> None:

@@ -8,5 +8,16 @@ COMPRESSIONS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")  # p
 WITH_ERROR_FEEDBACK = ("topk", "powersgd", "sign")  # the lossy ones that keep a residual
 ROUTERS = ("token_choice", "expert_choice")  # model.moe_router
 HALF_PRECISIONS = ("bf16", "fp16")  # train.precision, besides "fp32"
+PARAM_DTYPES = ("auto", "fp32", *HALF_PRECISIONS)  # train.param_dtype
+
+
+def held_precision(precision: str, param_dtype: str, zero: int) -> str:
+    """The dtype the parameters are held and computed in ("fp32", "bf16", "fp16"), from
+    `train.precision`, `train.param_dtype` and `parallel.zero`: "auto" holds them in the half
+    precision under ZeRO and in fp32 otherwise (autocast over them); a half dtype holds them in
+    it under every engine, with fp32 masters the optimizer steps."""
+    if param_dtype == "auto":
+        return precision if zero and precision in HALF_PRECISIONS else "fp32"
+    return param_dtype
 OPTIMIZERS = ("adamw", "muon", "sgd")  # train.optimizer
 MUON_ADJUST_LR = ("match_rms_adamw", "original")  # train.muon_adjust_lr

@@ -111,6 +111,10 @@ class TrainConfig:
     seed: int = 0
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp32 weights and optimizer
     # state; fp16 with loss scaling, plait/parallel/loss_scaling.py)
+    # The parameters' dtype under a half precision (FSDP2's param_dtype): "auto" (the half
+    # dtype under ZeRO, fp32 under DDP and one device) | "fp32" | train.precision's half dtype
+    # (held and computed in it under every engine, fp32 masters stepped, fp32 reductions)
+    param_dtype: str = "auto"
     loss_scale: str | float = "dynamic"  # fp16: "dynamic", or a static scale (a number)
     loss_scale_init: float = 65536.0  # the dynamic scale's start, 2^16
     loss_scale_growth_interval: int = 2000  # clean steps in a row before the scale doubles

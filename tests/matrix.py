@@ -74,7 +74,7 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
             # Rows go out in the residual's dtype and come back in the experts' (half under
             # autocast): the mean of the two per element.
             half = cfg.train.precision in HALF
-            elt = Fraction((2 if half and cfg.parallel.zero else 4) + (2 if half else 4), 2)
+            elt = Fraction((2 if cost.half_params(cfg) else 4) + (2 if half else 4), 2)
             moved = dict(r["traffic"][1])
             moved[Op.ALL_TO_ALL] = moved.get(Op.ALL_TO_ALL, 0) + cost.all_to_all_bytes(
                 r["probe"]["rows"], cfg.model.args().dim, elt, dims.ep)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from plait.choices import held_precision
 from plait.comm import all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups
 from plait.comm.compression import build_compression
@@ -258,14 +259,16 @@ def parallelize(
     precision: str = "fp32",
     activation_checkpointing: str = "none",
     options: ModuleOptions = ModuleOptions(),
+    param_dtype: str = "auto",
     source: Source | None = None,
     scaler: LossScaler | None = None,
     whole: bool | Callable[[str, nn.Parameter], bool] = False,
     groups: Callable[[str, nn.Parameter], str] | None = None,
 ) -> Parallelized:
-    """Apply every configured parallelism to `model` in the documented order. With a half
-    precision ("bf16", "fp16") and ZeRO, parameters are held in it with fp32 masters of each
-    rank's slices; without ZeRO, it is autocast over fp32 parameters. fp16 scales the loss by
+    """Apply every configured parallelism to `model` in the documented order. A half
+    precision ("bf16", "fp16") computes under autocast; the parameters are held in it, with fp32
+    masters of what each rank steps, where `param_dtype` says (`choices.held_precision`: "auto"
+    under ZeRO only; a half dtype under every engine), else in fp32. fp16 scales the loss by
     `scaler` (default: dynamic from 2^16; `loss_scaling.py`). Do not use `model` afterwards:
     its pieces now live in the returned chunks. A model with no plan gets the data-parallel
     engines (`options` says what it would otherwise read from a plan); a degree that needs a
@@ -288,23 +291,33 @@ def parallelize(
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
     fill = _fill(chunks, record, source, cfg.zero)
     half = HALF.get(precision)
-    if callable(whole):
-        record.matrices = frozenset(n for n, p in chunks.named_parameters() if whole(n, p))
-    matrices = record.matrices if whole else frozenset()
-    if groups is not None:
-        record.groups = {n: groups(n, p) for n, p in chunks.named_parameters()}
-    engine = build_data_parallel(chunks, mesh, cfg, half, axes, record, options.wrap, fill,
+    held = HALF.get(held_precision(precision, param_dtype, cfg.zero))
+    matrices = _optimizer_classes(chunks, record, whole, groups)
+    engine = build_data_parallel(chunks, mesh, cfg, held, axes, record, options.wrap, fill,
                                  matrices)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
     seed_ranks(axes, cfg.sequence_parallel)  # dropout's masks (`dropout.py`)
     loss_fn = _loss(model, options, axes["tp"])
-    train, evaluate = _executors(model, chunks, schedule, axes, cfg, half, loss_fn, engine)
+    train, evaluate = _executors(model, chunks, schedule, axes, cfg, half, held, loss_fn,
+                                 engine)
     context = ContextLayout(cfg.cp_method, axes["cp"].rank, axes["cp"].size)
     if precision == "fp16" and scaler is None:
         scaler = LossScaler()
     moe = [layer for chunk in chunks.values() for layer in moe_layers(chunk).values()]
     return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context,
                         scaler if precision == "fp16" else None, moe)
+
+
+def _optimizer_classes(chunks: nn.ModuleDict, record: PlacementRecord,
+                       whole: bool | Callable[[str, nn.Parameter], bool],
+                       groups: Callable[[str, nn.Parameter], str] | None) -> frozenset[str]:
+    """What the engine keeps in flat buffers of their own: the matrices an optimizer needs
+    whole (returned; recorded), and each parameter's optimizer group (recorded)."""
+    if callable(whole):
+        record.matrices = frozenset(n for n, p in chunks.named_parameters() if whole(n, p))
+    if groups is not None:
+        record.groups = {n: groups(n, p) for n, p in chunks.named_parameters()}
+    return record.matrices if whole else frozenset()
 
 
 def _fill(chunks: nn.ModuleDict, record: PlacementRecord, source: Source | None,
@@ -336,17 +349,17 @@ def _loss(model: nn.Module, options: ModuleOptions, tp: Axis) -> Callable:
 
 
 def _executors(model: nn.Module, chunks: nn.ModuleDict, schedule, axes: dict[str, Axis],
-               cfg: ParallelConfig, half: torch.dtype | None, loss_fn: Callable,
-               engine) -> tuple[PipelineExecutor, PipelineExecutor]:
+               cfg: ParallelConfig, half: torch.dtype | None, held: torch.dtype | None,
+               loss_fn: Callable, engine) -> tuple[PipelineExecutor, PipelineExecutor]:
     """The schedule's executor for training, and a forward-only one for evaluation, both over
     this rank's chunks under autocast where the precision is half. What passes between stages
-    (only pp > 1, which needs a plan, sends anything) is in the parameters' dtype (half under
-    ZeRO with a half precision)."""
+    (only pp > 1, which needs a plan, sends anything) is in the parameters' dtype (`held`:
+    half, or None for fp32)."""
     plan = plan_of(model) if has_plan(model) else None
     tp = axes["tp"]
     width = getattr(model.args, plan.hidden_size) if plan and axes["pp"].size > 1 else 0
     activation = Activation(width, tp.size if cfg.sequence_parallel else 1,
-                            half if half is not None and cfg.zero > 0 else torch.float32)
+                            held or torch.float32)
     device = _device(chunks)
     compute = contextlib.nullcontext
     if half is not None:
@@ -399,14 +412,14 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
 
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
-                        half: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
+                        held: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
                         wrap: WrapPolicy | None = None, fill: Filler | None = None,
                         matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
     hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
-    experts over dp, reducing gradients with the `parallel.compression` method. Under ZeRO with
-    a `half` dtype the parameters are held in it (fp32 masters), and gradients are reduced in it
-    where `parallel.reduce_dtype` names it."""
+    experts over dp, reducing gradients with the `parallel.compression` method. With a `held`
+    dtype (half) the parameters are held in it, with fp32 masters; ZeRO reduces gradients in it
+    where `parallel.reduce_dtype` names it, DDP in fp32."""
     dp = axes["batch"]
     overrides = {n: axes["dp"] for n in expert_overrides(record)}
     compression = build_compression(cfg.compression, cfg.compression_ratio,
@@ -422,14 +435,14 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
         return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
                             algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
                             overrides={n: a.group for n, a in overrides.items()}, nodes=nodes,
-                            **classes)
+                            param_dtype=held, **classes)
     shard, replicate = dp, None
     if cfg.dp_shard and cfg.dp_shard < dp.size:
         dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
         shard, replicate = hsdp_groups(dims)
     precision = {
-        "param_dtype": half,
-        "reduce_dtype": half if half is not None and cfg.reduce_dtype != "fp32" else torch.float32,
+        "param_dtype": held,
+        "reduce_dtype": HALF[cfg.reduce_dtype] if cfg.reduce_dtype != "fp32" else torch.float32,
     }
     if cfg.zero == 3:
         return Zero3DataParallel(chunks, shard, **precision, offload=cfg.offload,

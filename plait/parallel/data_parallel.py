@@ -28,6 +28,14 @@ Two engines that keep whole replicas, tested against each other:
   parameter its slice of the bucket as `.grad`. Under `no_sync()` (the micro-batches of gradient
   accumulation before the last) gradients accumulate in `.grad` as usual and nothing is
   communicated.
+
+  With a half `param_dtype` (`train.param_dtype`, FSDP2's MixedPrecisionPolicy for whole
+  replicas) each bucket is a flat parameter held in it, whose fp32 master the optimizer steps
+  (`flat.FlatParam` with one rank: the slice is the whole bucket). Buckets never mix optimizer
+  classes, as ZeRO's. Every micro-batch's half gradient is added into the bucket's fp32
+  gradient (under `no_sync` too: accumulation in fp32), which is all-reduced in fp32 and is the
+  master's gradient; `finish_step` rounds the masters into the parameters. One device (a group
+  of one) takes the same path, without the all-reduce.
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ from plait.comm import Pending, all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups, all_reduce_by
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression
-from plait.parallel.flat import FlatParam
-from plait.parallel.state import Piece, model_state_bytes
+from plait.parallel.flat import FlatParam, optimizer_classes
+from plait.parallel.state import Piece, model_state_bytes, nbytes, optimizer_state_bytes
 
 
 def sync_classes(named: list, default, overrides: dict) -> list[tuple[object, list]]:
@@ -224,6 +232,7 @@ class BucketedDataParallel(SyncedReplicas):
         nodes: NodeGroups | None = None,
         matrices: frozenset[str] = frozenset(),
         groups: dict[str, str] | None = None,
+        param_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.module, self.group, self.algorithm = module, group, algorithm
@@ -234,24 +243,40 @@ class BucketedDataParallel(SyncedReplicas):
         _broadcast_replicas(module, group, overrides)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         caps = int(bucket_mb * 2**20), int(min(first_bucket_mb, bucket_mb) * 2**20)
+        self.masters = param_dtype is not None  # half parameters, fp32 masters
         self.buckets: list[FlatParam] = []
         for sync, members in sync_classes(named, group, overrides or {}):
-            for bucket_members in assign_buckets(members, *caps):
-                bucket = FlatParam(bucket_members, None, 1, 0, index=len(self.buckets))
-                bucket.group = sync  # the bucket's all-reduce
-                bucket.grad = torch.zeros_like(bucket.full)  # kept: .grad of each views it
-                self.buckets.append(bucket)
+            if self.masters:  # one optimizer class per bucket: the master is one tensor
+                classes = optimizer_classes(members, matrices, self.groups)
+            else:
+                classes = [(members, None, False, None)]
+            for cls, decay, matrix, name in classes:
+                for bucket_members in assign_buckets(cls, *caps):
+                    bucket = FlatParam(bucket_members, decay, 1, 0, param_dtype,
+                                       index=len(self.buckets), matrix=matrix, group_name=name)
+                    bucket.group = sync  # the bucket's all-reduce
+                    # Kept: the parameters' .grad view it (fp32 with masters: theirs).
+                    bucket.grad = torch.zeros_like(bucket.slice.master)
+                    bucket.grad_shard = bucket.grad  # the whole is this rank's "slice"
+                    self.buckets.append(bucket)
         self._grad_views = [b.views(b.grad) for b in self.buckets]  # by bucket index
         self._next = 0  # buckets are launched in index order, the same on every rank
         self._in_flight: list[tuple[FlatParam, Pending]] = []
-        if self.size > 1:
+        if self.size > 1 or self.masters:
             for bucket in self.buckets:
                 for position, p in enumerate(bucket.params):
                     p.register_post_accumulate_grad_hook(self._hook(bucket, position))
 
     def _hook(self, bucket: FlatParam, position: int):
         def on_gradient(p: nn.Parameter) -> None:
+            if self.masters:  # every micro-batch's half gradient, summed in fp32
+                self._grad_views[bucket.index][position].add_(p.grad, alpha=1 / self.size)
+                p.grad = None
             if not self._sync:
+                return
+            if self.masters:
+                bucket.ready.add(position)
+                self._next = launch_ready(self.buckets, self._next, self._launch)
                 return
             # Average on the way in (g / n, summed by the all-reduce), during backward, rather
             # than dividing the whole bucket after the wait, on the critical path.
@@ -267,6 +292,8 @@ class BucketedDataParallel(SyncedReplicas):
 
     def _launch(self, bucket: FlatParam) -> None:
         """The bucket's all-reduce (in place: the mean comes back in `bucket.grad`)."""
+        if self.size == 1:
+            return  # one device (masters): nothing to reduce
         if self._compressing(dist.get_world_size(bucket.group)):
             pending = self.compression.method.all_reduce(bucket.key, bucket.grad,
                                                          bucket.segments, bucket.group)
@@ -278,6 +305,9 @@ class BucketedDataParallel(SyncedReplicas):
     def finish_gradients(self) -> None:
         """Wait for every bucket's all-reduce and hand the averaged gradients to the parameters.
         Call once after the step's last backward (outside `no_sync`)."""
+        if self.masters:
+            self._hand_to_masters()
+            return
         if self.size == 1:
             _check_all_have_grads(self.module)
             return
@@ -295,3 +325,80 @@ class BucketedDataParallel(SyncedReplicas):
         self._in_flight.clear()
         self._next = 0
         self._step_done()
+
+    def _hand_to_masters(self) -> None:
+        """Half parameters: the buckets' averaged fp32 gradients are the masters' (the
+        parameters' `.grad` stay None: what the optimizer steps is the masters)."""
+        ready = {b.names[i] for b in self.buckets for i in b.ready}
+        _check_all_have_grads(self.module, ready)
+        if self._next != len(self.buckets):
+            raise RuntimeError("gradients arrived outside the last backward; call "
+                               "finish_gradients after a backward run outside no_sync()")
+        for _, pending in self._in_flight:
+            pending.wait()
+        self._in_flight.clear()
+        for bucket in self.buckets:
+            bucket.slice.set_grad(bucket.grad)
+            bucket.ready.clear()
+        self._next = 0
+        self._step_done()
+
+    # -- half parameters: what the optimizer steps is the buckets' fp32 masters ------------------
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: the fp32 gradient sums start from zero (a skipped
+        update, a non-finite norm, leaves last step's there)."""
+        if self.masters:
+            for bucket in self.buckets:
+                bucket.grad.zero_()
+
+    @torch.no_grad()
+    def finish_step(self) -> None:
+        """After the optimizer step: the masters rounded into the half parameters."""
+        if self.masters:
+            for bucket in self.buckets:
+                bucket.slice.after_step()
+
+    def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if not self.masters:
+            return super().optimizer_groups()
+        return ([b.slice.master for b in self.buckets if b.decay and not b.matrix],
+                [b.slice.master for b in self.buckets if not b.decay])
+
+    def matrix_tensors(self) -> list[torch.Tensor]:
+        if not self.masters:
+            return super().matrix_tensors()
+        return [b.slice.master for b in self.buckets if b.matrix]
+
+    def param_groups(self) -> dict[str | None, list[torch.Tensor]]:
+        if not self.masters:
+            return super().param_groups()
+        out: dict[str | None, list[torch.Tensor]] = {}
+        for b in self.buckets:
+            if not b.matrix:
+                out.setdefault(b.group_name, []).append(b.slice.master)
+        return out
+
+    def held_pieces(self) -> list[Piece]:
+        if not self.masters:
+            return super().held_pieces()
+        return [piece for b in self.buckets for piece in b.held_pieces()]
+
+    def grad_pieces(self):
+        if not self.masters:
+            yield from super().grad_pieces()
+            return
+        for b in self.buckets:
+            yield from b.grad_pieces()
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Half parameters: the half buckets, their fp32 gradient sums, and the optimizer's
+        state with the fp32 masters (ZeRO's accounting: 2 + 4 + (8 + 4) bytes per element)."""
+        if not self.masters:
+            return super().state_bytes(optimizer)
+        return self._with_peak({
+            "params": nbytes(b.full for b in self.buckets),
+            "grads": nbytes(b.grad for b in self.buckets),
+            "optimizer": optimizer_state_bytes(optimizer)
+            + sum(b.slice.master_bytes for b in self.buckets),
+        })

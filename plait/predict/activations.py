@@ -43,6 +43,7 @@ from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
 from plait.parallel.vocab_parallel import backward_bytes, compute_device, fits_one_run, run_tokens
+from plait.predict.state_cost import half_params
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class _Sizes:
 def _sizes(cfg: Config) -> _Sizes:
     if cfg.train.precision not in HALF:  # bf16 and fp16 keep the same sizes
         return _Sizes(4, 4, 8, 4, False)  # the norm keeps its input and x / rms(x) (fp32)
-    if cfg.parallel.zero:  # bf16 parameters: the norm's fp32 upcast and its bf16 x / rms(x)
+    if half_params(cfg):  # bf16 parameters: the norm's fp32 upcast and its bf16 x / rms(x)
         return _Sizes(2, 2, 6, 2, False)
     return _Sizes(4, 2, 8, 2, True)  # autocast: the matmul reads a bf16 cast of the norm output
 

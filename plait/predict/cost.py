@@ -27,8 +27,8 @@ tp, an activation is A = r s dim elements:
   different pieces.
 
 Dtypes (bf16 and fp16 alike, "half"): the residual stream and its gradients are half only with
-half parameters (ZeRO + a half precision); matmul outputs are half under any half-precision
-training (autocast).
+half parameters (`train.param_dtype`; by default ZeRO with a half precision); matmul outputs are
+half under any half-precision training (autocast).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from plait.predict.state_cost import (  # noqa: F401 - re-exported
     compression_method,
     dtype_bytes,
     flat_buffers,
+    half_params,
     matrices,
     padded_numel,
     startup_bytes,
@@ -146,7 +147,7 @@ class _Step:
         seq = cfg.data.seq_len // dims.cp
         half = train.precision in HALF  # bf16 or fp16: the same sizes
         split = schedule.split_backward
-        return _Step(M, schedule.chunks, split, rows, seq, dims.tp, 2 if half and par.zero else 4,
+        return _Step(M, schedule.chunks, split, rows, seq, dims.tp, 2 if half_params(cfg) else 4,
                      2 if half else 4, rows * seq * cfg.model.args().dim,
                      sum(c.layers for c in chunks), any(c.first for c in chunks),
                      any(c.last for c in chunks), train.activation_checkpointing == "full",
@@ -285,7 +286,7 @@ def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: Placement
     ZeRO's reduce-scatter, its gathers and, hybrid, the all-reduce of the slices across groups.
     Summed per group and op first: bus bytes are linear in the bytes, and a 7B model has a
     thousand buckets."""
-    par, half = cfg.parallel, cfg.train.precision in HALF
+    par = cfg.parallel
     method = compression_method(cfg) if dims.shard > 1 else None
     R = dims.dp // dims.shard
     buffers = {}  # (group, op, n) -> [calls, bytes]
@@ -310,8 +311,7 @@ def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: Placement
             for op, nbytes in reduction:
                 add(group, op, K, nbytes)
     else:
-        param_b = 2 if half else 4
-        reduce_b = 2 if half and par.reduce_dtype != "fp32" else 4
+        param_b, reduce_b = dtype_bytes(cfg)
         gathers = 1 if par.zero < 3 else (2 * s.M if par.reshard_after_forward else 1)
         for group, K, segments in flat_buffers(cfg, dims, record):
             padded = padded_numel(members_numel(segments), K)
@@ -389,7 +389,7 @@ def routed_traffic(t: Traffic, cfg: Config, dims: ParallelDims,
     # Bytes per element out (the block's residual dtype) and back (the experts' output: half
     # under autocast); backward sends the gradients of each the other way.
     half = cfg.train.precision in HALF
-    out, back = (2 if half and cfg.parallel.zero else 4), (2 if half else 4)
+    out, back = (2 if half_params(cfg) else 4), (2 if half else 4)
     passes = 2 + (cfg.train.activation_checkpointing == "full")
     t.add("ep", Op.ALL_TO_ALL, dims.ep, tokens * args.moe_top_k * args.dim * (out + back)
           * M * moe * passes, calls=2 * M * moe * passes)

@@ -11,13 +11,13 @@ import functools
 
 import torch
 
+from plait.choices import HALF_PRECISIONS, held_precision
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Segment, build_compression, layout, members_numel
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.parallel.expert_parallel import expert_overrides
 from plait.parallel.flat import optimizer_classes
-from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.schedules import Kind
 from plait.parallel.placement import PlacementRecord
@@ -41,8 +41,17 @@ def flat_buffers(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     experts over dp."""
     dense = ("batch", dims.batch) if dims.batch > dims.dp else \
         ("dp_shard" if dims.shard < dims.dp else "dp", dims.shard if cfg.parallel.zero else dims.dp)
+    masters = cfg.parallel.zero == 0 and half_params(cfg)
     return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments, _ in
-            flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb, matrices(cfg, record))]
+            flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb, matrices(cfg, record),
+                         masters)]
+
+
+def half_params(cfg: Config) -> bool:
+    """Whether the parameters are held in a half dtype, with fp32 masters
+    (`choices.held_precision`)."""
+    return held_precision(cfg.train.precision, cfg.train.param_dtype,
+                          cfg.parallel.zero) in HALF_PRECISIONS
 
 
 def matrices(cfg: Config, record: PlacementRecord) -> frozenset[str]:
@@ -52,10 +61,11 @@ def matrices(cfg: Config, record: PlacementRecord) -> frozenset[str]:
 
 @functools.lru_cache(maxsize=512)
 def flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float,
-                 matrices: frozenset[str] = frozenset()
+                 matrices: frozenset[str] = frozenset(), masters: bool = False
                  ) -> list[tuple[bool, list[Segment], int]]:
     """(experts?, layout, group) per flat buffer, in the engine's order (`sync_classes`: dense
-    first; within each, the optimizer's classes, `optimizer_classes`); the group is what is
+    first; within each, the optimizer's classes, `optimizer_classes`, but for DDP's buckets of
+    fp32 parameters, which mix them: `masters` says DDP's are half); the group is what is
     reduced at once: ZeRO-3's unit, else the buffer itself. Cached by the record's identity: a
     record is complete once `place` returns, and the planner prices many layouts on each."""
     named = _meta(record)
@@ -74,7 +84,9 @@ def flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float,
             if not members:
                 continue
             if zero == 0:
-                groups += [(cls, m, None) for m in assign_buckets(
+                classes = optimizer_classes(members, matrices, record.groups) if masters \
+                    else [(members,)]
+                groups += [(cls, m, None) for members, *_ in classes for m in assign_buckets(
                     members, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))]
             else:
                 groups += [(cls, m, None) for m, *_ in flat_groups(members, bucket_mb,
@@ -91,16 +103,16 @@ def compression_method(cfg: Config):
 
 
 def dtype_bytes(cfg: Config) -> tuple[int, int]:
-    """(bytes per parameter element held, bytes per gradient element reduced): 2 and 2 or 4 under
-    ZeRO with a half precision, bf16 or fp16 (half parameters; `parallel.reduce_dtype`), else
-    fp32."""
-    half = cfg.train.precision in HALF and cfg.parallel.zero > 0
-    return (2 if half else 4), (2 if half and cfg.parallel.reduce_dtype != "fp32" else 4)
+    """(bytes per parameter element held, bytes per gradient element reduced): 2 for half
+    parameters (`half_params`), else 4; ZeRO reduces in `parallel.reduce_dtype`, DDP in fp32."""
+    reduce_half = cfg.parallel.zero > 0 and cfg.parallel.reduce_dtype != "fp32"
+    return (2 if half_params(cfg) else 4), (2 if reduce_half else 4)
 
 
 def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dict[str, int]:
     """Model-state bytes this rank holds after a step: parameters, gradients, optimizer state
-    (AdamW: two fp32 moments; under bf16 ZeRO also the fp32 master: 2 + 2 + 12 per parameter),
+    (AdamW: two fp32 moments; under half parameters also the fp32 master: ZeRO's 2 + 2 + 12 per
+    parameter, DDP's 2 + 4 + 12: its gradient sums are fp32),
     ZeRO's shards padded to a multiple of the sharding group; with gradient compression, its
     state ("compression"); and "peak", the most held during the step (`_params_peak` +
     `_grads_peak` + the rest)."""
@@ -112,8 +124,8 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
              for _, K, s in flat_buffers(cfg, dims, record)]
     muon = matrices(cfg, record)
     if par.zero == 0:
-        state = {"params": 4 * held, "grads": 4 * held,
-                 "optimizer": sum(optimizer_bytes(cfg, n in muon) * p.local_numel
+        state = {"params": param_b * held, "grads": 4 * held,
+                 "optimizer": sum((optimizer_bytes(cfg, n in muon) + 4 * bf16) * p.local_numel
                                   for n, p in record.params.items())}
     else:
         padded = sum(numel for _, _, numel in flats)

@@ -259,7 +259,7 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
         with FakeTensorMode() as mode:
             parallelized = parallelize(
                 fake_module(meta, device, mode), mesh, cfg.parallel, microbatches=M,
-                precision=cfg.train.precision,
+                precision=cfg.train.precision, param_dtype=cfg.train.param_dtype,
                 activation_checkpointing=cfg.train.activation_checkpointing,
                 scaler=LossScaler.of(cfg.train))
             _, rows = rows_share(parallelized.axes)

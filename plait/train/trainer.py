@@ -88,7 +88,7 @@ class Trainer:
         self.microbatches = microbatches(cfg.parallel, dims)
         self.parallelized = parallelize(
             model, mesh, cfg.parallel, microbatches=self.microbatches,
-            precision=cfg.train.precision,
+            precision=cfg.train.precision, param_dtype=cfg.train.param_dtype,
             activation_checkpointing=cfg.train.activation_checkpointing, source=source,
             scaler=LossScaler.of(cfg.train), whole=cfg.train.optimizer == "muon",
         )

@@ -26,10 +26,11 @@ full tensor.
 from __future__ import annotations
 
 import pytest
-import torch
 from harness import run_world
-from matrix import STEPS, compare
+from matrix import compare
 from training import run_steps, tiny_config
+
+from plait.predict import cost
 
 BASE = ["model.n_layers=4", "train.warmup_steps=2", "train.steps=4"]
 
@@ -100,6 +101,12 @@ BF16_ROWS = [
     ("tp2-sp-bf16", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("dp2-tp2-zero3-sp-bf16", 4, ["parallel.tp=2", "parallel.zero=3",
                                   "parallel.sequence_parallel=true"]),
+    # train.param_dtype: bf16 parameters (fp32 masters) on one device and under DDP, the
+    # reference's math (ZeRO-1 of one process); fp32 parameters under ZeRO-3, autocast's.
+    ("one-device-bf16-params", 1, ["train.param_dtype=bf16"]),
+    ("dp2-bf16-params", 2, ["train.param_dtype=bf16"]),
+    ("dp2-zero1-bf16-params", 2, ["parallel.zero=1", "train.param_dtype=bf16"]),
+    ("dp2-zero3-fp32-params", 2, ["parallel.zero=3", "train.param_dtype=fp32"]),
 ]
 
 
@@ -150,9 +157,8 @@ def test_composition_equals_one_process(references, ranks, overrides):
 @pytest.mark.parametrize("ranks,overrides", [r[1:] for r in BF16_ROWS],
                          ids=[r[0] for r in BF16_ROWS])
 def test_bf16_composition_tracks_one_process(references, ranks, overrides):
-    zero = any(o.startswith("parallel.zero=") and o != "parallel.zero=0" for o in overrides)
-    ref = references["bf16-zero" if zero else "bf16"]
     cfg = config("train.precision=bf16", *overrides)
+    ref = references["bf16-zero" if cost.half_params(cfg) else "bf16"]
     compare(cfg, run_world(run_steps, ranks, cfg, timeout=240), ref, 1e-3,
             param_mean_atol=3e-4)
 

@@ -34,6 +34,7 @@ from training import grad_scaler_reference, overflow_at, run_steps, tiny_config
 from plait.checks import validate
 from plait.mesh import build_mesh
 from plait.parallel.expert_parallel import moe_layers
+from plait.predict import cost
 from plait.train.outputs import Outputs
 from plait.train.trainer import NonFiniteGradient, Trainer
 
@@ -46,6 +47,9 @@ STEP = 1  # the step that overflows
 ROWS = [
     ("dp2-fp16", 2, [], ("layers.2.feed_forward.w2", {"dp": 1})),
     ("dp2-zero1-fp16", 2, ["parallel.zero=1"], ("layers.0.attention.wo", {"dp": 0})),
+    # fp16 parameters under DDP (fp32 masters and gradient sums): the skipped step leaves
+    # nothing in the sums for the next one
+    ("dp2-fp16-params", 2, ["train.param_dtype=fp16"], ("layers.2.feed_forward.w2", {"dp": 1})),
     ("dp2-zero2-fp16", 2, ["parallel.zero=2"], ("layers.3.attention.wo", {"dp": 1})),
     ("dp2-zero3-fp16", 2, ["parallel.zero=3"], ("layers.1.feed_forward.w2", {"dp": 0})),
     ("3d-zero1-fp16", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.zero=1"],
@@ -110,8 +114,8 @@ def test_the_reference_overflows_once_and_grows_back(references):
 @pytest.mark.parametrize("ranks,overrides,where", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
 def test_fp16_composition_tracks_grad_scaler(references, ranks, overrides, where):
     cfg = tiny_config(*BASE, *overrides)
-    zero = cfg.parallel.zero > 0
-    ref = references["moe" if cfg.model.args().moe_experts else "zero" if zero else "dense"]
+    half = cost.half_params(cfg)  # fp16 parameters and fp32 masters, as ZeRO holds them
+    ref = references["moe" if cfg.model.args().moe_experts else "zero" if half else "dense"]
     results = run_world(run_steps, ranks, cfg, STEPS, injected(*where), timeout=240)
     assert sum(r["probe"]["injected"] for r in results) == 1  # one rank overflowed
     for r in results:  # and every rank skipped that step and halved its scale

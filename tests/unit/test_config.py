@@ -196,6 +196,10 @@ BAD_INPUT = [
     (["parallel.reduce_dtype=fp16"], "parallel.reduce_dtype"),  # a fp32 run
     (["parallel.reduce_dtype=bf16", "train.precision=fp16"], "parallel.reduce_dtype"),
     (["parallel.reduce_dtype=fp8"], "parallel.reduce_dtype"),
+    (["train.param_dtype=fp8"], "train.param_dtype"),
+    (["train.param_dtype=bf16"], "train.param_dtype"),  # a fp32 run
+    (["train.precision=bf16", "train.param_dtype=bf16", "train.optimizer=muon"],
+     "train.param_dtype"),  # flat masters under DDP; Muon wants whole matrices
     # fp16's loss scale.
     (["train.precision=fp16", "train.loss_scale=auto"], "train.loss_scale"),
     (["train.precision=fp16", "train.loss_scale=0"], "train.loss_scale"),
