@@ -9,8 +9,10 @@ would write instead, each side in a process of its own.
                     entropy on the logits, backward, clip, fused AdamW
     loop-compiled   the same loop over `torch.compile(model)`
 
-The same shape, global batch, precision (fp32 parameters under `train.precision`'s autocast),
-optimizer settings and batches for every side. A side that runs out of device memory at one
+The same shape, global batch, precision (`train.precision`'s autocast), optimizer settings and
+batches for every side; the loop's parameters are fp32, plait's as `train.param_dtype` says (an
+override: `train.param_dtype=bf16` holds them in bf16 with fp32 masters, FSDP2's mixed
+precision, and the title says so). A side that runs out of device memory at one
 micro-batch retries with twice as many (the loop as its user would, by hand), and says so.
 Reported per side: the median step after warm-up and its spread (interquartile range / median),
 tokens/s, MFU by plait's FLOP count of the model (`predict.trace.model_flops`, the same numerator
@@ -239,10 +241,14 @@ def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES
 
 
 def _shape_of(cfg: Config) -> str:
-    a = cfg.model.args()
+    from plait.choices import held_precision
+
+    a, train = cfg.model.args(), cfg.train
+    held = held_precision(train.precision, train.param_dtype, cfg.parallel.zero)
     return (f"dim {a.dim}, {a.n_layers} layers, {a.n_heads} heads / {a.n_kv_heads} kv, ffn "
-            f"{a.ffn_dim}, vocabulary {a.vocab_size}; {cfg.train.global_batch} x "
-            f"{cfg.data.seq_len} tokens a step, {cfg.train.precision}")
+            f"{a.ffn_dim}, vocabulary {a.vocab_size}; {train.global_batch} x "
+            f"{cfg.data.seq_len} tokens a step, {train.precision}"
+            + (f" (plait's parameters {held}, fp32 masters)" if held != "fp32" else ""))
 
 
 def _gib(n) -> str:
