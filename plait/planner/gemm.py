@@ -29,8 +29,9 @@ Elementwise work (norms, rotary, activations, casts, the softmax of the loss) is
 step moves a multiple of the bytes of the activations it would keep without checkpointing, the
 engine's `elementwise_passes` (`hardware.Engine`: plait's eager step 26, calibrated on a 1B step
 on the H200 and checked on a 125M one and on full checkpointing, docs/planning.md; an engine of
-fused kernels 4), a third more under full recomputation. The optimizer (AdamW, foreach) moves 96
-bytes per element of its state's slice (measured: 33 ms for 1.5B on the H200).
+fused kernels 4; compiled blocks `compiled_passes`), a third more under full recomputation. The
+optimizer moves the engine's `optimizer_bytes` per element of its state's slice (AdamW foreach:
+96, measured as 33 ms for 1.5B on the H200; fused: 28).
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ ATTENTION_MAX = 0.94  # saturated: 16K to 64K tokens measured 0.925-0.944
 # 465 TFLOP/s of executed work, beyond FlashAttention-2's ~320 on the same SMs); torch of
 # 2024-2025 ran FlashAttention-2 first (cuDNN's kernel opt-in: pytorch/pytorch#138522).
 FLASH2_SHARE = 0.62
-OPTIMIZER_BYTES = 96  # per element of the optimizer's slice, per step
 
 
 def gemm_seconds(m: int, n: int, k: int, device, fp8: bool = False) -> float:

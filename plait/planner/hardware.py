@@ -187,7 +187,11 @@ class Engine:
     engine on FlashAttention-2.
     `autocast`: half precision by autocast over fp32 parameters where the layout keeps them
     whole (plait's), which casts sequence parallelism's gathered inputs
-    (`activations.regathered_bytes`); Megatron-LM keeps half parameters and casts nothing."""
+    (`activations.regathered_bytes`); Megatron-LM keeps half parameters and casts nothing.
+    `compiled_passes`: the elementwise passes when the blocks are compiled (`train.compile`,
+    on for CUDA by default), None where compilation is not modeled (the engine's passes).
+    `optimizer_bytes`: what the optimizer moves per element of its slice each step (`gemm`).
+    `compile_s`: seconds to compile one distinct block before the first step."""
 
     name: str = "plait"
     elementwise_passes: float = 26.0
@@ -197,9 +201,32 @@ class Engine:
     overlap_dp: bool = True
     attention_kernel: float = 1.0
     autocast: bool = True
+    compiled_passes: float | None = None
+    optimizer_bytes: float = 96.0  # AdamW foreach (torch's default), measured on the H200
+    compile_s: float = 0.0
 
 
 FUSED_PASSES = 4.0
+# The blocks' elementwise passes when compiled: fitted so that the 1B's compiled step is to its
+# eager one as measured on an H100 in one run (0.3307 / 0.4370 s, docs/benchmarks.md "plait bench
+# gpu"). Inductor's fused kernels take only 0.20-0.23 of the eager blocks' elementwise kernel time
+# (four 1B blocks profiled), but the eager passes, fitted to whole steps, also hold what is not
+# those kernels (launches, the norm's and the optimizer's extra passes), which compiling keeps:
+# 14 of the 26 passes.
+COMPILED_PASSES = 14.0
+# torch's fused AdamW (plait's on CUDA, `train/optim.py`): reads the fp32 parameter, gradient and
+# two moments, writes the parameter and moments, once: 28 bytes an element (the H100's eager 1B
+# step lost 47 ms with it and the one-pass gradient norm: 36 ms of the foreach AdamW's 96 bytes
+# down to 28 at its memory rate, and ~30 GB of the norm's fp64 copies).
+FUSED_ADAMW_BYTES = 28.0
+# The first compiled step of the 1B on an H100 took 6-11 s more than the eager one (one block
+# compiled by inductor for all 16 layers, torch 2.11; docs/benchmarks.md "plait bench gpu").
+COMPILE_S = 8.0
+# plait as it runs today: compiled blocks on CUDA, fused AdamW.
+PLAIT = Engine("plait", compiled_passes=COMPILED_PASSES, optimizer_bytes=FUSED_ADAMW_BYTES,
+               compile_s=COMPILE_S)
+# plait's eager step before fused AdamW (2026-11-26), which the own-step rows measured.
+PLAIT_2026_11_26 = Engine("plait-2026-11-26")
 
 
 @dataclass(frozen=True)
@@ -207,7 +234,7 @@ class Cluster:
     gpus: int
     gpus_per_node: int
     device: Device
-    engine: Engine = Engine()
+    engine: Engine = PLAIT
 
     @property
     def per_node(self) -> int:

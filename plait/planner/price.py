@@ -51,6 +51,7 @@ class PricedLayout:
     comm_s: float = 0.0  # the slowest stage's communication not hidden by compute, per step
     startup_bytes: int = 0  # the worst stage's device bytes while it builds its part
     host_memory_bytes: int = 0  # per node: what offload keeps in host memory
+    compile_s: float = 0.0  # before the first step: compiling each distinct block of a stage
     warnings: list[str] = field(default_factory=list)
     fits: bool = True
 
@@ -173,8 +174,12 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     kernel = engine.attention_kernel if device.hopper else 1.0
     seconds += attention / (gemm.attention_rate(cfg.data.seq_len, device) * kernel)
     plain = with_degrees(cfg, activation_checkpointing="none")
-    moved = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
-                for c in chunks) * engine.elementwise_passes
+    # Compiled blocks fuse their elementwise work; the embedding, the head and the loss run eager.
+    whole = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
+                for c in chunks)
+    blocks = sum(microbatch_bytes(plain, dims, c.layers, False, False, rows, c.moe)
+                 for c in chunks)
+    moved = blocks * elementwise_passes(cfg, engine) + (whole - blocks) * engine.elementwise_passes
     if engine.autocast:
         moved += sum(regathered_bytes(plain, dims, rows, c.layers, c.moe) for c in chunks)
     moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again
@@ -182,7 +187,18 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
                  for out, inner, share, fp8, again in weights if fp8)
     param_b, _ = cost.dtype_bytes(cfg)
     elements = state["optimizer"] // (12 if param_b == 2 else 8)
-    return seconds + gemm.memory_seconds(M * moved + elements * gemm.OPTIMIZER_BYTES, device)
+    return seconds + gemm.memory_seconds(M * moved + elements * engine.optimizer_bytes, device)
+
+
+def compiled(cfg: Config, engine) -> bool:
+    """Whether the engine's blocks are priced compiled: `train.compile` on a GPU ("auto": on),
+    where the engine models it."""
+    return engine.compiled_passes is not None and (cfg.train.compile == "auto"
+                                                   or cfg.train.compile is True)
+
+
+def elementwise_passes(cfg: Config, engine) -> float:
+    return engine.compiled_passes if compiled(cfg, engine) else engine.elementwise_passes
 
 
 def _is_head(name: str) -> bool:
@@ -331,7 +347,20 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
                 tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
                 comm_bytes=float(traffic.total), comm_s=comm_s, startup_bytes=startup,
-                host_memory_bytes=host, fits=fits)
+                host_memory_bytes=host, fits=fits,
+                compile_s=0.0 if dev.gloo else _compile_seconds(cfg, dims, cluster.engine, args,
+                                                                  sizes))
+
+
+def _compile_seconds(cfg: Config, dims: ParallelDims, engine, args: ModelArgs,
+                     sizes: tuple) -> float:
+    """Compiling the blocks before the first step, on a GPU: each distinct block of a stage once
+    (dense and mixture-of-experts blocks are two), the stages at once."""
+    if not compiled(cfg, engine):
+        return 0.0
+    distinct = [any(c.moe < c.layers for c in chunks) + any(c.moe for c in chunks)
+                for chunks, _ in _stages(args, dims.pp, sizes)]
+    return engine.compile_s * max(distinct)
 
 
 def _offload(state: dict, cfg: Config, dims: ParallelDims,

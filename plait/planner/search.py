@@ -214,4 +214,6 @@ def reasons(p: PricedLayout, cluster: Cluster) -> list[str]:
     if p.comm_s:
         out.append(f"communication not hidden: {p.comm_s:.3g} s of the {p.step_time_s:.3g} s "
                    "step")
+    if p.compile_s:
+        out.append(f"blocks compiled (train.compile): ~{p.compile_s:.0f} s before the first step")
     return out
