@@ -21,6 +21,7 @@ twice in a step (ZeRO-3's prefetch and free) can tell.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 from torch import nn
 from torch.distributed._composable import checkpoint
@@ -31,6 +32,18 @@ from plait.parallel.wrap import WrapPolicy, wrapped_modules
 MODES = ("none", "full", "selective")
 
 _recomputing = 0  # depth of recomputations under way (backward may run on another thread)
+_checkpointed: weakref.WeakSet = weakref.WeakSet()  # the modules checkpointed here
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `module`'s forward is recomputed in the backward (`apply_activation_checkpointing`
+    checkpointed it)."""
+    return module in _checkpointed
+
+
+def _checkpoint(module: nn.Module) -> None:
+    checkpoint(module, context_fn=_contexts)
+    _checkpointed.add(module)
 
 
 def recomputing() -> bool:
@@ -82,11 +95,11 @@ def apply_activation_checkpointing(chunk: nn.Module, mode: str,
                              "which has no plan: name the modules to recompute (checkpoint="
                              "plait.WrapPolicy(classes=(Block,)))")
         for module in chosen:
-            checkpoint(module, context_fn=_contexts)
+            _checkpoint(module)
         return len(chosen)
     plan, count = needs_plan(chunk, f"activation checkpointing = {mode!r}"), 0
     for block in chunk.get_submodule(plan.blocks).values():
         for module in checkpointed_modules(block, mode, plan.recompute):
-            checkpoint(module, context_fn=_contexts)
+            _checkpoint(module)
             count += 1
     return count

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from plait.model.plan import has_plan, plan_of
+from plait.parallel.activation_checkpoint import is_checkpointed
 from plait.parallel.wrap import WrapPolicy, wrapped_modules
 
 
@@ -53,12 +54,23 @@ def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
     count = 0
     for chunk in chunks.values():
         for block in blocks(chunk, policy):
+            _recomputed_eager(block)
             block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
             count += 1
     if count == 0 and required:
         raise ValueError("train.compile: no block to compile (the model has no plan naming its "
                          "blocks, and the wrap policy chose no module); set train.compile=false")
     return count
+
+
+def _recomputed_eager(block: nn.Module) -> None:
+    """A module recomputed in the backward inside a compiled block (selective recomputation)
+    runs eager, its checkpoint's hooks too: traced into the block's graph, its forward would save
+    what the graph chooses while the recomputation, eager, makes what eager makes, and
+    torch.utils.checkpoint refuses the mismatch. The block is compiled in the pieces between."""
+    for module in block.modules():
+        if module is not block and is_checkpointed(module):
+            module.forward = torch.compiler.disable(module.forward)
 
 
 def graph_breaks() -> tuple[int, str | None]:

@@ -74,6 +74,34 @@ def test_compiled_blocks_train_what_eager_training_trains(reference, ranks, over
         assert r["graphs"] <= 2 * (1 + r["breaks"]), (r["graphs"], r["breaks"])
 
 
+# Compiled against eager under the same layout, in the same processes (aot_eager runs the ops
+# eager runs, in the same dtypes: the fp32 rows' tolerances hold for half precision too): a
+# mixture of experts' routing (the router and the all-to-all stay eager at the block's edge,
+# `torch.compiler.disable`) with document masks; fp16's loss scaling with Ulysses and selective
+# recomputation (the recomputed modules run eager between the block's compiled pieces: traced
+# into its graph, torch.utils.checkpoint refused what the eager recomputation saved); Muon over
+# ZeRO-1's bf16 parameters.
+SAME_LAYOUT = [
+    ("moe-ep2-documents", ["model.preset='tiny-moe'", "parallel.ep=2", "data.document_mask=true"]),
+    ("fp16-cp2-ulysses-selective", ["train.precision=fp16", "parallel.cp=2",
+                                    "parallel.cp_method='ulysses'",
+                                    "train.activation_checkpointing=selective"]),
+    ("muon-zero1-bf16", ["train.optimizer='muon'", "parallel.zero=1", "train.precision=bf16"]),
+]
+
+
+def eager_then_compiled(eager, compiled):
+    return run_steps(eager), with_compile_counts(compiled)
+
+
+@pytest.mark.parametrize("overrides", [r[1] for r in SAME_LAYOUT], ids=[r[0] for r in SAME_LAYOUT])
+def test_compiled_blocks_train_what_the_same_layout_trains_eager(overrides):
+    for eager, compiled in run_world(eager_then_compiled, 2, config(*overrides),
+                                     config(*AOT, *overrides), timeout=240):
+        assert compiled["graphs"] > 0
+        _equal([compiled], eager)
+
+
 def test_inductor_compiled_blocks_train_what_eager_training_trains(reference):
     cfg = config("train.compile=true")
     _equal(run_world(run_steps, 1, cfg, timeout=240), reference)
