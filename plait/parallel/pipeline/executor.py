@@ -90,12 +90,13 @@ class PipelineExecutor:
         s = self.schedule
         saved: dict[tuple[int, int], _Saved] = {}
         sends: list[tuple[Pending, torch.Tensor]] = []
-        loss_sum = 0.0
+        losses: list[torch.Tensor] = []  # read once the schedule is done: one host sync
         stage = next(iter(self.chunks)) % s.stages
         for a in s.actions[stage]:
             if a.kind is Kind.F:
                 loss, start = self._forward(a, microbatches, saved, sends)
-                loss_sum += loss
+                if loss is not None:
+                    losses.append(loss)
             elif a.kind is Kind.B:
                 start = self._backward(a, saved, sends)
             else:
@@ -104,13 +105,15 @@ class PipelineExecutor:
                             kind=a.kind.value, microbatch=a.microbatch, chunk=a.chunk)
         for pending, _ in sends:
             pending.wait()
-        return loss_sum
+        return sum(loss.item() for loss in losses)
 
-    def _forward(self, a, microbatches: list, saved: dict, sends: list) -> tuple[float, float]:
+    def _forward(self, a, microbatches: list, saved: dict,
+                 sends: list) -> tuple[torch.Tensor | None, float]:
         """F: the chunk's input (the micro-batch on chunk 0, else received from the previous
         chunk's stage), its forward, then the loss (last chunk) or a send to the next stage.
-        Returns (this micro-batch's loss here, 0 on other chunks; when the work began)."""
-        s, M, loss = self.schedule, len(microbatches), 0.0
+        Returns (this micro-batch's loss, detached, on the device; None on other chunks and in
+        a traced step; when the work began)."""
+        s, M, loss = self.schedule, len(microbatches), None
         first = microbatches[a.microbatch][0]
         if isinstance(first, Call):  # a batch as the model takes it (one stage)
             x = first
@@ -144,7 +147,7 @@ class PipelineExecutor:
         if last:
             out = (out if fused else model_loss(out) if target is None
                    else self.loss_fn(out, to_device(target, self.device))) / M
-            loss = 0.0 if is_fake(out) else out.item()  # fake: a traced step
+            loss = None if is_fake(out) else out.detach()  # fake: a traced step
             if self.loss_scale != 1.0:  # fp16: backward from the scaled loss
                 out = out * self.loss_scale
         else:
