@@ -24,17 +24,11 @@ demo: $(BIN)/plait
 AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 CAPABILITY = $(shell $(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
 
-# Two pytest workers (pytest-xdist), each test module on one of them (its shared references
-# computed once): a third of the suite's time is waiting (process starts, rendezvous, a rank's
-# turn on a core). The tests that read the whole host (marker `serial`) run alone after.
-PARALLEL := -n 2 --dist loadscope
-
 test: $(BIN)/plait
-	$(BIN)/python -m pytest -q --durations=15 $(PARALLEL) -m "not serial"
-	$(BIN)/python -m pytest -q -m serial -p no:cacheprovider
+	$(BIN)/python -m pytest -q --durations=15
 	@if echo "$(CAPABILITY)" | grep -q AVX512; then \
 		echo "make test: the kernels rows again under AVX2 kernels (this CPU: $(CAPABILITY))"; \
-		$(AVX2) $(BIN)/python -m pytest -q $(PARALLEL) -m kernels -p no:cacheprovider; \
+		$(AVX2) $(BIN)/python -m pytest -q -m kernels -p no:cacheprovider; \
 	else echo "make test: the kernels rows ran under this CPU's own $(CAPABILITY) kernels"; fi
 
 lint: $(BIN)/plait

@@ -35,12 +35,12 @@ def available() -> str:
     if os.geteuid() != 0:
         return "network namespaces need root"
     try:
-        probe = _ip("netns", "add", f"plait-probe-{os.getpid()}", check=False)
+        probe = _ip("netns", "add", "plait-probe", check=False)
     except FileNotFoundError:
         return "no `ip` command (iproute2)"
     if probe.returncode:
         return f"ip netns add failed: {probe.stderr.strip()}"
-    _ip("netns", "del", f"plait-probe-{os.getpid()}", check=False)
+    _ip("netns", "del", "plait-probe", check=False)
     return ""
 
 

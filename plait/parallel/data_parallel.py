@@ -52,7 +52,12 @@ from plait.comm import Pending, all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups, all_reduce_by
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression
-from plait.parallel.flat import FlatParam, optimizer_classes
+from plait.parallel.flat import (
+    FlatParam,
+    optimizer_classes,
+    stepped_by_group,
+    stepped_classes,
+)
 from plait.parallel.state import Piece, model_state_bytes, nbytes, optimizer_state_bytes
 
 
@@ -362,22 +367,17 @@ class BucketedDataParallel(SyncedReplicas):
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not self.masters:
             return super().optimizer_groups()
-        return ([b.slice.master for b in self.buckets if b.decay and not b.matrix],
-                [b.slice.master for b in self.buckets if not b.decay])
+        return stepped_classes(self.buckets)[:2]
 
     def matrix_tensors(self) -> list[torch.Tensor]:
         if not self.masters:
             return super().matrix_tensors()
-        return [b.slice.master for b in self.buckets if b.matrix]
+        return stepped_classes(self.buckets)[2]
 
     def param_groups(self) -> dict[str | None, list[torch.Tensor]]:
         if not self.masters:
             return super().param_groups()
-        out: dict[str | None, list[torch.Tensor]] = {}
-        for b in self.buckets:
-            if not b.matrix:
-                out.setdefault(b.group_name, []).append(b.slice.master)
-        return out
+        return stepped_by_group(self.buckets)
 
     def held_pieces(self) -> list[Piece]:
         if not self.masters:

@@ -44,6 +44,23 @@ def optimizer_classes(members: list[tuple[str, nn.Parameter]], matrices: frozens
     return [(cls, decay, matrix, group) for (decay, matrix, group), cls in ordered]
 
 
+def stepped_classes(flats: list) -> tuple[list, list, list]:
+    """What the optimizer steps in flat buffers, by class: (decay, no-decay, matrices), each the
+    buffers' slices (or their masters)."""
+    return ([f.slice.master for f in flats if f.decay and not f.matrix],
+            [f.slice.master for f in flats if not f.decay],
+            [f.slice.master for f in flats if f.matrix])
+
+
+def stepped_by_group(flats: list) -> dict:
+    """What the optimizer steps elementwise in flat buffers, by the user's parameter group."""
+    out: dict = {}
+    for f in flats:
+        if not f.matrix:
+            out.setdefault(f.group_name, []).append(f.slice.master)
+    return out
+
+
 class FlatParam:
     def __init__(
         self,

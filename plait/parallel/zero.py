@@ -46,7 +46,7 @@ from plait.parallel.data_parallel import (
     launch_ready,
     sync_classes,
 )
-from plait.parallel.flat import FlatParam, optimizer_classes
+from plait.parallel.flat import FlatParam, optimizer_classes, stepped_by_group, stepped_classes
 from plait.parallel.state import Piece, nbytes, optimizer_state_bytes
 
 
@@ -175,18 +175,13 @@ class ShardedEngine(SyncedReplicas):
     def optimizer_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The owned slices (or their masters), (decay, no_decay): what the optimizer steps
         elementwise (the matrices' slices are `matrix_tensors`)."""
-        return ([f.slice.master for f in self.flats if f.decay and not f.matrix],
-                [f.slice.master for f in self.flats if not f.decay])
+        return stepped_classes(self.flats)[:2]
 
     def matrix_tensors(self) -> list[torch.Tensor]:
-        return [f.slice.master for f in self.flats if f.matrix]
+        return stepped_classes(self.flats)[2]
 
     def param_groups(self) -> dict[str | None, list[torch.Tensor]]:
-        out: dict[str | None, list[torch.Tensor]] = {}
-        for f in self.flats:
-            if not f.matrix:
-                out.setdefault(f.group_name, []).append(f.slice.master)
-        return out
+        return stepped_by_group(self.flats)
 
     def held_pieces(self) -> list[Piece]:
         return [piece for flat in self.flats for piece in flat.held_pieces()]

@@ -18,7 +18,6 @@ from plait.checkpoint.rank_state import load_full
 from plait.nodes import EmulatedNodes, available
 
 WHY = available()
-pytestmark = pytest.mark.serial  # the host's namespaces and bridge, a fixed subnet
 RUN = [*TINY, "train.peak_tflops=1.0"]
 
 
