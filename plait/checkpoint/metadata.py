@@ -11,6 +11,13 @@ plait never saves bytes objects (every entry is a tensor), and DCP loads a bytes
 `torch.load(weights_only=False)`: `BytesStorageMetadata` is left out of the list, so an entry of
 that kind is refused too (and plait's load planner refuses bytes as a second guard).
 
+What it builds is then checked as a schema, not only by its classes: every field of the type
+DCP's dataclasses declare (a tensor entry's size and chunks, a chunk's offsets and sizes of its
+dimensions, non-negative), and every storage entry a regular file inside the checkpoint, named by
+a relative path (no `..`, nothing absolute, no link out): DCP joins the folder and that path, so
+an absolute one would read tensor files anywhere. `.metadata` itself must be a regular file (a
+FIFO would hang the read).
+
 Every path that reads a checkpoint goes through `CheckpointReader` (resume, `plait convert`,
 `load_full`) and the launcher reads the metadata of the checkpoint it would resume before any
 worker starts, so a crafted file is refused in one line naming it.
@@ -19,12 +26,20 @@ worker starts, so a crafted file is refused in one line naming it.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import stat
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 METADATA = ".metadata"
 
@@ -69,6 +84,8 @@ def read_metadata(checkpoint: str | Path) -> Metadata:
     """DCP's metadata of `checkpoint` (a folder), or `UnsafeCheckpoint` naming the file."""
     path = Path(checkpoint) / METADATA
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read
+            raise UnsafeCheckpoint(f"{path} is not a regular file")
         data = path.read_bytes()
     except OSError as e:
         raise UnsafeCheckpoint(f"{path}: {e.strerror or e}") from None
@@ -81,7 +98,64 @@ def read_metadata(checkpoint: str | Path) -> Metadata:
                                f"{e})") from None
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata")
+    _check_entries(metadata, path)
+    _check_storage(metadata, Path(checkpoint), path)
     return metadata
+
+
+def _dims(value, what: str, path: Path) -> None:
+    if not isinstance(value, torch.Size) or any(type(d) is not int or d < 0 for d in value):
+        raise UnsafeCheckpoint(f"{path}: {what} is not a size (non-negative integers)")
+
+
+def _check_entries(metadata: Metadata, path: Path) -> None:
+    """Each entry a tensor's: its properties, size and chunks of the types DCP declares."""
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise UnsafeCheckpoint(f"{path}: its entries are not a mapping of names")
+    for name, entry in entries.items():
+        what = f"entry {name!r}"[:80]
+        if not isinstance(name, str) or not isinstance(entry, TensorStorageMetadata):
+            raise UnsafeCheckpoint(f"{path}: {what} is not a named tensor's")
+        props = entry.properties
+        if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+            raise UnsafeCheckpoint(f"{path}: {what} has no tensor properties (a dtype)")
+        _dims(entry.size, f"{what}'s size", path)
+        if not isinstance(entry.chunks, list):
+            raise UnsafeCheckpoint(f"{path}: {what}'s chunks are not a list")
+        for chunk in entry.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata):
+                raise UnsafeCheckpoint(f"{path}: {what} has a chunk that is not a chunk's")
+            _dims(chunk.offsets, f"{what}'s chunk offsets", path)
+            _dims(chunk.sizes, f"{what}'s chunk sizes", path)
+
+
+def _check_storage(metadata: Metadata, folder: Path, path: Path) -> None:
+    """Each storage entry a regular file inside `folder`, by a relative path, at a
+    non-negative offset and length."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpoint(f"{path}: its storage entries are not a mapping")
+    root, checked = folder.resolve(), set()
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not name or os.path.isabs(name) or \
+                ".." in Path(name).parts:
+            raise UnsafeCheckpoint(f"{path}: a storage path {str(name)[:80]!r} is not a file "
+                                   "name inside the checkpoint")
+        for field in ("offset", "length"):
+            value = getattr(info, field, None)
+            if type(value) is not int or value < 0:
+                raise UnsafeCheckpoint(f"{path}: storage {name!r} has no {field} (a "
+                                       "non-negative integer)")
+        if name in checked:  # many entries share a file
+            continue
+        checked.add(name)
+        target = (folder / name).resolve()
+        if root not in target.parents:
+            raise UnsafeCheckpoint(f"{path}: storage {name!r} leads outside the checkpoint")
+        if not target.is_file():
+            raise UnsafeCheckpoint(f"{path}: storage {name!r} is not a regular file there")
 
 
 class CheckpointReader(FileSystemReader):

@@ -111,3 +111,61 @@ def test_pickled_entries_and_garbage_are_refused(tmp_path):
     (path / ".metadata").write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(UnsafeCheckpoint, match="not DCP's Metadata"):
         read_metadata(path)
+
+
+def _rewritten(path, change) -> None:
+    """The checkpoint's metadata, built from allowed classes only, changed by `change`."""
+    metadata = read_metadata(path)
+    change(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _storage(path: str):
+    def change(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = path
+    return change
+
+
+def _size(metadata):
+    metadata.state_dict_metadata["model.w"].size = "3, 4"
+
+
+def _chunks(metadata):
+    metadata.state_dict_metadata["model.w"].chunks[0].offsets = torch.Size([-1, 0])
+
+
+@pytest.mark.parametrize("change,said", [
+    (_storage("/etc/passwd"), "is not a file name inside the checkpoint"),
+    (_storage("../outside.distcp"), "is not a file name inside the checkpoint"),
+    (_storage("missing.distcp"), "is not a regular file there"),
+    (_size, "entry 'model.w''s size is not a size"),
+    (_chunks, "chunk offsets is not a size"),
+], ids=["absolute", "dot-dot", "missing", "size", "chunk"])
+def test_metadata_of_allowed_classes_is_checked_as_a_schema_before_launch(tmp_path, capsys,
+                                                                           change, said):
+    """Metadata made only of allowed classes, but wrong: storage paths that would read tensor
+    files outside the checkpoint (DCP joins the folder and the path), a size that is a string,
+    a negative offset. Refused in one line by the launcher's check, before any worker."""
+    path = _checkpoint(tmp_path / "ck")
+    _rewritten(path, change)
+    with pytest.raises(UnsafeCheckpoint, match=said):
+        read_metadata(path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--dry-run", f"checkpoint.resume={path}", *MODEL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and said in err[0]
+
+
+def test_a_link_out_of_the_checkpoint_and_a_fifo_are_refused(tmp_path):
+    path = _checkpoint(tmp_path / "ck")
+    name = next(iter(read_metadata(path).storage_data.values())).relative_path
+    outside = tmp_path / "elsewhere.distcp"
+    (path / name).rename(outside)
+    (path / name).symlink_to(outside)
+    with pytest.raises(UnsafeCheckpoint, match="leads outside the checkpoint"):
+        read_metadata(path)
+    (path / ".metadata").unlink()
+    os.mkfifo(path / ".metadata")  # opened, it would block the reader
+    with pytest.raises(UnsafeCheckpoint, match="is not a regular file"):
+        read_metadata(path)
