@@ -147,9 +147,10 @@ def _check_sources(data: DataConfig) -> None:
         path, weight = entry.get("path"), entry.get("weight")
         if not isinstance(path, str) or not path:
             raise ConfigError(f"{key}.path", "the folder plait data prepare wrote, as a string")
+        # Bounded so that any number of them sums to a finite total (the draw divides by it).
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                or not 0 < weight < float("inf"):
-            raise ConfigError(f"{key}.weight", f"a finite number > 0 (the weights need not sum "
+                or not 0 < weight <= 1e6:
+            raise ConfigError(f"{key}.weight", f"a number in (0, 1e6] (the weights need not sum "
                               f"to 1), got {weight!r}")
         name = entry.get("name", folder_name(path))
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
@@ -185,14 +186,15 @@ def check_checkpoint(cfg: Config) -> None:
     if source is not None:
         # Imported here: torch.distributed.checkpoint takes seconds to import, which every
         # refusal and every command that validates a configuration would pay otherwise.
+        from plait.checkpoint import BadMeta
         from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
 
         try:
             read_metadata(source)
-        except UnsafeCheckpoint as e:
+            saved = read_meta(source)["config"]["model"]
+        except (UnsafeCheckpoint, BadMeta) as e:
             raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, "
                               "or set checkpoint.resume='never'") from None
-        saved = read_meta(source)["config"]["model"]
         held = model_section(saved)
         ours = _weights_signature(cfg.model.args())
         differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
@@ -236,5 +238,6 @@ def _check_optimizer(train: TrainConfig) -> None:
     if train.muon_adjust_lr not in MUON_ADJUST_LR:
         raise ConfigError("train.muon_adjust_lr", f"one of {', '.join(MUON_ADJUST_LR)}, got "
                           f"'{train.muon_adjust_lr}'")
-    if train.muon_lr_ratio <= 0:
-        raise ConfigError("train.muon_lr_ratio", f"must be > 0, got {train.muon_lr_ratio}")
+    if not 0 < train.muon_lr_ratio <= 1e3:  # beyond, the first update overflows
+        raise ConfigError("train.muon_lr_ratio", f"must be in (0, 1000], got "
+                          f"{train.muon_lr_ratio}")

@@ -332,17 +332,17 @@ def cmd_convert(args: argparse.Namespace) -> None:
             raise ConfigError("CKPT", f"no complete checkpoint at {args.second}; give a "
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
-        from plait.checkpoint import read_meta
+        from plait.checkpoint import BadMeta, read_meta
         from plait.checkpoint.hf import export_hf
         from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
         from plait.config import model_section
 
         try:
             read_metadata(source)
-        except UnsafeCheckpoint as e:
+            saved = dict(read_meta(source)["config"]["model"])
+        except (UnsafeCheckpoint, BadMeta) as e:
             raise ConfigError("CKPT", f"{e}; convert a checkpoint you trust") from None
 
-        saved = dict(read_meta(source)["config"]["model"])
         if "hf" in saved and not (Path(saved["hf"]) / "config.json").is_file():
             raise ConfigError("CKPT", f"{source} was trained from the Hugging Face folder "
                               f"{saved['hf']}, whose config.json is gone; restore the folder")

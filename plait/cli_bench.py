@@ -16,6 +16,9 @@ from plait.config import ConfigError, load_config
 def cmd_bench_comm(args: argparse.Namespace) -> None:
     if args.nproc < 2:
         raise ConfigError("--nproc", f"a collective needs at least 2 ranks, got {args.nproc}")
+    if not 0 < args.min_seconds <= 60:
+        raise ConfigError("--min-seconds", f"seconds per size in (0, 60], got "
+                          f"{args.min_seconds:g}")
     from plait.bench import run_comm
 
     run_comm(args.nproc, args.min_seconds)

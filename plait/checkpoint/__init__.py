@@ -67,8 +67,26 @@ def find(resume: str, root: str) -> Path | None:
     return found[-1] if found else None
 
 
+class BadMeta(ValueError):
+    """A checkpoint's plait.json that is not what plait writes."""
+
+
 def read_meta(path: str | Path) -> dict:
-    return json.loads((Path(path) / META).read_text())
+    """plait's own metadata of a checkpoint: a JSON object with its run's "config" (a "model"
+    section in it) and "contents"; `BadMeta` in one line otherwise."""
+    file = Path(path) / META
+    try:
+        if not file.is_file():
+            raise BadMeta(f"{file} is not a regular file")
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadMeta(f"{file} is not plait's metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) \
+            or not isinstance(meta["config"].get("model"), dict) \
+            or not isinstance(meta.get("contents"), list):
+        raise BadMeta(f"{file} is not plait's metadata (a JSON object with its run's config, a "
+                      "model section in it, and its contents)")
+    return meta
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from plait.checkpoint import find, read_meta
+from plait.checkpoint import BadMeta, find, read_meta
 from plait.config import Config
 from plait.mesh import AXES
 
@@ -21,7 +21,10 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, list[str]]:
     source = find(cfg.checkpoint.resume, cfg.checkpoint.dir)
     if source is None:
         return cfg, []
-    saved = read_meta(source)
+    try:
+        saved = read_meta(source)
+    except BadMeta:  # the checks refuse it next, in one line (`checks_run.check_checkpoint`)
+        return cfg, []
     if "optim" not in saved["contents"]:  # a model alone (an import): no run to continue
         return cfg, []
     before, par = saved.get("world_size", world), cfg.parallel

@@ -169,3 +169,19 @@ def test_a_link_out_of_the_checkpoint_and_a_fifo_are_refused(tmp_path):
     os.mkfifo(path / ".metadata")  # opened, it would block the reader
     with pytest.raises(UnsafeCheckpoint, match="is not a regular file"):
         read_metadata(path)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"config": {"model": 3}}'],
+                         ids=["garbled", "a-list", "no-model"])
+def test_plaits_own_metadata_that_is_not_its_own_is_refused_in_one_line(tmp_path, capsys, text):
+    """plait.json that is not JSON, or not the object plait writes: resume and convert refuse it
+    in one line naming the file (it was a JSONDecodeError or KeyError traceback)."""
+    path = _checkpoint(tmp_path / "ck")
+    (path / "plait.json").write_text(text)
+    for argv in (["train", "--dry-run", f"checkpoint.resume={path}", *MODEL],
+                 ["convert", "--to", "hf", str(tmp_path / "hf"), str(path)]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1, err
+        assert "plait.json is not plait's metadata" in err[0]

@@ -163,6 +163,7 @@ BAD_INPUT = [
     (["train.muon_ns_steps=0"], "train.muon_ns_steps"),
     (["train.muon_adjust_lr=rms"], "train.muon_adjust_lr"),
     (["train.muon_lr_ratio=0"], "train.muon_lr_ratio"),
+    (["train.muon_lr_ratio=1e300"], "train.muon_lr_ratio"),  # overflowed at step 1
     (["train.optimizer=muon", "parallel.zero=1", "parallel.offload=optimizer"],
      "train.optimizer"),
     (["train.stop_after=-1"], "train.stop_after"),
@@ -304,6 +305,8 @@ BAD_INPUT = [
     # A mixture (data.sources): each entry, then each folder as data.source's, one tokenizer.
     (["data.sources=[1, 2]"], "data.sources"),
     (['data.sources=[{path="{files}/prepared", weight=0}]'], "data.sources[0].weight"),
+    # 1e308 each: finite, but two of them summed to inf and every row came from one source
+    (['data.sources=[{path="{files}/prepared", weight=1e308}]'], "data.sources[0].weight"),
     (['data.sources=[{path="{files}/prepared", weight=1, size=3}]'], "data.sources[0].size"),
     (['data.sources=[{path="{files}/prepared", weight=1, name="a b"}]'], "data.sources[0].name"),
     (['data.sources=[{path="{files}/prepared", weight=1}, {path="{files}/prepared", weight=2}]'],
@@ -335,6 +338,7 @@ BAD_INPUT = [
 
 # The other commands' own options, refused the same way before anything starts.
 OTHER_BAD_INPUT = [
+    (["bench", "comm", "--min-seconds", "-1"], "--min-seconds"),  # ran 45 s
     (["bench", "scaling", "--nproc", "2,1"], "--nproc"),  # not increasing
     (["bench", "scaling", "--nproc", "0,1"], "--nproc"),
     (["bench", "scaling", "--nproc", "two"], "--nproc"),
