@@ -273,8 +273,11 @@ class Prepared:
         return rank_state.load(path, self.parallelized, optimizer)
 
 
-def _check_precision(precision: str, param_dtype: str, loss_scaler: LossScaler | None,
-                     whole: bool, parallel: ParallelConfig) -> None:
+def _check_arguments(model: nn.Module, precision: str, param_dtype: str,
+                     loss_scaler: LossScaler | None, whole: bool,
+                     parallel: ParallelConfig) -> None:
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"model: {type(model).__name__} has no parameters; nothing to train")
     if precision not in ("fp32", *HALF):
         raise ValueError(f"precision: 'fp32', 'bf16' or 'fp16', got {precision!r}")
     if param_dtype not in ("auto", "fp32", precision):
@@ -322,7 +325,7 @@ def prepare(
     if not dist.is_initialized():
         raise RuntimeError("call plait.init() first: it joins the world of processes")
     parallel = parallel or ParallelConfig()
-    _check_precision(precision, param_dtype, loss_scaler, bool(whole), parallel)
+    _check_arguments(model, precision, param_dtype, loss_scaler, bool(whole), parallel)
     dims = validate_parallel(parallel, dist.get_world_size(), precision)
     where = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(where)

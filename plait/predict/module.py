@@ -47,6 +47,8 @@ def estimate(model: nn.Module, example_batch, parallel: ParallelConfig | None = 
     with no plan (its layouts are data-parallel; a plan's model shape is not read here).
     Nothing of `model` is copied or changed: the trace runs on fake tensors."""
     parallel = parallel or ParallelConfig()
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"model: {type(model).__name__} has no parameters; nothing to train")
     dims = validate_parallel(parallel, world_size, precision)
     cfg = Config(parallel=parallel)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
@@ -132,6 +134,9 @@ def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
                          "without one")
     if gpu not in DEVICES:
         raise ValueError(f"gpu: one of {', '.join(sorted(DEVICES))}, not {gpu!r}")
+    for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: a whole number of devices, at least 1; got {value!r}")
     rows = _rows(example_batch) // gpus
     if rows < 1:
         raise ValueError(f"example_batch: {_rows(example_batch)} rows cannot split over "

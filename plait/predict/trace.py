@@ -182,6 +182,11 @@ def _traceable() -> Iterator[None]:
         raise Untraceable(f"the model's step depends on values a fake tensor does not hold "
                           f"({e.func}): no prediction before launch; its metrics measure it") \
             from None
+    except RuntimeError as e:  # the step took the values out of torch (.numpy())
+        if ".numpy()" not in str(e):
+            raise
+        raise Untraceable("the model's step reads its tensors' values outside torch (.numpy()): "
+                          "no prediction before launch; its metrics measure it") from None
     finally:
         if packed is not None:
             masking.find_packed_sequence_indices = packed

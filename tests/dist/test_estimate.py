@@ -184,3 +184,28 @@ def test_plan_layouts_prices_every_data_parallel_layout_of_a_module():
                                            for r in ranks)
     with pytest.raises(ValueError, match="example_batch: 8 rows cannot split over 16 gpus"):
         plait.plan(model, batch, gpus=16, gpu="a100")
+
+
+class _Numpy(nn.Module):
+    """A forward that takes its values out of torch: a fake tensor has none."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(torch.from_numpy(x.numpy()))
+
+
+def test_python_callers_get_plaits_errors():
+    """Bad arguments and untraceable models from Python: one message naming the argument or
+    the cause (they were a bare StopIteration, a ZeroDivisionError and torch's numpy error)."""
+    from plait.predict.trace import Untraceable
+
+    batch = (torch.randn(4, 4), torch.randint(2, (4,)))
+    with pytest.raises(ValueError, match="model: Flatten has no parameters"):
+        plait.estimate(nn.Flatten(), batch)
+    with pytest.raises(ValueError, match="gpus: a whole number of devices, at least 1; got 0"):
+        plait.plan(_Numpy(), batch, gpus=0, gpu="a100")
+    with pytest.raises(Untraceable, match=r"outside torch \(.numpy\(\)\)"):
+        plait.estimate(_Numpy(), batch, loss_fn=F.cross_entropy)
