@@ -191,7 +191,7 @@ def check_checkpoint(cfg: Config) -> None:
 
         try:
             read_metadata(source)
-            saved = read_meta(source)["config"]["model"]
+            saved = read_meta(source, model=True)["config"]["model"]
         except (UnsafeCheckpoint, BadMeta) as e:
             raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, "
                               "or set checkpoint.resume='never'") from None

@@ -339,7 +339,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
 
         try:
             read_metadata(source)
-            saved = dict(read_meta(source)["config"]["model"])
+            saved = dict(read_meta(source, model=True)["config"]["model"])
         except (UnsafeCheckpoint, BadMeta) as e:
             raise ConfigError("CKPT", f"{e}; convert a checkpoint you trust") from None
 
