@@ -72,9 +72,9 @@ class BadMeta(ValueError):
 
 
 def read_meta(path: str | Path, model: bool = False) -> dict:
-    """plait's own metadata of a checkpoint: a JSON object with its "contents" and its run's
-    "config" (with a "model" section where `model`: `plait train`'s; the Python API's has none);
-    `BadMeta` in one line otherwise."""
+    """plait's own metadata of a checkpoint: a JSON object, its "contents" a list and its run's
+    "config" an object where present (with a "model" section where `model`: `plait train`'s;
+    the Python API's has none); `BadMeta` in one line otherwise."""
     file = Path(path) / META
     try:
         if not file.is_file():
@@ -82,11 +82,11 @@ def read_meta(path: str | Path, model: bool = False) -> dict:
         meta = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadMeta(f"{file} is not plait's metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) \
-            or not isinstance(meta.get("contents"), list):
+    if not isinstance(meta, dict) or not isinstance(meta.get("config", {}), dict) \
+            or not isinstance(meta.get("contents", []), list):
         raise BadMeta(f"{file} is not plait's metadata (a JSON object with its run's config "
                       "and its contents)")
-    if model and not isinstance(meta["config"].get("model"), dict):
+    if model and not isinstance(meta.get("config", {}).get("model"), dict):
         raise BadMeta(f"{file} is not plait's metadata of a `plait train` run (its config has "
                       "no model section)")
     return meta

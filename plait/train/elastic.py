@@ -25,7 +25,7 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, list[str]]:
         saved = read_meta(source)
     except BadMeta:  # the checks refuse it next, in one line (`checks_run.check_checkpoint`)
         return cfg, []
-    if "optim" not in saved["contents"]:  # a model alone (an import): no run to continue
+    if "optim" not in saved.get("contents", []):  # a model alone (an import): no run to continue
         return cfg, []
     before, par = saved.get("world_size", world), cfg.parallel
     others = math.prod(getattr(par, a) for a in AXES if a != "dp")
