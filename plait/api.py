@@ -343,7 +343,7 @@ def prepare(
                                groups=groups)
     if compile_enabled("auto" if compile is None else compile, where):
         compiled = apply_compile(parallelized.module, compile_backend, wrap,
-                                 required=compile is not None)
+                                 required=compile is not None, loss_fn=parallelized.loss_fn)
         if not compiled and dist.get_rank() == 0:
             print("plait: note: compile: no unit to compile (no plan, and `wrap` chooses no "
                   "module); the model runs eager", file=sys.stderr)

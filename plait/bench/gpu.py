@@ -268,7 +268,8 @@ def _print(out: dict, ratios: dict, device: str, cfg: Config) -> None:
     console = Console(width=160)
     console.print(table)
     for name, ratio in ratios.items():
-        console.print(f"{name}: {ratio:.3f} (below 1: plait's step is shorter)")
+        verdict = "shorter" if ratio < 1 else "longer" if ratio > 1 else "as long"
+        console.print(f"{name}: {ratio:.3f} (plait's step is {verdict})")
     for side, r in out.items():
         for note in r["notes"]:
             console.print(f"{side}: {note}")

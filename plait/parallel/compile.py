@@ -43,10 +43,13 @@ def blocks(chunk: nn.Module, policy: WrapPolicy | None = None) -> list[nn.Module
 
 
 def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
-                  policy: WrapPolicy | None = None, required: bool = True) -> int:
+                  policy: WrapPolicy | None = None, required: bool = True,
+                  loss_fn: object = None) -> int:
     """Compile the forward of every block of every chunk in place; returns how many. Names,
     parameters and hooks are unchanged. A model with no block to compile is refused where
-    compiling was asked for (`required`), and otherwise runs eager."""
+    compiling was asked for (`required`), and otherwise runs eager. A loss that can compile its
+    own arithmetic (`HeadCrossEntropy`: the cross-entropy fused with the output head, which runs
+    outside the blocks) is compiled too."""
     import torch._dynamo
 
     # A block dynamo or the backend fails on runs eager (with torch's warning), not the run.
@@ -57,6 +60,8 @@ def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
             _recomputed_eager(block)
             block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
             count += 1
+    if hasattr(loss_fn, "compile"):
+        loss_fn.compile(backend)
     if count == 0 and required:
         raise ValueError("train.compile: no block to compile (the model has no plan naming its "
                          "blocks, and the wrap policy chose no module); set train.compile=false")

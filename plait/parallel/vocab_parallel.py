@@ -7,6 +7,10 @@ Rank r holds vocabulary rows [r V / T, (r + 1) V / T).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -116,29 +120,78 @@ def compute_device(cfg) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def run_loss(x: torch.Tensor, w: torch.Tensor,
+             t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A run's fp32 log-sum-exp and target logit, from its hidden states `x`, the head's weight
+    `w` (both in the matmul's dtype) and its targets `t`."""
+    z = (x @ w.T).float()
+    return torch.logsumexp(z, dim=-1), z.gather(1, t[:, None]).squeeze(1)
+
+
+def run_grad(x: torch.Tensor, w: torch.Tensor, lse: torch.Tensor, t: torch.Tensor,
+             mine: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """A run's d loss / d z = (softmax - [v = target]) x the loss's gradient, in the matmul's
+    dtype, from its hidden states, the head's weight, its log-sum-exp, (local) targets and which
+    of them this rank's rows hold (`mine`): made in place over the fp32 copy of its logits
+    (`backward_bytes` counts it)."""
+    p = (x @ w.T).float().sub_(lse[:, None]).exp_()
+    p[torch.arange(len(p), device=p.device), t.masked_fill(~mine, 0)] -= mine.to(p.dtype)
+    return p.mul_(grad_loss[:, None]).to(x.dtype)
+
+
+def _run_grad_pointwise(x, w, lse, t, mine, grad_loss):
+    """`run_grad` with the gradient one pointwise expression of the product (the target's -1 a
+    comparison with the column's index, not an indexed write), which a compiler makes one kernel
+    after the matmul: the logits read once in the matmul's dtype, the gradient written once, no
+    fp32 copy."""
+    z = x @ w.T
+    hit = torch.arange(z.shape[1], device=z.device) == t.masked_fill(~mine, -1)[:, None]
+    p = (z.float() - lse[:, None]).exp() - hit.float()
+    return (p * grad_loss[:, None]).to(x.dtype)
+
+
+class RunKernels(NamedTuple):
+    """The per-run arithmetic of `LinearCrossEntropy` around its matmuls."""
+
+    loss: Callable  # run_loss's signature
+    grad: Callable  # run_grad's
+
+
+EAGER = RunKernels(run_loss, run_grad)
+
+
+@functools.cache
+def compiled_kernels(backend: str) -> RunKernels:
+    """The per-run arithmetic through `torch.compile` (`train.compile`): on a GPU the eager
+    runs' passes over their fp32 logits (the cast, logsumexp's, the in-place gradient's: ~3 in
+    the forward and ~9 in the backward, each over a GiB of logits) are half of the head's time
+    (docs/benchmarks.md, "plait bench gpu"); fused, a run's logits are read once each way. A
+    kernel the compiler fails on runs eager (`apply_compile` sets dynamo's suppress_errors)."""
+    return RunKernels(torch.compile(run_loss, backend=backend, dynamic=False),
+                      torch.compile(_run_grad_pointwise, backend=backend, dynamic=False))
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of logits = hidden @ weight^T, never holding them whole: the
     tokens go through in runs of `per` (`logit_block` / V), each run's logits made, reduced to
     its log-sum-exp and target logit, and let go; backward makes them again, run by run (one
     more head matmul, as activation checkpointing of the head would), from the hidden states and
     the log-sum-exp alone. `dtype`: the matmuls' (autocast's, or the weight's); the softmax in
-    fp32.
+    fp32; `kernels`: the runs' arithmetic around the matmuls (eager, or compiled).
     Over `group` (a vocabulary-split head, rows [start, start + V / T)) each run's maximum,
     sum of exponentials and target logit are all-reduced, as `VocabParallelCrossEntropy`'s."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, dtype, per, group, start):
+    def forward(ctx, hidden, weight, targets, dtype, per, group, start, kernels=EAGER):
         x, w = hidden.to(dtype), weight.to(dtype)
         lse = torch.empty(len(x), dtype=torch.float32, device=x.device)
         picked = torch.empty_like(lse)
         for lo in range(0, len(x), per):
-            z = (x[lo : lo + per] @ w.T).float()
             t = targets[lo : lo + per]
             if group is None:
-                lse[lo : lo + per] = torch.logsumexp(z, dim=-1)
-                picked[lo : lo + per] = z.gather(1, t[:, None]).squeeze(1)
-                del z  # before the next run's are made
+                lse[lo : lo + per], picked[lo : lo + per] = kernels.loss(x[lo : lo + per], w, t)
                 continue
+            z = (x[lo : lo + per] @ w.T).float()
             top = z.max(dim=-1).values
             all_reduce(top, group, op=ReduceOp.MAX)
             total = (z - top[:, None]).exp().sum(dim=-1)
@@ -149,6 +202,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             lse[lo : lo + per], picked[lo : lo + per] = top + total.log(), target
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.dtype, ctx.per, ctx.start, ctx.split = dtype, per, start, group is not None
+        ctx.kernels = kernels
         return lse - picked
 
     @staticmethod
@@ -159,22 +213,38 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         per = ctx.per
         for lo in range(0, len(x), per):
-            # d loss / d z = softmax - [v = target], made in place over the run's logits; each
-            # run's let go before the next's are made (`backward_bytes` counts what is held).
-            p = (x[lo : lo + per] @ w.T).float().sub_(lse[lo : lo + per, None]).exp_()
+            # each run's logits and gradient let go before the next's are made (`backward_bytes`
+            # counts what is held)
             t = targets[lo : lo + per] - ctx.start
             mine = (t >= 0) & (t < len(w)) if ctx.split else torch.ones_like(t, dtype=torch.bool)
-            p[torch.arange(len(p), device=p.device), t.masked_fill(~mine, 0)] -= mine.to(p.dtype)
-            g = p.mul_(grad_loss[lo : lo + per, None]).to(ctx.dtype)
-            del p
+            g = ctx.kernels.grad(x[lo : lo + per], w, lse[lo : lo + per], t, mine,
+                                 grad_loss[lo : lo + per])
             grad_x[lo : lo + per] = g @ w
-            grad_w.add_(g.T @ x[lo : lo + per])  # in fp32, as a float() copy would add it
+            _add_product(grad_w, g.T, x[lo : lo + per])
             del g
-        return grad_x.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None
+        return (grad_x.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None,
+                None)
+
+
+# Whether this torch has matmuls that add a half-precision product into fp32 (torch >= 2.8).
+MM_INTO_FP32 = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, `acc` fp32. On a GPU one matmul adds into `acc` in place, in cuBLAS's fp32
+    sum (a half product would first be rounded to 8 bits of mantissa: 1.7e-3 relative against
+    2e-6, and on an H100 1.7 ms a 2,093-token run of the 1B head against 2.6). Elsewhere (the CPU
+    has no such kernel) the product, in the matmul's dtype, is added (`backward_bytes` counts
+    it)."""
+    if acc.is_cuda and (a.dtype == acc.dtype or MM_INTO_FP32):
+        kwargs = {} if a.dtype == acc.dtype else {"out_dtype": acc.dtype}
+        torch.addmm(acc, a, b, out=acc, **kwargs)
+    else:
+        acc.add_(a @ b)
 
 
 def backward_bytes(tokens: int, vocab: int, dim: int, per: int, matmul: int, hidden: int,
-                   weight: int) -> int:
+                   weight: int, compiled: bool = False, into_fp32: bool = False) -> int:
     """Bytes `LinearCrossEntropy.backward` holds at its most besides what it was given: over
     `tokens` tokens, `vocab` (local) head rows of width `dim`, `per` tokens a run, with element
     sizes `matmul` (its matmuls'), `hidden` and `weight` (its inputs'). Throughout: the inputs'
@@ -182,29 +252,33 @@ def backward_bytes(tokens: int, vocab: int, dim: int, per: int, matmul: int, hid
     the most, one of: a run's fp32 logits and the half-precision product they came from (then
     the gradient cast back beside them: the same), a run's cast gradient and its weight-gradient
     product, or at the end the gradients cast to the inputs' dtypes. (The runs' index tensors,
-    a few bytes per token, are not counted.)"""
+    a few bytes per token, are not counted.) `compiled` (`compiled_kernels`): a run's product and
+    its gradient, in the matmul's dtype, no fp32 copy; `into_fp32` (a GPU: `_add_product`): the
+    weight gradient's product is added by the matmul itself, never held. Measured on a CPU for
+    the eager runs (tests/unit/test_head_loss.py); the others follow the code."""
     x, w, run = tokens * dim, vocab * dim, min(per, tokens) * vocab
     held = (hidden != matmul) * x * matmul + (weight != matmul) * w * matmul + x * matmul + 4 * w
     half = matmul != 4
-    loop = max((4 + half * matmul) * run, matmul * (run + w))
+    logits = 2 * matmul * run if compiled else (4 + half * matmul) * run
+    loop = max(logits, matmul * (run + (not into_fp32) * w))
     end = (hidden != matmul) * x * hidden + (weight != 4) * w * weight
     return held + max(loop, end)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
                          group: ProcessGroup | None = None, vocab_size: int = 0,
-                         block: int = 0) -> torch.Tensor:
+                         block: int = 0, kernels: RunKernels = EAGER) -> torch.Tensor:
     """Mean cross-entropy over the tokens of `head(hidden)` ((b, s, dim) hidden states, a
     bias-free head, (b, s) targets) without the whole logits (`LinearCrossEntropy`); `group`:
     a vocabulary-split head's (its input as its forward receives it); `block`: logits at a time
-    (0: the device's `logit_block`)."""
+    (0: the device's `logit_block`); `kernels`: the runs' arithmetic (`compiled_kernels`)."""
     device = hidden.device.type
     dtype = matmul_dtype(device, head.weight)
     start = vocab_range(vocab_size, group)[0] if group is not None else 0
     per = run_tokens(head.weight.shape[0], device, block)
     with torch.autocast(device, enabled=False):
         losses = LinearCrossEntropy.apply(hidden.flatten(0, 1), head.weight, targets.flatten(),
-                                          dtype, per, group, start)
+                                          dtype, per, group, start, kernels)
     return losses.mean()
 
 
@@ -217,6 +291,11 @@ class HeadCrossEntropy:
 
     def __init__(self, group: ProcessGroup | None = None, vocab_size: int = 0):
         self.group, self.vocab_size = group, vocab_size
+        self.kernels = EAGER  # the fused loss's per-run arithmetic; `compile` sets it
+
+    def compile(self, backend: str) -> None:
+        """The fused loss's per-run arithmetic through `torch.compile` (`train.compile`)."""
+        self.kernels = compiled_kernels(backend)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -229,7 +308,8 @@ class HeadCrossEntropy:
         if head.bias is not None or fits_one_run(targets.numel(), head.weight.shape[0],
                                                  hidden.device.type):
             return self(F.linear(hidden, head.weight, head.bias), targets)
-        return linear_cross_entropy(hidden, head, targets, self.group, self.vocab_size)
+        return linear_cross_entropy(hidden, head, targets, self.group, self.vocab_size,
+                                    kernels=self.kernels)
 
 
 def fits_one_run(tokens: int, vocab: int, device: str) -> bool:

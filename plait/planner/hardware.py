@@ -188,8 +188,9 @@ class Engine:
     `autocast`: half precision by autocast over fp32 parameters where the layout keeps them
     whole (plait's), which casts sequence parallelism's gathered inputs
     (`activations.regathered_bytes`); Megatron-LM keeps half parameters and casts nothing.
-    `compiled_passes`: the elementwise passes when the blocks are compiled (`train.compile`,
-    on for CUDA by default), None where compilation is not modeled (the engine's passes).
+    `compiled_passes`: the elementwise passes when the blocks and the loss are compiled
+    (`train.compile`, on for CUDA by default), None where compilation is not modeled (the
+    engine's passes).
     `optimizer_bytes`: what the optimizer moves per element of its slice each step (`gemm`).
     `compile_s`: seconds to compile one distinct block before the first step."""
 
@@ -207,13 +208,13 @@ class Engine:
 
 
 FUSED_PASSES = 4.0
-# The blocks' elementwise passes when compiled: fitted so that the 1B's compiled step is to its
-# eager one as measured on an H100 in one run (0.3307 / 0.4370 s, docs/benchmarks.md "plait bench
-# gpu"). Inductor's fused kernels take only 0.20-0.23 of the eager blocks' elementwise kernel time
-# (four 1B blocks profiled), but the eager passes, fitted to whole steps, also hold what is not
-# those kernels (launches, the norm's and the optimizer's extra passes), which compiling keeps:
-# 14 of the 26 passes.
-COMPILED_PASSES = 14.0
+# The elementwise passes when the blocks and the fused loss are compiled: fitted so that the 1B's
+# compiled step is to its eager one as measured on an H100 in one run (0.2819 / 0.4327 s,
+# docs/benchmarks.md "plait bench gpu"). Inductor's fused kernels take only 0.20-0.23 of the
+# eager blocks' elementwise kernel time (four 1B blocks profiled), but the eager passes, fitted
+# to whole steps, also hold what is not those kernels (launches, the norm's and the optimizer's
+# extra passes), which compiling keeps: 9.3 of the 26 passes.
+COMPILED_PASSES = 9.3
 # torch's fused AdamW (plait's on CUDA, `train/optim.py`): reads the fp32 parameter, gradient and
 # two moments, writes the parameter and moments, once: 28 bytes an element (the H100's eager 1B
 # step lost 47 ms with it and the one-pass gradient norm: 36 ms of the foreach AdamW's 96 bytes

@@ -174,12 +174,10 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     kernel = engine.attention_kernel if device.hopper else 1.0
     seconds += attention / (gemm.attention_rate(cfg.data.seq_len, device) * kernel)
     plain = with_degrees(cfg, activation_checkpointing="none")
-    # Compiled blocks fuse their elementwise work; the embedding, the head and the loss run eager.
-    whole = sum(microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe)
-                for c in chunks)
-    blocks = sum(microbatch_bytes(plain, dims, c.layers, False, False, rows, c.moe)
-                 for c in chunks)
-    moved = blocks * elementwise_passes(cfg, engine) + (whole - blocks) * engine.elementwise_passes
+    # Compiled blocks fuse their elementwise work, and the loss fused with the head its own
+    # (`vocab_parallel.compiled_kernels`); the embedding's lookup is the same few bytes either way.
+    moved = elementwise_passes(cfg, engine) * sum(
+        microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe) for c in chunks)
     if engine.autocast:
         moved += sum(regathered_bytes(plain, dims, rows, c.layers, c.moe) for c in chunks)
     moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again

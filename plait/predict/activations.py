@@ -37,12 +37,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+import torch
+
 from plait.config import Config, microbatches
 from plait.mesh import ParallelDims
+from plait.parallel.compile import compile_enabled
 from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
-from plait.parallel.vocab_parallel import backward_bytes, compute_device, fits_one_run, run_tokens
+from plait.parallel.vocab_parallel import (
+    MM_INTO_FP32,
+    backward_bytes,
+    compute_device,
+    fits_one_run,
+    run_tokens,
+)
 from plait.predict.state_cost import half_params
 
 
@@ -219,8 +228,11 @@ def loss_backward_bytes(cfg: Config, dims: ParallelDims) -> int:
     vocab, device = args.vocab_size // dims.tp, compute_device(cfg)
     if fits_one_run(tokens, vocab, device):
         return 0
+    gpu = device == "cuda"
     return backward_bytes(tokens, vocab, args.dim, run_tokens(vocab, device), b.matmul,
-                          b.stream, b.stream)
+                          b.stream, b.stream, compiled=compile_enabled(cfg.train.compile,
+                                                                       torch.device(device)),
+                          into_fp32=gpu and (b.matmul == 4 or MM_INTO_FP32))
 
 
 def regathered_bytes(cfg: Config, dims: ParallelDims, rows: int, layers: int, moe: int = 0) -> int:

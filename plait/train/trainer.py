@@ -95,7 +95,8 @@ class Trainer:
         self.scaler = self.parallelized.scaler  # fp16's; None otherwise
         self.compiled = 0  # blocks whose forward is compiled (`train.compile`)
         if compile_enabled(cfg.train.compile, device):
-            self.compiled = apply_compile(self.parallelized.module, cfg.train.compile_backend)
+            self.compiled = apply_compile(self.parallelized.module, cfg.train.compile_backend,
+                                          loss_fn=self.parallelized.loss_fn)
         del model  # its pieces live in the chunks now; other stages' layers are let go
         self.model = self.parallelized.module  # this rank's chunks, single-device names
         self.optimizer = build_for(self.parallelized, cfg.train)

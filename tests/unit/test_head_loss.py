@@ -123,3 +123,52 @@ def test_the_backward_holds_what_backward_bytes_says(tokens, dim, vocab, per, dt
     size = dtype.itemsize
     want = backward_bytes(tokens, vocab, dim, per, size, inputs.itemsize, inputs.itemsize)
     assert 0 <= measured - viewed - want <= 32 * tokens, (measured - viewed, want)
+
+
+def test_the_runs_gradient_as_one_pointwise_expression_is_the_in_place_ones():
+    """`compiled_kernels` compiles the gradient written as a comparison with each column's index
+    (a compiler fuses it into one kernel), not the eager in-place indexed write: the two are the
+    same arithmetic, bf16 matmuls and the fp32 softmax, for targets in this rank's rows and (a
+    vocabulary-split head's) targets in another's, whose -1 belongs to no column here. Equal to
+    bf16's rounding of the same fp32 values (the final cast, 2^-8 relative); a target's -1 in
+    the wrong column moves that entry by ~1."""
+    from plait.parallel.vocab_parallel import _run_grad_pointwise, run_grad
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 16, generator=g).bfloat16()
+    w = torch.randn(30, 16, generator=g).bfloat16()
+    t = torch.randint(-10, 40, (40,), generator=g)  # local targets: outside [0, 30) elsewhere
+    mine = (t >= 0) & (t < 30)
+    lse = torch.logsumexp((x @ w.T).float(), dim=-1)
+    grad_loss = torch.rand(40, generator=g)
+    want = run_grad(x, w, lse, t, mine, grad_loss)
+    got = _run_grad_pointwise(x, w, lse, t, mine, grad_loss)
+    assert got.dtype == torch.bfloat16 and 0 < mine.sum() < 40
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=1e-6)
+
+
+def test_compiled_runs_give_the_eager_runs_loss_and_gradients():
+    """The fused loss with its per-run arithmetic through torch.compile (`train.compile`; the
+    "aot_eager" backend here: dynamo's capture and AOTAutograd, no code generation, which costs
+    seconds a graph on a CPU) against the eager runs, the last run shorter (a second graph);
+    fp32 matmuls, so within float32's rounding (1e-6 relative: the fp32 softmax in another
+    order). `apply_compile` sets a head loss's kernels so."""
+    from torch._dynamo.utils import counters
+
+    from plait.parallel.compile import apply_compile
+    from plait.parallel.vocab_parallel import compiled_kernels
+
+    hidden, head, targets = _case(tokens=37, dim=16, vocab=50)
+    want = linear_cross_entropy(hidden, head, targets, block=50 * 8)
+    want_grads = _grads(want, hidden, head)
+    before = counters["stats"]["unique_graphs"]
+    got = linear_cross_entropy(hidden, head, targets, block=50 * 8,
+                               kernels=compiled_kernels("aot_eager"))
+    got_grads = _grads(got, hidden, head)
+    assert counters["stats"]["unique_graphs"] - before == 4  # each kernel: 8 tokens, then 5
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-8)
+    loss = HeadCrossEntropy()
+    apply_compile(nn.ModuleDict(), "aot_eager", required=False, loss_fn=loss)
+    assert loss.kernels == compiled_kernels("aot_eager")
