@@ -84,7 +84,12 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
         raise ConfigError("--nproc", f"need at least one process, got {world_size}")
     others = math.prod(getattr(par, a) for a in AXES if a != "dp")
     dp = par.dp or world_size // others
-    if dp < 1 or dp * others != world_size:
+    if par.dp == 0 and (others > world_size or world_size % others):
+        text = " * ".join(f"{a}={getattr(par, a)}" for a in AXES if a != "dp")
+        raise ConfigError("parallel", f"{text} = {others} must divide the world size "
+                          f"{world_size} (parallel.dp=0 takes the rest); change the degrees or "
+                          "--nproc")
+    if dp * others != world_size:
         text = " * ".join(f"{a}={getattr(par, a) if a != 'dp' else dp}" for a in AXES)
         raise ConfigError(
             "parallel",
@@ -382,6 +387,11 @@ def _check_causal_lm(folder: Path, raw: dict) -> None:
     arch = architecture(raw)
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     encoder = kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not raw.get("is_decoder")
+    if arch and arch not in causal and arch.endswith("ForCausalLM"):
+        raise ConfigError("model.hf", f"{where}: architectures names {arch}, a class this "
+                          f"transformers does not have (model_type {kind!r} builds "
+                          f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]}); give that class, or a "
+                          "transformers version that has it")
     if (arch and arch not in causal) or encoder:
         raise ConfigError("model.hf", f"{where}: {arch or kind} is an encoder or another head, "
                           "not a causal language model (it would train without a causal mask); "

@@ -176,7 +176,11 @@ def _nodes(args: argparse.Namespace) -> int:
     """The most nodes --nnodes allows (0: a one-node job), --rdzv-endpoint checked with it."""
     if not (args.nnodes or args.rdzv_endpoint or args.local_addr):
         return 0
-    low, _, high = (args.nnodes or "").partition(":")
+    if args.nnodes is None:
+        given = "--rdzv-endpoint" if args.rdzv_endpoint else "--local-addr"
+        raise ConfigError("--nnodes", f"{given} is for a job across nodes: give --nnodes N (or "
+                          "MIN:MAX) and --rdzv-endpoint HOST:PORT with it")
+    low, _, high = args.nnodes.partition(":")
     if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
         raise ConfigError("--nnodes", f"N or MIN:MAX nodes (2, 1:2), got {args.nnodes!r}")
     host, _, port = (args.rdzv_endpoint or "").rpartition(":")

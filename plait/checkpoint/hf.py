@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -134,10 +135,20 @@ def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "generation_config.json"):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
+    config = json.loads((source / "config.json").read_text())
+    dropped = [key for key in REMOTE_CODE_KEYS if config.pop(key, None) is not None]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if dropped:
+        print(f"plait: note: {out}/config.json: dropped {', '.join(dropped)} (the source "
+              f"folder's own code, which the export does not carry: transformers builds "
+              f"{config.get('architectures', ['the model'])[0]} itself)", file=sys.stderr)
+    if (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
     return out
+
+
+# config.json keys that make transformers import code from the folder (trust_remote_code).
+REMOTE_CODE_KEYS = ("auto_map",)
 
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:

@@ -260,6 +260,14 @@ class Cluster:
         return d.inter_gbps * GB / sharing, d.inter_alpha_s
 
 
+# What `plait plan` accepts for a device of another kind: wide of every device made (a CPU core's
+# few TFLOP/s to a rack's, a phone's memory to a node's), and narrow enough that a step's time
+# and a layout's bytes stay ordinary finite numbers (1e-300 TFLOP/s priced a 300-digit step).
+TFLOPS = (0.01, 1e5)
+MEMORY_GB = (0.1, 1e6)
+LINK_GBPS = (0.001, 1e5)
+
+
 def check_options(args) -> None:
     """`plait plan`'s cluster options, each refused in one line (`ConfigError`)."""
     from plait.config import ConfigError
@@ -270,12 +278,12 @@ def check_options(args) -> None:
                           ("--top", args.top)):
         if value < 1:
             raise ConfigError(option, f"at least 1, got {value}")
-    for option, value in (("--intra-node-gbps", args.intra_node_gbps),
-                          ("--inter-node-gbps", args.inter_node_gbps),
-                          ("--gpu-memory-gb", args.gpu_memory_gb),
-                          ("--gpu-tflops", args.gpu_tflops)):
-        if value is not None and not 0 < value < float("inf"):
-            raise ConfigError(option, f"a finite number > 0, got {value}")
+    for option, value, (low, high) in (("--intra-node-gbps", args.intra_node_gbps, LINK_GBPS),
+                                       ("--inter-node-gbps", args.inter_node_gbps, LINK_GBPS),
+                                       ("--gpu-memory-gb", args.gpu_memory_gb, MEMORY_GB),
+                                       ("--gpu-tflops", args.gpu_tflops, TFLOPS)):
+        if value is not None and not low <= value <= high:
+            raise ConfigError(option, f"in [{low:g}, {high:g}], got {value:g}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ConfigError("--gpus-per-node", f"must divide --gpus={args.gpus} (whole nodes), "
                           f"got {args.gpus_per_node}")

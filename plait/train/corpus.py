@@ -257,10 +257,17 @@ def read_index(folder: Path, manifest: dict, key: str = "data.source",
                whole: bool = False) -> np.ndarray | None:
     """The documents' first positions (`INDEX`), memory-mapped, as prepare writes them: int64,
     one per document and the total last, from 0 to the manifest's tokens, never decreasing (in
-    a few sampled blocks; `whole`: all of it). None where the folder has none."""
+    a few sampled blocks; `whole`: all of it). None where the folder has none and was prepared
+    by a plait older than the index; a folder with block checksums (newer than the index) that
+    has none is damaged."""
     path = folder / INDEX
-    if not path.is_file():
+    if not path.exists() and (folder / CHECKSUMS).exists():
+        raise CorpusError(key, f"{path} is missing (the documents' index, which the plait that "
+                          f"wrote {folder} writes); prepare {folder} again")
+    if not path.exists():
         return None
+    if not path.is_file():
+        raise CorpusError(key, f"{path} is not a regular file; prepare {folder} again")
     try:
         starts = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:  # not an .npy, a pickle, truncated

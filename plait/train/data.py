@@ -226,7 +226,7 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
             if manifest["vocab_size"] > vocab_size:
                 raise ConfigError(vocab_key, f"the tokenizer of {cfg.source} has "
                                   f"{manifest['vocab_size']} tokens, the model {vocab_size}; "
-                                  f"set {vocab_key} >= {manifest['vocab_size']}")
+                                  + vocab_fix(vocab_key, manifest["vocab_size"]))
             unchecked = verify_shards(Path(cfg.source), manifest)
         elif cfg.source.endswith(".bin"):
             _check_bin(Path(cfg.source), vocab_size, vocab_key)
@@ -236,7 +236,8 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
     except OSError as e:
         raise ConfigError("data.source", f"cannot read {cfg.source}: {e.strerror or e}") from None
     if data.corpus.vocab_size <= 256 and vocab_size < data.corpus.vocab_size:
-        raise ConfigError(vocab_key, f"byte-level text needs {vocab_key} >= 256")
+        raise ConfigError(vocab_key, f"byte-level text has 256 token ids, the model "
+                          f"{vocab_size}; " + vocab_fix(vocab_key, 256))
     if data.train_windows < global_batch:
         raise ConfigError("data.source", f"the training split holds {data.train_windows} windows "
                           f"of seq_len + 1 = {cfg.seq_len + 1} tokens, fewer than one global batch "
@@ -255,4 +256,13 @@ def _check_bin(path: Path, vocab_size: int, vocab_key: str) -> None:
         sample_ids(map_ids(path, np.uint16, scattered=True), vocab_size, str(path), vocab_key,
                    blocks=64)
     except CorpusError as e:
-        raise ConfigError(vocab_key, f"{e.message}; raise {vocab_key} or fix the data") from None
+        raise ConfigError(vocab_key, f"{e.message}; {vocab_fix(vocab_key)} or fix the "
+                          "data") from None
+
+
+def vocab_fix(vocab_key: str, need: int = 0) -> str:
+    """How a user makes room for a corpus's token ids: a number to raise, or, where the key is a
+    `model.hf` folder (whose vocabulary is its own, not a number), the model's own tokenizer."""
+    if vocab_key.startswith("model.hf"):
+        return "prepare the corpus with the model's own tokenizer"
+    return f"set {vocab_key} >= {need}" if need else f"raise {vocab_key}"

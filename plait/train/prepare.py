@@ -95,8 +95,9 @@ def _readable(rows, path: Path) -> Iterator[tuple[int, dict]]:
             return
         except Exception as e:  # datasets raises its readers' errors, of many classes
             cause = str(e.__cause__ or e).splitlines()[0][:160]
-            raise ConfigError("SRC", f"{path} does not read as {TABLES[path.suffix]} after "
-                              f"{i} row(s) ({cause})") from None
+            read = f" (plait had read {i} row(s) before it)" if i else ""
+            raise ConfigError("SRC", f"{path} does not read as {TABLES[path.suffix]}: "
+                              f"{cause}{read}") from None
         yield i, row
         i += 1
 

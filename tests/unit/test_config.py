@@ -328,6 +328,8 @@ BAD_INPUT = [
     # whose byte sizes do not match, a shard outside the folder, shards of no token.
     *[(["data.source={files}/manifest_" + name], "data.source") for name in MANIFESTS],
     *[(["data.source={files}/" + name], "data.source") for name in INDEXES],
+    (["data.source={files}/index_missing"], "data.source"),  # checksums, so not an old corpus
+    (["data.source={files}/index_folder"], "data.source"),
     (["--metrics", "{files}/tiny.txt/m.jsonl"], "--metrics"),  # the parent is a file
     (["--metrics", "{files}/empty_dir"], "--metrics"),  # a directory
     (["--tensorboard", "{files}/tiny.txt"], "--tensorboard"),  # a file
@@ -365,6 +367,8 @@ OTHER_BAD_INPUT = [
     (["plan", "--gpus", "8", "--gpu-memory-gb", "-24"], "--gpu-memory-gb"),
     (["plan", "--gpus", "8", "--gpu-memory-gb", "inf"], "--gpu-memory-gb"),
     (["plan", "--gpus", "8", "--gpu-tflops", "0"], "--gpu-tflops"),
+    (["plan", "--gpus", "8", "--gpu-tflops", "1e-300"], "--gpu-tflops"),  # a 300-digit step
+    (["plan", "--gpus", "8", "--intra-node-gbps", "1e300"], "--intra-node-gbps"),
     (["plan", "--gpus", "8", "--gpus-per-node", "3"], "--gpus-per-node"),
     (["plan", "--gpus", "8", "model.hf='{files}/empty_dir'"], "model.hf"),
     (["plan", "--gpus", "8", "--write-recipe", "{files}/empty_dir"], "--write-recipe"),
@@ -394,6 +398,7 @@ OTHER_BAD_INPUT = [
     (["data", "verify", "{files}/flipped"], "OUT"),  # fails its checksum
     (["data", "verify", "{files}/cut_shard"], "OUT"),
     (["data", "verify", "{files}/empty_dir"], "OUT"),
+    (["data", "verify", "{files}/index_missing"], "OUT"),  # said "as prepared"
     (["data", "verify", "{files}/prepared", "--sample", "-1"], "--sample"),
 ]
 
@@ -456,6 +461,11 @@ def _prepared_corpora(root):
         shutil.copytree(root / "prepared", root / name)
         with open(root / name / "documents.npy", "wb") as f:
             f.write(index) if isinstance(index, bytes) else np.save(f, index)
+    shutil.copytree(root / "prepared", root / "index_missing")
+    (root / "index_missing" / "documents.npy").unlink()
+    shutil.copytree(root / "prepared", root / "index_folder")
+    (root / "index_folder" / "documents.npy").unlink()
+    (root / "index_folder" / "documents.npy").mkdir()
 
 
 def _bad_manifests(root):
@@ -492,6 +502,15 @@ def test_other_commands_refuse_bad_input_in_one_line(argv, field, files, no_laun
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith(f"plait: error: {field}"), err
     assert out == "", out  # no progress line before the refusal
+
+
+def test_a_table_that_does_not_parse_is_not_said_to_fail_after_0_rows(files, no_launch, capsys):
+    """datasets reads a JSON-lines file in batches: its error names the line ("in row 1") while
+    no row has reached plait yet; the refusal said "after 0 row(s) (... in row 1)"."""
+    with pytest.raises(SystemExit):
+        cli.main(["data", "prepare", f"{files}/bad.jsonl", f"{files}/o", "--tokenizer", "bytes"])
+    err = capsys.readouterr().err
+    assert "does not read as json: JSON parse error" in err and "row(s)" not in err, err
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: no read-only folder")
@@ -568,6 +587,20 @@ def test_context_parallel_refusals_name_the_fix():
                        r".* use cp_method = 'ring'"):
         validate(load_config(None, ["parallel.cp=4", "parallel.cp_method=ulysses",
                                      "model.preset='small'"]), 4)
+
+
+def test_dp_0_and_a_lone_local_addr_are_refused_in_their_own_words(no_launch, capsys):
+    """parallel.dp=0 means "the rest of the world": a refusal that printed "dp=0 * tp=4 must
+    equal the world size 2" asked for a product that dp=0 never is; --local-addr alone was
+    refused as "--nnodes ... got None"."""
+    with pytest.raises(ConfigError, match=r"^parallel: pp=1 \* cp=1 \* ep=1 \* tp=4 = 4 must "
+                       r"divide the world size 2 \(parallel.dp=0 takes the rest\)"):
+        validate(load_config(None, ["parallel.dp=0", "parallel.tp=4"]), 2)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--local-addr", "127.0.0.1"])
+    err = capsys.readouterr().err
+    assert err.startswith("plait: error: --nnodes: --local-addr is for a job across nodes") \
+        and "None" not in err, err
 
 
 def test_an_output_path_made_meanwhile_by_another_node_is_creatable_and_left_alone(tmp_path):

@@ -272,3 +272,22 @@ def test_documents_of_a_window_follow_the_prepared_corpus(corpus):
         parts = [data.batch(step, 16, r, 4)[2] for r in range(4)]
         assert torch.equal(torch.cat(parts), ids)
     assert (ids[:, -1] > 0).any()  # some window holds a boundary: the test can fail
+
+
+def test_a_model_hf_folder_is_not_asked_for_a_number(tmp_path):
+    """A corpus with more token ids than the model has: model.vocab_size is a number to raise;
+    a model.hf folder's vocabulary is its own, so the fix is the model's tokenizer, not
+    "set model.hf (/path) >= 256"."""
+    from plait.config import ConfigError, load_config
+    from plait.train.data import check_source
+
+    text = tmp_path / "t.txt"
+    text.write_text("plait " * 2000)
+    cfg = load_config(None, [f"data.source={text}", "data.seq_len=16"])
+    with pytest.raises(ConfigError) as number:
+        check_source(cfg.data, 100, 1, "model.vocab_size")
+    assert str(number.value).endswith("set model.vocab_size >= 256")
+    with pytest.raises(ConfigError) as folder:
+        check_source(cfg.data, 100, 1, "model.hf (/m)")
+    assert folder.value.field == "model.hf (/m)" and ">=" not in str(folder.value)
+    assert str(folder.value).endswith("prepare the corpus with the model's own tokenizer")

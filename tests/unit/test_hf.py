@@ -166,7 +166,10 @@ def test_a_folder_that_is_not_a_causal_lm_is_refused_in_one_line(tmp_path):
     for name, changes, said in (
             ("remote", {"auto_map": {"AutoModelForCausalLM": "mine.Model"}}, "auto_map"),
             ("unknown", {"model_type": "nothing-known"}, "model_type 'nothing-known' is not"),
-            ("headless", {"architectures": ["LlamaModel"]}, "LlamaModel is an encoder or")):
+            ("headless", {"architectures": ["LlamaModel"]}, "LlamaModel is an encoder or"),
+            ("made up", {"architectures": ["FooBarForCausalLM"]},  # a decoder's name, unknown
+             "FooBarForCausalLM, a class this transformers does not have (model_type 'llama' "
+             "builds LlamaForCausalLM)")):
         folder = tmp_path / name
         folder.mkdir()
         raw = json.loads((_llama_folder(tmp_path) / "config.json").read_text())
@@ -230,3 +233,24 @@ def test_the_planner_places_the_transformers_model_itself(hf_folders, capsys):
         pinned = with_degrees(cfg, **{k: p[k] for k in DEGREES if k != "dp"})
         dry = describe_rank(pinned, validate(pinned, 4), 0)
         assert p["memory_bytes"]["activations"] == dry["activations"], p
+
+
+def test_an_export_drops_the_sources_remote_code_entry_and_says_so(tmp_path, capsys):
+    """A model.hf run's checkpoint exports with its source folder's config.json; where that
+    folder has since gained an `auto_map` (code of its own, which transformers would import with
+    trust_remote_code), the exported config drops it, in a note."""
+    from hf_models import write_model
+
+    from plait.model.hf import load_hf
+
+    folder = write_model(tmp_path / "llama", "llama")
+    cfg = load_config(None, [f"model.hf='{folder}'"])
+    _checkpoint_of(load_hf(folder), cfg, tmp_path / "ck")
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(
+        {**raw, "auto_map": {"AutoModelForCausalLM": "mine.Model"}}))
+    cli.main(["convert", "--to", "hf", str(tmp_path / "hf"), str(tmp_path / "ck")])
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "auto_map" not in exported and exported["model_type"] == "llama"
+    assert "dropped auto_map" in capsys.readouterr().err
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # no remote code asked
