@@ -158,7 +158,7 @@ def _launch_local(args: argparse.Namespace, cfg: Config, nproc: int) -> None:
     # The workers' server imports their stack while this process imports torch for itself.
     stack = [*forkserver.TRAINING, *(forkserver.HF if cfg.model.hf else ())]
     forkserver.start(stack, cfg.train.threads)
-    from plait.launch import ChildFailedError, launch
+    from plait.launch import ChildFailedError, launch, report
     from plait.train.run import run_training
 
     try:
@@ -166,7 +166,7 @@ def _launch_local(args: argparse.Namespace, cfg: Config, nproc: int) -> None:
                          threads=cfg.train.threads, max_restarts=args.max_restarts,
                          preload=stack)
     except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr)
+        print(report(e, _kept(cfg)), file=sys.stderr)
         sys.exit(1)
     if args.verify:
         _verdict(results[0], True)
@@ -233,7 +233,7 @@ def _verdict(verdict, say: bool) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from plait.launch import ChildFailedError, launch_script
+    from plait.launch import ChildFailedError, launch_script, report
 
     if args.nproc < 1:
         raise ConfigError("--nproc", f"need at least one process, got {args.nproc}")
@@ -249,8 +249,21 @@ def cmd_run(args: argparse.Namespace) -> None:
     try:
         launch_script(args.nproc, args.script, args.args, args.threads, args.preload)
     except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr)
+        print(report(e), file=sys.stderr)
         sys.exit(1)
+
+
+def _kept(cfg: Config) -> str:
+    """What a failed run left to resume from: its last complete checkpoint, if it saves any."""
+    if not cfg.checkpoint.dir:
+        return ""
+    from plait.checkpoint import complete_checkpoints
+
+    saved = complete_checkpoints(cfg.checkpoint.dir)
+    if not saved:
+        return f"no complete checkpoint in {cfg.checkpoint.dir}"
+    return (f"the last complete checkpoint: {saved[-1]} (the same command resumes from it; "
+            "checkpoint.resume names another)")
 
 
 def cmd_compare(args: argparse.Namespace) -> None:

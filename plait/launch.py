@@ -127,8 +127,10 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
     workers (up to that many times) when one fails; the error is raised after the last.
     `preload`: more modules the workers will import, imported once by the forkserver (the
     entrypoint's own module always is)."""
-    # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run.
+    # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run, and
+    # its log of a failed worker's traceback is said again, shorter, by `report`.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # Workers are forked from one server process that imported torch and the entrypoint's module
     # once (a fresh interpreter, started before any worker, so no lock of the launcher's threads
     # is inherited): each spawned worker would import them again, ~3 s of CPU each. Already
@@ -237,6 +239,57 @@ def _with_root_cause(error: ChildFailedError, logs: Path,
     return ChildFailedError(error.name, failures)
 
 
+def report(error: ChildFailedError, kept: str = "") -> str:
+    """A failed job in a few lines: the first worker to fail with its error and where it was
+    raised, the others one line each (an error the first one shares said once), what was kept
+    (`kept`), and a file holding every worker's whole traceback (torch's `format_msg`), named.
+    The others mostly fail because the first did (a closed connection, the same refusal)."""
+    log = Path(tempfile.gettempdir()) / f"plait-failure-{time.strftime('%Y%m%d-%H%M%S')}-" \
+        f"{os.getpid()}.log"
+    log.write_text(error.format_msg() + "\n")
+    first, failure = error.get_first_failure()
+    said, where = _said(failure)
+    lines = [f"plait: the job failed: rank {first} first{where}:",
+             *(f"  {line}" for line in said.splitlines()[:REPORTED_LINES])]
+    others: dict[str, list[int]] = {}
+    for rank, other in error.failures.items():
+        if rank != first:
+            others.setdefault(_said(other)[0], []).append(rank)
+    for message, ranks in list(others.items())[:REPORTED_OTHERS]:
+        which = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+        lines.append(f"plait: {which} failed too, " + (
+            "with the same error" if message == said else
+            f"then: {message.splitlines()[-1][:200] if message else 'no message'}"))
+    if len(others) > REPORTED_OTHERS:
+        lines.append(f"plait: and {len(others) - REPORTED_OTHERS} other error(s) (in the log)")
+    if kept:
+        lines.append(f"plait: {kept}")
+    lines.append(f"plait: every rank's traceback: {log}")
+    return "\n".join(lines)
+
+
+REPORTED_LINES = 8  # of the first failure's message
+REPORTED_OTHERS = 3  # distinct errors of the other workers, a line each
+
+
+def _said(failure: ProcessFailure) -> tuple[str, str]:
+    """(a worker's error, " at FILE:LINE (function)" where its traceback says where it was
+    raised, else ""), from its error file as torch's `record` writes it."""
+    data = failure.error_file_data.get("message")
+    if not isinstance(data, dict):
+        return str(failure.message).strip(), ""
+    frames = [line.strip() for line in data.get("extraInfo", {}).get("py_callstack", "")
+              .splitlines() if line.strip().startswith('File "')]
+    where = ""
+    if frames:  # File "/.../plait/train/checkpointing.py", line 146, in _refusal_said
+        path, _, rest = frames[-1][len('File "'):].partition('", line ')
+        line, _, function = rest.partition(", in ")
+        inside = path.rsplit("/plait/", 1)
+        short = f"plait/{inside[1]}" if len(inside) == 2 else path
+        where = f" at {short}:{line} ({function})"
+    return str(data.get("message", failure.message)).strip(), where
+
+
 def _config(nproc: int, logs: str, max_restarts: int = 0) -> LaunchConfig:
     return LaunchConfig(
         min_nodes=1,
@@ -253,4 +306,4 @@ def _config(nproc: int, logs: str, max_restarts: int = 0) -> LaunchConfig:
     )
 
 
-__all__ = ["ChildFailedError", "launch", "launch_script"]
+__all__ = ["ChildFailedError", "launch", "launch_script", "report"]

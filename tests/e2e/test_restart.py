@@ -111,3 +111,31 @@ def test_a_full_disk_during_a_save_is_said_and_the_partial_checkpoint_removed(sm
     said = f"could not be written to {small_disk / 'ck' / 'step-00000002'}: No space left"
     assert said in proc.stderr, proc.stderr[-3000:]
     assert list((small_disk / "ck").iterdir()) == []  # nothing left to keep the disk full
+    _is_one_short_report(proc.stderr, first=None)
+    assert f"no complete checkpoint in {small_disk / 'ck'}" in proc.stderr
+
+
+def _is_one_short_report(stderr: str, first: int | None) -> None:
+    """A failed job's report (`launch.report`): at most 15 lines in all, the first rank to fail
+    named, no traceback on the screen, and the file that holds every rank's whole traceback
+    (was 80-105 lines of tracebacks: torch's agent's log of the failure, then its summary)."""
+    lines = stderr.splitlines()
+    assert len(lines) <= 15 and "Traceback" not in stderr, stderr
+    failed = next(line for line in lines if line.startswith("plait: the job failed: rank"))
+    if first is not None:
+        assert failed.startswith(f"plait: the job failed: rank {first} first"), stderr
+    log = lines[-1].removeprefix("plait: every rank's traceback: ")
+    assert "Traceback" in open(log).read()
+    os.unlink(log)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_a_save_is_named_in_a_short_report(tmp_path):
+    """Rank 1 SIGKILLed while it writes the checkpoint of step 4, no restarts: rank 0 then fails
+    on the closed connection. The report names rank 1 first and the checkpoint of step 2, which
+    was complete, as what was kept."""
+    proc = plait("train", "--nproc", "2", *RUN, f"checkpoint.dir={tmp_path / 'ck'}",
+                 env={**os.environ, ENV: "save:1:4"})
+    assert proc.returncode == 1
+    _is_one_short_report(proc.stderr, first=1)
+    assert f"the last complete checkpoint: {tmp_path / 'ck' / 'step-00000002'}" in proc.stderr
