@@ -176,7 +176,7 @@ def check_checkpoint(cfg: Config) -> None:
             where = where.parent
         if not where.is_dir() or not os.access(where, os.W_OK):
             raise ConfigError("checkpoint.dir", f"cannot write in {where}; choose another folder")
-    from plait.checkpoint import find, read_meta
+    from plait.checkpoint import find
 
     source = find(ck.resume, ck.dir)  # a path given as `resume` is looked in alone
     if ck.resume not in ("auto", "never") and source is None:
@@ -187,11 +187,10 @@ def check_checkpoint(cfg: Config) -> None:
         # Imported here: torch.distributed.checkpoint takes seconds to import, which every
         # refusal and every command that validates a configuration would pay otherwise.
         from plait.checkpoint import BadMeta
-        from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
+        from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
 
         try:
-            read_metadata(source)
-            saved = read_meta(source, model=True)["config"]["model"]
+            saved = check_checkpoint(source)
         except (UnsafeCheckpoint, BadMeta) as e:
             raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, "
                               "or set checkpoint.resume='never'") from None

@@ -349,14 +349,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
             raise ConfigError("CKPT", f"no complete checkpoint at {args.second}; give a "
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
-        from plait.checkpoint import BadMeta, read_meta
+        from plait.checkpoint import BadMeta
         from plait.checkpoint.hf import export_hf
-        from plait.checkpoint.metadata import UnsafeCheckpoint, read_metadata
+        from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
         from plait.config import model_section
 
         try:
-            read_metadata(source)
-            saved = dict(read_meta(source, model=True)["config"]["model"])
+            saved = check_checkpoint(source)
         except (UnsafeCheckpoint, BadMeta) as e:
             raise ConfigError("CKPT", f"{e}; convert a checkpoint you trust") from None
 

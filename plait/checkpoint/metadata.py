@@ -19,8 +19,10 @@ an absolute one would read tensor files anywhere. `.metadata` itself must be a r
 FIFO would hang the read).
 
 Every path that reads a checkpoint goes through `CheckpointReader` (resume, `plait convert`,
-`load_full`) and the launcher reads the metadata of the checkpoint it would resume before any
-worker starts, so a crafted file is refused in one line naming it.
+`load_full`), and the launcher (and convert) check the checkpoint before any worker starts
+(`check_checkpoint`): the metadata as above, then every tensor item as the workers will read it
+(`torch.load(weights_only=True)`, on the meta device: no data), so a crafted or damaged file is
+refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _create_file_view
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -156,6 +159,50 @@ def _check_storage(metadata: Metadata, folder: Path, path: Path) -> None:
             raise UnsafeCheckpoint(f"{path}: storage {name!r} leads outside the checkpoint")
         if not target.is_file():
             raise UnsafeCheckpoint(f"{path}: storage {name!r} is not a regular file there")
+
+
+def check_tensor_files(checkpoint: str | Path, metadata: Metadata) -> None:
+    """Every storage entry of a checkpoint whose metadata `read_metadata` passed: its bytes
+    inside its file, and a tensor that `torch.load(weights_only=True)` reads (the loader DCP's
+    workers use), of the entry's dtype and the chunk's size. Only the items' zip directories and
+    pickles are read (`map_location="meta"`: no tensor data), so the launcher checks a
+    checkpoint of any size in well under a second a GB; a file whose bytes are not tensors is
+    refused here in one line, not in the workers after launch."""
+    folder, sizes = Path(checkpoint), {}
+    for index, info in metadata.storage_data.items():
+        name = info.relative_path
+        if name not in sizes:
+            sizes[name] = os.stat(folder / name).st_size
+        where = f"{folder / name} (bytes {info.offset}-{info.offset + info.length})"
+        if info.offset + info.length > sizes[name]:
+            raise UnsafeCheckpoint(f"{where}: past the end of the file ({sizes[name]} bytes)")
+        entry = metadata.state_dict_metadata.get(getattr(index, "fqn", None))
+        if entry is None:
+            raise UnsafeCheckpoint(f"{where}: stored for no entry of the metadata")
+        with open(folder / name, "rb") as f:
+            try:  # the view DCP's reader loads each item through
+                tensor = torch.load(_create_file_view(f, info.offset, info.length),
+                                    map_location="meta", weights_only=True)
+            except Exception as e:  # not a zip, a pickle weights_only refuses, truncated
+                raise UnsafeCheckpoint(f"{where} is not a tensor torch.load(weights_only=True) "
+                                       f"reads ({type(e).__name__}: "
+                                       f"{str(e).splitlines()[0][:120]})") from None
+        chunk = [c.sizes for c in entry.chunks if c.offsets == getattr(index, "offset", None)]
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != entry.properties.dtype or \
+                (chunk and tensor.shape != chunk[0]):
+            raise UnsafeCheckpoint(f"{where}: not the {entry.properties.dtype} tensor of "
+                                   f"{index.fqn!r}'s chunk that the metadata names")
+
+
+def check_checkpoint(checkpoint: str | Path) -> dict:
+    """What a launch that resumes, or a convert, reads of `checkpoint` before any worker starts:
+    `.metadata` as a schema (`read_metadata`), every tensor item (`check_tensor_files`), and
+    plait.json with a plait train run's config; returns that config's model section. Raises
+    `UnsafeCheckpoint` or `BadMeta`, each one line naming the file."""
+    from plait.checkpoint import read_meta
+
+    check_tensor_files(checkpoint, read_metadata(checkpoint))
+    return dict(read_meta(checkpoint, model=True)["config"]["model"])
 
 
 class CheckpointReader(FileSystemReader):

@@ -185,3 +185,46 @@ def test_plaits_own_metadata_that_is_not_its_own_is_refused_in_one_line(tmp_path
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1, err
         assert "plait.json is not plait's metadata" in err[0]
+
+
+def _pickled_file(path, marker):
+    """The tensor file's bytes replaced by a pickle with the payload, padded to the file's size
+    (DCP's workers would refuse it with weights_only, after launch)."""
+    for name in {i.relative_path for i in read_metadata(path).storage_data.values()}:
+        size = (path / name).stat().st_size
+        (path / name).write_bytes(pickle.dumps(_Touch(marker)).ljust(size, b"\0"))
+
+
+def _truncated_file(path, marker):
+    for name in {i.relative_path for i in read_metadata(path).storage_data.values()}:
+        data = (path / name).read_bytes()
+        (path / name).write_bytes(data[: len(data) // 2])
+
+
+def _other_dtype(path, marker):
+    """A well-formed tensor file of the right shape but another dtype than the metadata says:
+    loaded, DCP would copy it into the run's tensor with a silent cast."""
+    metadata = read_metadata(path)
+    metadata.state_dict_metadata["model.w"].properties.dtype = torch.float64
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("change,said", [
+    (_pickled_file, "is not a tensor torch.load(weights_only=True) reads"),
+    (_truncated_file, "past the end of the file"),
+    (_other_dtype, "not the torch.float64 tensor of 'model.w'"),
+], ids=["pickle", "truncated", "dtype"])
+def test_tensor_files_are_checked_before_launch(tmp_path, capsys, change, said):
+    """`.metadata` may be fine and the tensor files not: each storage item is read as DCP's
+    workers read it (`torch.load(weights_only=True)`, here on the meta device: no data), by the
+    launcher's resume check and by convert, refused in one line; nothing the pickle names
+    runs."""
+    path, marker = _checkpoint(tmp_path / "ck"), tmp_path / "marker"
+    change(path, marker)
+    for argv in (["train", "--dry-run", f"checkpoint.resume={path}", *MODEL],
+                 ["convert", "--to", "hf", str(tmp_path / "hf"), str(path)]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and said in err[0], err
+    assert not marker.exists()
