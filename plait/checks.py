@@ -343,7 +343,7 @@ def check_hf_folder(where: str) -> tuple[dict, object]:
         raise ConfigError("model.hf", "needs the transformers package: pip install "
                           "transformers") from None
     _check_causal_lm(folder, raw)
-    _check_safetensors(folder)
+    check_safetensors(folder)
     try:
         hf_args(raw)
         return raw, AutoConfig.from_pretrained(folder)
@@ -351,9 +351,10 @@ def check_hf_folder(where: str) -> tuple[dict, object]:
         raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
 
 
-def _check_safetensors(folder: Path) -> None:
+def check_safetensors(folder: Path, key: str = "model.hf") -> None:
     """Each weights file's header reads and covers the file (safetensors checks both on open):
-    a truncated or corrupted one crashed the workers."""
+    a truncated or corrupted one crashed the workers (`model.hf`) or `plait convert --from hf`
+    (`key`, the argument that named the folder)."""
     from safetensors import SafetensorError, safe_open
 
     for path in sorted(folder.glob("*.safetensors")):
@@ -361,8 +362,8 @@ def _check_safetensors(folder: Path) -> None:
             with safe_open(path, "pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise ConfigError("model.hf", f"{path} is not a whole safetensors file ({e}); copy "
-                              "it again") from None
+            raise ConfigError(key, f"{path} is not a whole safetensors file ({e}); copy it "
+                              "again") from None
 
 
 def _check_causal_lm(folder: Path, raw: dict) -> None:

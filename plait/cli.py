@@ -373,13 +373,24 @@ def cmd_convert(args: argparse.Namespace) -> None:
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
     from plait.checkpoint.hf import import_hf, unrepresentable
+    from plait.checks import check_safetensors
     from plait.model.hf import read_config
 
-    why = unrepresentable(read_config(hf))
+    try:
+        raw = read_config(hf)
+    except ValueError as e:
+        raise ConfigError("HF_DIR", f"{hf}/config.json: {e}".splitlines()[0]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError("HF_DIR", f"{hf}/config.json holds no JSON object")
+    check_safetensors(hf, "HF_DIR")
+    why = unrepresentable(raw)
     if why is not None:
         raise ConfigError("HF_DIR", f"{hf}/config.json: {why}; train the folder as itself "
                           f"instead: plait train model.hf={hf}")
-    path, overrides = import_hf(hf, out)
+    try:
+        path, overrides = import_hf(hf, out)
+    except ValueError as e:  # tensors of another model, or missing
+        raise ConfigError("HF_DIR", f"{e}; give a Hugging Face Llama folder") from None
     settings = " ".join(f"model.{k}={v}" for k, v in overrides.items())
     print(f"{path}\ncontinue training it with: plait train checkpoint.resume={path} {settings}")
 

@@ -170,6 +170,26 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     return out
 
 
+def _check_complete(sd: dict, args: ModelArgs, hf_dir: Path) -> None:
+    """The imported tensors are the whole of plait's Llama of `args`, each of its shape (the
+    config.json and the safetensors of one model), or a one-line ValueError."""
+    from plait.model.llama import build_model
+
+    want = {f"model.{n}": tuple(p.shape)
+            for n, p in build_model(args, seed=0, device="meta").named_parameters()}
+    missing = sorted(want.keys() - sd.keys())
+    if missing:
+        raise ValueError(f"{hf_dir}: its safetensors lack {len(missing)} tensor(s) of the model "
+                         f"config.json describes ({missing[0].removeprefix('model.')}, ...)")
+    for name, t in sd.items():
+        if name not in want:
+            raise ValueError(f"{hf_dir}: {name.removeprefix('model.')} is not in the model "
+                             "config.json describes")
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{hf_dir}: {name.removeprefix('model.')} is {tuple(t.shape)}, the "
+                             f"model config.json describes has {want[name]}")
+
+
 def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, dict]:
     """Write the Hugging Face Llama folder `hf_dir` as a plait checkpoint of the model alone;
     returns its path and the `model.*` settings to train it with."""
@@ -188,11 +208,16 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, dict]:
     for name, t in weights.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer older exports carry; plait computes it
-        mine = _rename(name, back)
+        try:
+            mine = _rename(name, back)
+        except KeyError:
+            raise ValueError(f"{hf_dir}: tensor {name!r} is not a Llama's (its safetensors "
+                             "hold another model)") from None
         t = t.float()
         if mine.endswith(ROTATED):
             t = _to_interleaved(t, args.head_dim)
         sd[f"model.{mine}"] = t.contiguous()
+    _check_complete(sd, args, hf_dir)
     sd["train.step"] = torch.tensor(0, dtype=torch.int64)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

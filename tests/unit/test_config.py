@@ -376,6 +376,9 @@ OTHER_BAD_INPUT = [
     (["convert", "--to", "hf", "{files}/out", "{files}/empty_dir"], "CKPT"),  # no checkpoint
     (["convert", "--to", "hf", "{files}/tiny.txt", "{files}/ck_tiny"], "OUT"),  # a file
     (["convert", "--from", "hf", "{files}/empty_dir", "{files}/out"], "HF_DIR"),
+    # Folders that were SafetensorError, JSONDecodeError and KeyError tracebacks
+    *[(["convert", "--from", "hf", "{files}/" + name, "{files}/out"], "HF_DIR")
+      for name in ("hf_cut", "hf_garbled_config", "hf_other_tensors", "hf_missing_tensor")],
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "bpe:10"], "--tokenizer"),
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/t.json"],
      "--tokenizer"),
@@ -457,6 +460,7 @@ def _prepared_corpora(root):
     (root / "linked" / "a.txt").write_text("a document")
     (root / "linked" / "elsewhere.txt").symlink_to(root / "tiny.txt")  # outside linked/
     _bad_manifests(root)
+    _bad_hf_folders(root)
     for name, index in INDEXES.items():
         shutil.copytree(root / "prepared", root / name)
         with open(root / name / "documents.npy", "wb") as f:
@@ -466,6 +470,36 @@ def _prepared_corpora(root):
     shutil.copytree(root / "prepared", root / "index_folder")
     (root / "index_folder" / "documents.npy").unlink()
     (root / "index_folder" / "documents.npy").mkdir()
+
+
+def _bad_hf_folders(root):
+    """Hugging Face folders `plait convert --from hf` must refuse in one line: a weights file
+    cut short, a config.json that is not JSON, tensors of another model, one tensor missing."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16,
+              "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32,
+              "rms_norm_eps": 1e-6}
+    names = {"model.embed_tokens.weight": (64, 16), "model.norm.weight": (16,),
+             "lm_head.weight": (64, 16), "model.layers.0.input_layernorm.weight": (16,),
+             "model.layers.0.post_attention_layernorm.weight": (16,),
+             **{f"model.layers.0.self_attn.{p}_proj.weight": (16, 16) for p in "qkvo"},
+             **{f"model.layers.0.mlp.{p}_proj.weight": (32, 16) for p in ("gate", "up")},
+             "model.layers.0.mlp.down_proj.weight": (16, 32)}
+    for name, tensors in (("hf_cut", names), ("hf_garbled_config", names),
+                          ("hf_other_tensors", {"x": (2,)}),
+                          ("hf_missing_tensor", {k: v for k, v in names.items()
+                                                 if k != "model.norm.weight"})):
+        folder = root / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        save_file({k: torch.zeros(v) for k, v in tensors.items()},
+                  str(folder / "model.safetensors"))
+    data = (root / "hf_cut" / "model.safetensors").read_bytes()
+    (root / "hf_cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (root / "hf_garbled_config" / "config.json").write_text("{not json")
 
 
 def _bad_manifests(root):
