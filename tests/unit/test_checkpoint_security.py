@@ -228,3 +228,101 @@ def test_tensor_files_are_checked_before_launch(tmp_path, capsys, change, said):
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and said in err[0], err
     assert not marker.exists()
+
+
+# -- any metadata, any storage path, any file kind: read, or refused in one line ------------------
+
+_OPENED: list[str] = []  # files opened while `_WATCHING` (an audit hook cannot be removed)
+_WATCHING = [False]
+
+
+def _audit(event, args):
+    if _WATCHING[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+def _bad_values():
+    """A value of another type, sign or size than a field's."""
+    from hypothesis import strategies as st
+
+    return st.one_of(st.integers(-3, 2**40), st.none(), st.text(max_size=8),
+                     st.floats(allow_nan=True), st.lists(st.integers(-2, 5), max_size=3),
+                     st.sampled_from([torch.Size([-1, 4]), torch.Size([4, 3]), "float32"]))
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    import sys
+
+    sys.addaudithook(_audit)
+    return _checkpoint(tmp_path_factory.mktemp("pristine") / "ck")
+
+
+def test_any_metadata_is_read_or_refused_in_one_line_and_nothing_outside_is_read(pristine,
+                                                                                  tmp_path):
+    """A property (hypothesis): from a real checkpoint, its metadata rewritten with random
+    well-typed and ill-typed fields (storage paths absolute, with `..`, empty, random text;
+    offsets, lengths, sizes, chunk offsets and dtypes of any type and sign) and its tensor file
+    replaced by another kind (a link out, a directory, a FIFO, missing, random bytes). The
+    launcher's check (`check_checkpoint`) either passes it or raises plait's one-line
+    `UnsafeCheckpoint`/`BadMeta` -- never another exception (a traceback) -- and opens no file
+    outside the checkpoint (an audit hook records every open)."""
+    import shutil
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from plait.checkpoint import BadMeta
+    from plait.checkpoint.metadata import check_checkpoint
+
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(pristine / "__0_0.distcp", outside)
+    kinds = st.sampled_from(["as is", "link out", "directory", "fifo", "missing", "bytes"])
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(path=st.one_of(st.sampled_from(["__0_0.distcp", "/etc/passwd", "../outside.distcp",
+                                           str(outside), "", "a/../../outside.distcp",
+                                           "./__0_0.distcp"]), st.text(max_size=12)),
+           spoiled=st.sampled_from([None, "offset", "length", "size", "dtype", "chunk"]),
+           value=_bad_values(), kind=kinds, noise=st.binary(max_size=64))
+    def case(path, spoiled, value, kind, noise):
+        folder = tmp_path / "ck"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(pristine, folder)
+        metadata = read_metadata(folder)
+        entry = metadata.state_dict_metadata["model.w"]
+        fields = {"size": (entry, "size"), "dtype": (entry.properties, "dtype"),
+                  "chunk": (entry.chunks[0], "offsets")}
+        for info in metadata.storage_data.values():
+            info.relative_path = path
+            fields.update(offset=(info, "offset"), length=(info, "length"))
+            if spoiled in ("offset", "length"):
+                setattr(info, spoiled, value)
+        if spoiled in ("size", "dtype", "chunk"):
+            setattr(*fields[spoiled], value)
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+        data = folder / "__0_0.distcp"
+        if kind != "as is":
+            data.unlink()
+        if kind == "link out":
+            data.symlink_to(outside)
+        elif kind == "directory":
+            data.mkdir()
+        elif kind == "fifo":
+            os.mkfifo(data)
+        elif kind == "bytes":
+            data.write_bytes(noise)
+        _OPENED.clear()
+        _WATCHING[0] = True
+        try:
+            check_checkpoint(folder)
+        except (UnsafeCheckpoint, BadMeta) as e:
+            assert "\n" not in str(e)
+        finally:
+            _WATCHING[0] = False
+        inside = str(folder.resolve())
+        assert all(os.path.realpath(p).startswith(inside) for p in _OPENED
+                   if not p.endswith((".py", ".pyc"))), _OPENED
+
+    case()
