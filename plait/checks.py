@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 from plait.checks_run import check_checkpoint, check_data, check_train
 from plait.choices import (
@@ -285,22 +286,22 @@ def _check_context(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
 def _check_hf(cfg: Config, dims: ParallelDims) -> None:
     """A Hugging Face folder: readable, its family's plan has what the degrees need, and nothing
     the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
-    sequence)."""
-    from plait.model.hf import HF_PLANS, architecture
+    sequence). What config.json says alone is checked first, without torch (a refusal in a
+    fraction of a second); then what needs transformers' reading of it."""
+    from plait.model.hf_config import HF_PLANS, architecture
 
-    raw, config = check_hf_folder(cfg.model.hf)
-    arch = architecture(raw) or config.model_type
+    raw = read_hf_folder(cfg.model.hf)
+    arch = architecture(raw)
+    fields = {"num_key_value_heads": raw.get("num_attention_heads"), **raw}
+    early = arch in HF_PLANS and all(type(fields.get(k)) is int  # as written, whole numbers
+                                     for k in HF_PLANS[arch].tp_divides)
+    if early:
+        _check_planned(dims, arch, SimpleNamespace(**fields))
+    config = transformers_config(Path(cfg.model.hf), raw)
+    if not early:
+        arch = arch or config.model_type
+        _check_planned(dims, arch, config)
     plan = HF_PLANS.get(arch)
-    for axis in ("tp", "pp", "cp", "ep"):
-        if getattr(dims, axis) > 1 and plan is None:
-            raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
-                              f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
-                              f"{axis} = 1")
-    misfit = plan and tp_misfit(plan, config, dims.tp)
-    if misfit:
-        raise ConfigError("parallel.tp", misfit)
-    if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
-        raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
     if plan is None and cfg.data.document_mask:
         raise ConfigError("data.document_mask", f"{arch} has no plait plan (planned: "
                           f"{', '.join(HF_PLANS)}), and its attention takes no document mask "
@@ -322,14 +323,40 @@ def _check_hf(cfg: Config, dims: ParallelDims) -> None:
                           f"{window}")
 
 
+def _check_planned(dims: ParallelDims, arch: str, fields: object) -> None:
+    """The degrees against the family's plan (`HF_PLANS`): an axis that needs a plan, tp
+    dividing what it splits (read from `fields`), ep needing experts."""
+    from plait.model.hf_config import HF_PLANS
+
+    plan = HF_PLANS.get(arch)
+    for axis in ("tp", "pp", "cp", "ep"):
+        if getattr(dims, axis) > 1 and plan is None:
+            raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
+                              f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
+                              f"{axis} = 1")
+    misfit = plan and tp_misfit(plan, fields, dims.tp)
+    if misfit:
+        raise ConfigError("parallel.tp", misfit)
+    if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
+        raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
+
+
 def check_hf_folder(where: str) -> tuple[dict, object]:
     """A `model.hf` folder that transformers' save_pretrained wrote for a causal LM: its
     config.json as JSON and as transformers reads it."""
+    raw = read_hf_folder(where)
+    return raw, transformers_config(Path(where), raw)
+
+
+def read_hf_folder(where: str) -> dict:
+    """What a `model.hf` folder's files say without torch or transformers: a config.json that
+    is a JSON object asking for no code of its own and giving the model's shape, and whole
+    safetensors files."""
     folder = Path(where)
     if not (folder / "config.json").is_file():
         raise ConfigError("model.hf", f"{folder} has no config.json; give a folder that "
                           "transformers' save_pretrained wrote")
-    from plait.model.hf import hf_args, read_config
+    from plait.model.hf_config import hf_args, read_config
 
     try:
         raw = read_config(folder)
@@ -337,16 +364,28 @@ def check_hf_folder(where: str) -> tuple[dict, object]:
         raise ConfigError("model.hf", f"{folder}/config.json: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError("model.hf", f"{folder}/config.json holds no JSON object")
+    if raw.get("auto_map"):
+        raise ConfigError("model.hf", f"{folder}/config.json asks for the folder's own code "
+                          "(auto_map), which plait does not run; give a model transformers "
+                          "implements")
+    check_safetensors(folder)
+    try:
+        hf_args(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
+    return raw
+
+
+def transformers_config(folder: Path, raw: dict) -> object:
+    """The folder's config as transformers reads it, for a causal language model it knows."""
     try:
         from transformers import AutoConfig
     except ImportError:
         raise ConfigError("model.hf", "needs the transformers package: pip install "
                           "transformers") from None
     _check_causal_lm(folder, raw)
-    check_safetensors(folder)
     try:
-        hf_args(raw)
-        return raw, AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
 
@@ -359,7 +398,7 @@ def check_safetensors(folder: Path, key: str = "model.hf") -> None:
 
     for path in sorted(folder.glob("*.safetensors")):
         try:
-            with safe_open(path, "pt"):
+            with safe_open(path, "numpy"):  # the same header check, without importing torch
                 pass
         except (SafetensorError, OSError) as e:
             raise ConfigError(key, f"{path} is not a whole safetensors file ({e}); copy it "
@@ -374,12 +413,9 @@ def _check_causal_lm(folder: Path, raw: dict) -> None:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    from plait.model.hf import architecture
+    from plait.model.hf_config import architecture
 
     where = f"{folder}/config.json"
-    if raw.get("auto_map"):
-        raise ConfigError("model.hf", f"{where} asks for the folder's own code (auto_map), which "
-                          "plait does not run; give a model transformers implements")
     kind = raw.get("model_type")
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError("model.hf", f"{where}: model_type {kind!r} is not a causal language "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import math
 import os
 import socket
@@ -372,17 +373,17 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
-    from plait.checkpoint.hf import import_hf, unrepresentable
     from plait.checks import check_safetensors
-    from plait.model.hf import read_config
 
     try:
-        raw = read_config(hf)
+        raw = json.loads((hf / "config.json").read_text())
     except ValueError as e:
         raise ConfigError("HF_DIR", f"{hf}/config.json: {e}".splitlines()[0]) from None
     if not isinstance(raw, dict):
         raise ConfigError("HF_DIR", f"{hf}/config.json holds no JSON object")
     check_safetensors(hf, "HF_DIR")
+    from plait.checkpoint.hf import import_hf, unrepresentable  # torch, from here on
+
     why = unrepresentable(raw)
     if why is not None:
         raise ConfigError("HF_DIR", f"{hf}/config.json: {why}; train the folder as itself "

@@ -44,7 +44,7 @@ class ModelConfig:
 
     def args(self) -> ModelArgs:
         if self.hf:
-            from plait.model.hf import hf_args, read_config
+            from plait.model.hf_config import hf_args, read_config
 
             return hf_args(read_config(self.hf))
         return dataclasses.replace(PRESETS[self.preset], **self.overrides)

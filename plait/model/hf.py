@@ -21,108 +21,22 @@ A family with no plan (GPT-2, ...) trains as a plain module: DDP and ZeRO-1/2/3.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from plait.model.args import ModelArgs
 from plait.model.documents import Documents
+from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-free, re-exported)
+    HF_PLANS,
+    architecture,
+    has_weights,
+    hf_args,
+    read_config,
+)
 from plait.model.materialize import Stacked
 from plait.model.plan import ModelPlan
-
-# transformers' decoder layer, dense (Llama, Mistral, Qwen2, Qwen3): attention q/k/v split by
-# heads (rows; with their biases, Qwen2) -> o by heads (columns); the SwiGLU MLP's gate/up by
-# hidden units (rows) -> down (columns). Qwen3's q_norm / k_norm act per head: replicated.
-_LLAMA_LIKE = dict(
-    blocks="layers",
-    first=("embed_tokens",),
-    last=("norm", "lm_head"),
-    shared=("rotary_emb", "positions", "loss_function"),
-    hidden_size="hidden_size",
-    vocab_size="vocab_size",
-    tp_splits={
-        "self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
-        "self_attn.o_proj": 1, "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1,
-    },
-    tp_halves=("self_attn", "mlp"),
-    tp_divides=("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                "vocab_size"),
-    vocab_embedding="embed_tokens",
-    vocab_head="lm_head",
-    attention_core="self_attn.core",
-    positions="positions",
-    recompute=("input_layernorm", "post_attention_layernorm", "mlp.act_fn"),
-)
-
-HF_PLANS = {
-    arch: ModelPlan(family=family, **_LLAMA_LIKE)
-    for arch, family in (("LlamaForCausalLM", "hf-llama"), ("MistralForCausalLM", "hf-mistral"),
-                         ("Qwen2ForCausalLM", "hf-qwen2"), ("Qwen3ForCausalLM", "hf-qwen3"))
-}
-# Mixtral: the same attention; the feed-forward a mixture of experts (`mlp`: a top-k router
-# `mlp.gate` and the experts `mlp.experts`, their weights stacked by expert), which expert
-# parallelism splits by expert. tp splits the attention alone: the mixture runs whole on each
-# tp rank (its gradients are then whole there too; under sp each rank's token shard's part).
-HF_PLANS["MixtralForCausalLM"] = ModelPlan(
-    family="hf-mixtral",
-    **{**_LLAMA_LIKE,
-       "tp_splits": {k: v for k, v in _LLAMA_LIKE["tp_splits"].items()
-                     if k.startswith("self_attn.")},
-       "tp_halves": ("self_attn",),
-       "tp_divides": ("num_attention_heads", "num_key_value_heads", "vocab_size"),
-       "recompute": ("input_layernorm", "post_attention_layernorm")},
-    moe_experts="mlp.experts",
-)
-
-
-def read_config(folder: str | Path) -> dict:
-    """config.json of a Hugging Face model folder, as JSON (nothing is imported or run)."""
-    path = Path(folder) / "config.json"
-    return json.loads(path.read_text())
-
-
-def architecture(config: dict) -> str:
-    names = config.get("architectures") or []
-    return names[0] if names else ""
-
-
-def hf_args(config: dict) -> ModelArgs:
-    """The shape of a transformers model as plait's `ModelArgs`, what the checks and formulas
-    (FLOPs per token, activation and state bytes) read: width, layers, heads, vocabulary,
-    positions, MLP hidden units. Raises KeyError naming a missing config field."""
-
-    def field(*names, default=None):
-        for name in names:
-            if config.get(name) is not None:
-                return config[name]
-        if default is None:
-            raise KeyError(f"config.json has none of {', '.join(names)}")
-        return default
-
-    dim = field("hidden_size", "n_embd", "d_model")
-    heads = field("num_attention_heads", "n_head")
-    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
-    return ModelArgs(
-        dim=dim, n_layers=field("num_hidden_layers", "n_layer"), n_heads=heads,
-        n_kv_heads=field("num_key_value_heads", default=heads),
-        vocab_size=field("vocab_size"),
-        max_seq_len=field("max_position_embeddings", "n_positions"),
-        intermediate_size=field("intermediate_size", "n_inner", default=4 * dim),
-        norm_eps=float(field("rms_norm_eps", "layer_norm_epsilon", default=1e-5)),
-        rope_theta=float(rope or 10000.0),
-        moe_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),
-        moe_top_k=int(config.get("num_experts_per_tok") or 2),
-    )
-
-
-def has_weights(folder: str | Path) -> bool:
-    folder = Path(folder)
-    return (folder / "model.safetensors").is_file() or \
-        (folder / "model.safetensors.index.json").is_file()
-
 
 ATTENTION = "plait"  # the name of plait's entry in transformers' AttentionInterface
 

@@ -294,6 +294,12 @@ BAD_INPUT = [
     (["data.source={files}/odd.bin"], "data.source"),
     (["data.source={files}/ids.bin"], "model.vocab_size"),
     (["data.source={files}/ids.bin", "parallel.tp=2", "--nproc", "2"], "model.vocab_size"),
+    # model.hf folders refused from their files alone, without torch (they took 4-9 s)
+    (["model.hf={files}/hf_cut"], "model.hf"),  # a weights file cut short
+    (["model.hf={files}/hf_garbled_config"], "model.hf"),
+    (["model.hf={files}/hf_remote"], "model.hf"),  # auto_map: code of its own
+    (["model.hf={files}/hf_missing_tensor", "parallel.tp=3", "parallel.dp=1", "--nproc", "3"],
+     "parallel.tp"),  # 2 heads
     (["data.document_mask=3"], "data.document_mask"),
     (["data.source={files}/ids.bin", "model.vocab_size=512", "data.document_mask=true"],
      "data.document_mask"),  # a .bin does not say where its documents begin
@@ -475,6 +481,8 @@ def _prepared_corpora(root):
 def _bad_hf_folders(root):
     """Hugging Face folders `plait convert --from hf` must refuse in one line: a weights file
     cut short, a config.json that is not JSON, tensors of another model, one tensor missing."""
+    import shutil
+
     import torch
     from safetensors.torch import save_file
 
@@ -497,6 +505,9 @@ def _bad_hf_folders(root):
         (folder / "config.json").write_text(json.dumps(config))
         save_file({k: torch.zeros(v) for k, v in tensors.items()},
                   str(folder / "model.safetensors"))
+    shutil.copytree(root / "hf_missing_tensor", root / "hf_remote")
+    (root / "hf_remote" / "config.json").write_text(json.dumps(
+        {**config, "auto_map": {"AutoModelForCausalLM": "mine.Model"}}))
     data = (root / "hf_cut" / "model.safetensors").read_bytes()
     (root / "hf_cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
     (root / "hf_garbled_config" / "config.json").write_text("{not json")
@@ -583,6 +594,8 @@ def _may_import_torch(argv: list[str], field: str) -> bool:
             or "checkpoint.resume={files}/ck_tiny" in argv  # DCP's metadata of a checkpoint
             or field == "plan"  # the search found no layout: it priced them
             or field == "train.compile_backend"  # torch.compile's list of backends
+            or argv[3:4] in (["{files}/hf_other_tensors"], ["{files}/hf_missing_tensor"])
+            # the tensors against plait's Llama of the folder's config.json (built on meta)
             or argv[0] == "bench" and not field.startswith("--"))  # a bench's own layouts
 
 
