@@ -78,6 +78,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         raise ConfigError("--nproc", f"a pipeline needs at least 2 stages, got {args.nproc}")
     if args.steps < 1:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
+    check_output_path(args.png, "--png")
     from plait.bench import run_pp
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> None:
     if unknown or not methods:
         raise ConfigError("--methods", f"comma-separated names from {', '.join(COMPRESSIONS)}; "
                           f"got {args.methods!r}")
+    check_output_path(args.png, "--png")
     from plait.bench import run_compression
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)

@@ -352,6 +352,8 @@ OTHER_BAD_INPUT = [
     (["bench", "scaling", "--nproc", "two"], "--nproc"),
     (["bench", "scaling", "--steps", "0"], "--steps"),
     (["bench", "scaling", "--png", "{files}/empty_dir"], "--png"),  # a directory
+    (["bench", "pp", "--png", "/proc/plait-nope/pp.png"], "--png"),  # was a mkdir traceback
+    (["bench", "compression", "--png", "/proc/plait-nope/c.png"], "--png"),
     (["bench", "scaling", "parallel.tp=3"], "parallel"),  # tp 3 at world size 1
     (["bench", "cp", "--cp", "1"], "--cp"),  # cp 1 is the reference, always run
     (["bench", "cp", "--cp", "two"], "--cp"),
