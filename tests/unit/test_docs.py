@@ -56,3 +56,21 @@ def test_every_relative_link_leads_to_a_file():
 
 def test_the_readme_is_an_entry_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 220
+    assert "used to" not in (ROOT / "README.md").read_text()  # history lives in the docs
+
+
+def test_the_readmes_python_runs_as_written(tmp_path):
+    """The README's Python block, copied out as it is, run as a script (a world of one process,
+    as `plait.init` makes without a launcher): it trains, prints its loss and saves."""
+    import os
+    import subprocess
+    import sys
+
+    block = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    (tmp_path / "snippet.py").write_text(block)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.fullmatch(r"loss \d+\.\d{4}\n", proc.stdout), proc.stdout
+    assert (tmp_path / "ckpt").is_dir()
