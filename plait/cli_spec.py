@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from plait.planner.hardware import DEVICES  # plain data: no torch
+
 
 def arg(*flags: str, **options) -> tuple[tuple[str, ...], dict]:
     """One `add_argument` call, as data."""
@@ -208,8 +210,7 @@ PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time
     arg("--gpus", type=int, help="devices in the job (required unless --calibrate)"),
     arg("--gpus-per-node", type=int, default=8),
     arg("--gpu", default="h100",
-        help="a100, h100, h100-pcie, h100-nvl, h200, b200, rtx4090, a10, l4, a6000, l40s, v100, "
-        "t4, or cpu (this machine)"),
+        help=f"{', '.join(DEVICES)}, or cpu (this machine)"),
     arg("--gpu-memory-gb", type=float,
         help="the device's memory in GB, for a device of another size"),
     arg("--gpu-tflops", type=float,
