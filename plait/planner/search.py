@@ -47,7 +47,8 @@ def meshes(cfg: Config, cluster: Cluster, fixed: dict):
                 eps = [fixed["ep"]] if "ep" in fixed else [
                     e for e in _divisors(rest // cp) if args.moe_experts % e == 0]
                 for ep in eps:
-                    if rest % (cp * ep) == 0:
+                    if rest % (cp * ep) == 0 and fixed.get("dp", rest // (cp * ep)) == \
+                            rest // (cp * ep):
                         yield tp, pp, cp, ep, rest // (cp * ep)
 
 
@@ -72,7 +73,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
             "offload": ["none"],  # `rank_plans` searches it where nothing fits without
             "activation_checkpointing": ["none", "selective", "full"],
         }
-        choice.update({k: [v] for k, v in fixed.items()})
+        choice.update({k: [v] for k, v in fixed.items() if k != "dp"})  # dp: the mesh's
         keys = list(choice)
         for values in itertools.product(*(choice[k] for k in keys)):
             d = dict(zip(keys, values, strict=True))

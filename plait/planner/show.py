@@ -20,7 +20,8 @@ PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "para
             "parallel.dp_shard": "dp_shard", "parallel.microbatches": "microbatches",
             "parallel.pp_schedule": "pp_schedule",
             "parallel.sequence_parallel": "sequence_parallel", "parallel.offload": "offload",
-            "train.activation_checkpointing": "activation_checkpointing"}
+            "train.activation_checkpointing": "activation_checkpointing",
+            "parallel.dp": "dp", "parallel.pp_virtual": "pp_virtual"}
 
 
 # A layout's degrees: pinned all, the layout is the user's, priced even when it does not fit.
@@ -35,6 +36,8 @@ def pinned(cfg: Config, overrides: list[str]) -> dict:
         if key in PINNABLE:
             section, name = key.split(".")
             out[PINNABLE[key]] = getattr(getattr(cfg, section), name)
+    if out.get("dp") == 0:  # dp = 0: the rest of the world, as unpinned
+        del out["dp"]
     return out
 
 
@@ -59,8 +62,14 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:
     plans = rank_plans(cfg, cluster, fixed)
     if not plans:
         pins = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none pinned"
+        try:  # the settings as given, unpinned degrees at their defaults: why, where it says
+            validate(cfg, cluster.gpus)
+            why = ""
+        except ConfigError as e:
+            why = f" ({e})"
         raise ConfigError("plan", f"no layout of model '{model}' is valid on {cluster.gpus} GPUs "
-                          f"with these settings ({pins}); change --gpus or the pinned degrees")
+                          f"with these settings ({pins}){why}; change --gpus or the pinned "
+                          "degrees")
     if plans[0].fits or len(plans) == 1:
         return plans
     if DEGREES <= fixed.keys():
@@ -133,8 +142,8 @@ def leanest(cfg: Config, cluster: Cluster, fixed: dict,
         for offload in offloads:
             d = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": 3, "offload": offload,
                  "sequence_parallel": tp > 1, "pp_schedule": "1f1b", "microbatches": pp,
-                 "dp_shard": 0, "activation_checkpointing": "full", **fixed}
-            c = with_degrees(cfg, **d, dp=0)
+                 "dp_shard": 0, "activation_checkpointing": "full", **fixed, "dp": 0}
+            c = with_degrees(cfg, **d)  # dp: the mesh's (a pinned dp chose the meshes)
             try:
                 dims = validate(c, cluster.gpus)
             except ConfigError:

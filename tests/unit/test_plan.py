@@ -79,6 +79,29 @@ def test_pinning_every_degree_prices_that_plan_alone():
     assert len(plans) == 1 and plans[0].degrees == expected
 
 
+def test_a_pinned_dp_is_kept_and_an_invalid_pin_says_why():
+    """parallel.dp was not a pin: `plait plan parallel.dp=2` on 8 GPUs offered dp 4 without a
+    word. A pin no layout satisfies is refused with validate's own reason (it said only "no
+    layout is valid")."""
+    from plait.planner.show import choose, pinned
+
+    cfg = tiny_config("model.n_layers=4", "parallel.dp=2")
+    fixed = pinned(cfg, ["parallel.dp=2"])
+    assert fixed == {"dp": 2}
+    plans = rank_plans(cfg, Cluster(8, 8, TOY), fixed)
+    assert plans and {p.degrees["dp"] for p in plans} == {2}
+    assert pinned(tiny_config("parallel.dp=0"), ["parallel.dp=0"]) == {}  # the rest: unpinned
+    bad = tiny_config("model.n_layers=4", "parallel.dp=3")
+    with pytest.raises(ConfigError, match=r"\(dp=3\) \(parallel: pp=1 \* dp=3 .* must equal the "
+                       r"world size 8"):
+        choose(bad, Cluster(8, 8, TOY), pinned(bad, ["parallel.dp=3"]))
+    deep = tiny_config("model.n_layers=4", "parallel.pp=2", "parallel.pp_schedule='interleaved'",
+                       "parallel.pp_virtual=8")
+    with pytest.raises(ConfigError, match=r"parallel.pp: 16 pipeline chunks need >= 16 layers"):
+        choose(deep, Cluster(8, 8, TOY), pinned(deep, ["parallel.pp=2", "parallel.pp_virtual=8",
+                                                      "parallel.pp_schedule=interleaved"]))
+
+
 def _warned(cfg, gpus, per_node, fixed, text):
     plans = rank_plans(cfg, Cluster(gpus, per_node, TOY), fixed)
     assert plans, fixed
