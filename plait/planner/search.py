@@ -158,11 +158,14 @@ def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster)
         out.append(f"{rows} samples per data-parallel rank for {d['pp']} pipeline stages: fewer "
                    "micro-batches than stages whatever parallel.microbatches says, so most "
                    "stages idle most of the step; raise train.global_batch or use fewer stages")
-    if d["pp"] > 1 and (d["pp"] - 1) / d["microbatches"] > 0.5:
-        out.append(f"pipeline bubble {p.bubble:.0%} of the step: {d['pp']} stages with "
-                   f"{d['microbatches']} micro-batches idle (p-1)/m = "
-                   f"{(d['pp'] - 1) / d['microbatches']:.0%} of the compute; use at least 4 x pp "
-                   "micro-batches or fewer stages")
+    # The schedule's own bubble (interleaving divides 1F1B's (p-1)/m by the virtual stages),
+    # as idle time per unit of compute: b / (1 - b) of a bubble b of the step.
+    idle = p.bubble / (1 - p.bubble) if p.bubble < 1 else float("inf")
+    if d["pp"] > 1 and idle > 0.5:
+        out.append(f"pipeline bubble {p.bubble:.0%} of the step: {d['pp']} stages, "
+                   f"{d['pp_schedule']}, {d['microbatches']} micro-batches idle {idle:.0%} of "
+                   "the compute; use at least 4 x pp micro-batches, an interleaved schedule or "
+                   "fewer stages")
     if d["pp"] == 1 and d["microbatches"] > 1:
         if estimate(with_degrees(cfg, microbatches=1), dims, cluster).fits:
             out.append(f"gradient accumulation ({d['microbatches']} micro-batches) although the "

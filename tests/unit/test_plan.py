@@ -121,6 +121,12 @@ def test_each_anti_pattern_is_flagged():
                                "pp_schedule": "1f1b"}, "pipeline bubble")
     assert not _warned(cfg, 4, 8, {**base, "tp": 1, "pp": 4, "microbatches": 8,
                                    "pp_schedule": "1f1b"}, "pipeline bubble")
+    # Interleaving 2 chunks a stage halves 1F1B's (p-1)/m = 75%: no warning (it used (p-1)/m).
+    eight = tiny_config("model.n_layers=8", "parallel.pp_virtual=2")
+    assert _warned(eight, 4, 8, {**base, "tp": 1, "pp": 4, "microbatches": 4,
+                                 "pp_schedule": "1f1b"}, "pipeline bubble")
+    assert not _warned(eight, 4, 8, {**base, "tp": 1, "pp": 4, "microbatches": 4,
+                                     "pp_schedule": "interleaved"}, "pipeline bubble")
     assert _warned(cfg, 2, 8, {**base, "tp": 1, "pp": 1, "microbatches": 2},
                    "gradient accumulation")
     # Samples are counted per data-parallel rank: 8 sequences on 16 GPUs (tp2 x pp2 x dp4) give
