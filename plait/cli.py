@@ -295,7 +295,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from plait.checks import check_hf_folder
-    from plait.planner.hardware import Cluster, check_options, device, planned_precision
+    from plait.planner.hardware import ENGINES, Cluster, check_options, device, planned_precision
 
     if args.calibrate:
         from plait.bench.calibrate import calibrate_and_print
@@ -312,7 +312,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     cluster = Cluster(args.gpus, args.gpus_per_node,
                       device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus,
-                             args.gpu_memory_gb, args.gpu_tflops))
+                             args.gpu_memory_gb, args.gpu_tflops), ENGINES[args.engine])
     cfg, cluster = planned_precision(cfg, cluster)
     plans = choose(cfg, cluster, pinned(cfg, args.overrides))
     if args.json:

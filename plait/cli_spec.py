@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from plait.planner.hardware import DEVICES  # plain data: no torch
+from plait.planner.hardware import DEVICES, ENGINES  # plain data: no torch
 
 
 def arg(*flags: str, **options) -> tuple[tuple[str, ...], dict]:
@@ -211,6 +211,10 @@ PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time
     arg("--gpus-per-node", type=int, default=8),
     arg("--gpu", default="h100",
         help=f"{', '.join(DEVICES)}, or cpu (this machine)"),
+    arg("--engine", default="plait", choices=list(ENGINES),
+        help="the implementation priced: plait (default: plait as it runs now), megatron-2021 "
+        "(fused kernels, half parameters), torchtitan (eager blocks, FlashAttention-2), "
+        "plait-2026-11-26 (plait's eager step of that day)"),
     arg("--gpu-memory-gb", type=float,
         help="the device's memory in GB, for a device of another size"),
     arg("--gpu-tflops", type=float,

@@ -148,14 +148,28 @@ def _published_tokens_per_s(row: Published, cfg, peak: float, flops_per_token: f
 
 
 def _cluster(row: Published):
-    from plait.planner.gemm import FLASH2_SHARE
-    from plait.planner.hardware import DEVICES, FUSED_PASSES, Cluster, Engine
+    from plait.planner.hardware import DEVICES, ENGINES, Cluster
 
-    if row.engine == "fused":
-        engine = Engine("megatron-2021", FUSED_PASSES, overlap_dp=False, autocast=False)
-    else:  # torchtitan's: torch of 2024-2025, whose SDPA ran FlashAttention-2
-        engine = Engine("torchtitan", attention_kernel=FLASH2_SHARE)
-    return Cluster(row.gpus, 8, DEVICES[row.gpu], engine)
+    return Cluster(row.gpus, 8, DEVICES[row.gpu], ENGINES[engine_of(row)])
+
+
+def engine_of(row: Published) -> str:
+    """The `plait plan --engine` a row is priced as: Megatron-LM's fused kernels, or
+    torchtitan's torch of 2024-2025 (whose SDPA ran FlashAttention-2)."""
+    return "megatron-2021" if row.engine == "fused" else "torchtitan"
+
+
+def plan_command(row: Published) -> list[str]:
+    """The `plait plan` arguments that price a row as `published_row` does (its layout pinned
+    by overrides, its engine, device and cluster)."""
+    from plait.planner.show import PINNABLE
+
+    key = {short: long for long, short in PINNABLE.items()}
+    pins = [f"{key[k]}={v!r}" if isinstance(v, str) else f"{key[k]}={str(v).lower()}"
+            for k, v in row.pins.items()]
+    return ["plan", "--gpus", str(row.gpus), "--gpus-per-node", "8", "--gpu", row.gpu,
+            "--engine", engine_of(row), *row.model, f"train.global_batch={row.batch}",
+            f"train.precision='{row.precision}'", *pins]
 
 
 def published_row(row: Published) -> dict:

@@ -45,6 +45,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from plait.planner.gemm import FLASH2_SHARE  # plain numbers: no torch
+
 GB = 1e9
 
 
@@ -228,6 +230,16 @@ PLAIT = Engine("plait", compiled_passes=COMPILED_PASSES, optimizer_bytes=FUSED_A
                compile_s=COMPILE_S)
 # plait's eager step before fused AdamW (2026-11-26), which the own-step rows measured.
 PLAIT_2026_11_26 = Engine("plait-2026-11-26")
+# The engines a plan can be priced as (`plait plan --engine`), as the published rows ran
+# (plait/bench/published.py names their sources): Megatron-LM of 2021 fused its elementwise
+# kernels and all-reduced gradients after the backward, on half parameters; torchtitan's
+# torch of 2024-2025 ran FlashAttention-2 under eager blocks.
+ENGINES = {
+    "plait": PLAIT,
+    "plait-2026-11-26": PLAIT_2026_11_26,
+    "megatron-2021": Engine("megatron-2021", FUSED_PASSES, overlap_dp=False, autocast=False),
+    "torchtitan": Engine("torchtitan", attention_kernel=FLASH2_SHARE),
+}
 
 
 @dataclass(frozen=True)

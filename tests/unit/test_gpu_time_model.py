@@ -171,6 +171,25 @@ def test_the_issues_criterion_over_megatron_and_torchtitan(published):
     assert len(rows) == 26 and statistics.median(errors) <= 0.10 and max(errors) <= 0.25, errors
 
 
+def test_plait_plan_reproduces_every_published_row_from_the_command_line(published, capsys):
+    """`plait plan --engine E --gpu G --gpus N <model> <pins>` (`published.plan_command`) prices
+    each published run as `bench plan --which published` does: the same throughput, to the
+    last digit (it could not select an engine, so every row was priced as plait's step)."""
+    import json
+
+    from plait import cli
+    from plait.bench.published import PUBLISHED, plan_command
+
+    assert len(published) == len(PUBLISHED)
+    engines = set()
+    for row, want in zip(PUBLISHED, published, strict=True):
+        cli.main([*plan_command(row), "--json", "--top", "1"])
+        got = json.loads(capsys.readouterr().out)[0]
+        assert got["tokens_per_s"] == pytest.approx(want["predicted"], rel=1e-12), row.name
+        engines.add(plan_command(row)[plan_command(row).index("--engine") + 1])
+    assert engines == {"megatron-2021", "torchtitan"}
+
+
 def test_sequence_parallel_gathers_cost_only_autocasts_cast():
     """Sequence parallelism's gathered inputs go from the all-gather to the matmuls: no
     elementwise traffic with bf16 parameters (ZeRO) or in fp32; under autocast over fp32
