@@ -80,6 +80,9 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
          group: dist.ProcessGroup | None = None) -> int:
     """Read a checkpoint made on any layout into this rank's part of the model and optimizer;
     returns the step to continue from (0 for a checkpoint of the model alone)."""
+    # The metadata checked here first, so that a refusal is plait's one line on every torch
+    # (DCP of torch 2.11 swallows its reader's error and asserts "metadata is None").
+    read_metadata(path)
     full = "optim" in read_meta(path)["contents"]
     sd = training_state(par, optimizer, with_optimizer=full)
     if full:  # compression's entries as they were saved (see compression.py)

@@ -92,7 +92,11 @@ def test_the_workers_reader_refuses_crafted_metadata(crafted):
     sd = {"model.w": torch.empty(3, 4)}
     with pytest.raises(CheckpointException) as raised, one_process():  # `checkpoint.load`'s way
         dcp.load(sd, storage_reader=CheckpointReader(str(path)), no_dist=True)
-    assert "names posix.system" in str(raised.value)  # DCP wraps each rank's error
+    # DCP wraps each rank's error; torch 2.11's swallows the reader's (it logs it) and asserts
+    # "metadata is None" (plait's `rank_state.load` reads the metadata itself first).
+    old = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 12)
+    said = str(raised.value)
+    assert "names posix.system" in said or old and "metadata is None" in said, said
     assert not marker.exists()
 
 
