@@ -314,8 +314,8 @@ def prepare(
     the backward (classes, or a parameter count); `precision` "fp32", "bf16" or "fp16" (with
     `loss_scaler`, default dynamic from 2^16: `plait.LossScaler`); `param_dtype` the parameters'
     dtype under it (`train.param_dtype`: "auto", "fp32", or the half one, fp32 masters). The
-    model's own
-    weights are used (every rank starts from rank 0's); move it to `device` first or pass it.
+    model's own weights are used (every rank starts from rank 0's); move it to `device` first or
+    pass it.
     `verify`: keep a copy of the model for `Prepared.verify`. `whole`: the parameters an
     optimizer needs whole (a test of (name, parameter); True: Muon's, the 2-D weights of a plan's
     blocks or of `nn.Linear`s), for `Prepared.optimizer`. `groups(name, parameter)`: each
