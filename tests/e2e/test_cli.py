@@ -218,7 +218,10 @@ def test_a_non_finite_gradient_stops_the_run_at_that_step(tmp_path):
     first = skipped.index(1)  # the first step whose update was dropped
     assert skipped[-1] >= 1 and "steps skipped" in skip.stderr
     stop = plait_here("train", "--metrics", str(stop_metrics), *args)  # the launcher's report
-    assert stop.returncode == 1 and "Traceback" in stop.stderr  # the job ends, with its cause
+    assert stop.returncode == 1 and "plait: the job failed: rank" in stop.stderr  # its cause
+    log = stop.stderr.splitlines()[-1].removeprefix("plait: every rank's traceback: ")
+    assert "Traceback" in open(log).read()  # kept whole in the file the report names
+    os.unlink(log)
     assert f"step {first}: the gradient norm is nan" in stop.stderr
     assert "learning rate" in stop.stderr
     lines = stop_metrics.read_text().splitlines()
