@@ -246,7 +246,10 @@ def report(error: ChildFailedError, kept: str = "") -> str:
     The others mostly fail because the first did (a closed connection, the same refusal)."""
     log = Path(tempfile.gettempdir()) / f"plait-failure-{time.strftime('%Y%m%d-%H%M%S')}-" \
         f"{os.getpid()}.log"
-    log.write_text(error.format_msg() + "\n")
+    try:
+        log.write_text(error.format_msg() + "\n")
+    except OSError as e:  # nowhere to keep them: every traceback here, as torch prints them
+        return f"{error.format_msg()}\nplait: (no log file: {e.strerror or e})"
     first, failure = error.get_first_failure()
     said, where = _said(failure)
     lines = [f"plait: the job failed: rank {first} first{where}:",
