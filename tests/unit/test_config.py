@@ -621,11 +621,14 @@ def test_refusals_import_no_torch_and_say_how_long_they_take(files, capsys):
                 if proc.stdout.splitlines()[-1] == "torch"]
     assert [row for row in imported if not _may_import_torch(*row)] == []
     seconds = sorted(t for t, _ in results)
+    slowest = sorted(zip((t for t, _ in results), rows, strict=True), key=lambda x: -x[0])[:3]
     with capsys.disabled():
         print(f"\n{len(rows)} bad inputs refused, each in a fresh process: median "
               f"{statistics.median(seconds):.2f} s, 90th percentile "
               f"{seconds[int(0.9 * len(seconds))]:.2f} s, slowest {seconds[-1]:.2f} s "
-              f"({len(imported)} import torch: a checkpoint, JSON lines, layouts to price)")
+              f"({len(imported)} import torch: a checkpoint, JSON lines, layouts to price); "
+              "the slowest: " + "; ".join(f"{' '.join(row[0])[:60]} {t:.2f} s"
+                                          for t, row in slowest))
 
 
 def test_context_parallel_refusals_name_the_fix():
