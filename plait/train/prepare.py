@@ -102,6 +102,25 @@ def _readable(rows, path: Path) -> Iterator[tuple[int, dict]]:
         i += 1
 
 
+def _first_json_line(path: Path, field: str) -> None:
+    """A JSON-lines table's first row read with `json` alone: a field it lacks, or a first line
+    that is not JSON, is refused without importing `datasets` (seconds), which reads the rest."""
+    if path.suffix != ".jsonl":
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        line = next((line for line in f if line.strip()), None)
+    if line is None:
+        return
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise ConfigError("SRC", f"{path} does not read as json: its first line is not JSON "
+                          f"({e})") from None
+    if isinstance(row, dict) and field not in row:
+        raise ConfigError("--field", f"{path} has no field '{field}' (it has "
+                          f"{', '.join(row)}); name the text's field with --field")
+
+
 def resolve_tokenizer(spec: str, sources: list[str], field: str) -> TokenizerSpec:
     """`spec` as a TokenizerSpec; `bpe:N` trains one on the sources (tokenizers' BPE trainer)."""
     from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
@@ -250,6 +269,7 @@ def _prepare(sources: list[str], folder: Path, tokenizer: str, field: str, worke
     files = [f for s in sources for f in files_of(Path(s))]
     tables = [f for f in files if f.suffix in TABLES]
     if tables:  # its format and --field, before any worker or progress (later rows as read)
+        _first_json_line(tables[0], field)
         next(_rows(tables[0], field), None)
     tok = resolve_tokenizer(tokenizer, sources, field)
     folder.mkdir(parents=True, exist_ok=True)
