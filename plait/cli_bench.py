@@ -6,6 +6,7 @@ line before any worker starts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from plait.choices import COMPRESSIONS, CP_METHODS
@@ -205,9 +206,16 @@ def cmd_bench_cp(args: argparse.Namespace) -> None:
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError("--steps", f"need >= 1 timed steps after >= 0 warm-up steps, got "
                           f"{args.steps} after {args.warmup}")
+    cfg = load(args)
+    from plait.checks import validate
+
+    for c, m in [(1, "ring")] + [(c, m) for c in degrees for m in methods]:
+        # every variant before any worker, and before the bench imports torch (`bench.cp.with_cp`)
+        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(
+            cfg.parallel, cp=c, cp_method=m, dp=1)), c)
     from plait.bench import run_cp
 
-    run_cp(load(args), degrees, methods, args.steps, args.warmup)
+    run_cp(cfg, degrees, methods, args.steps, args.warmup)
 
 
 def cmd_bench_plan(args: argparse.Namespace) -> None:
