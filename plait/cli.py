@@ -263,8 +263,8 @@ def _kept(cfg: Config) -> str:
     saved = complete_checkpoints(cfg.checkpoint.dir)
     if not saved:
         return f"no complete checkpoint in {cfg.checkpoint.dir}"
-    return (f"the last complete checkpoint: {saved[-1]} (the same command resumes from it; "
-            "checkpoint.resume names another)")
+    return (f"the last complete checkpoint: {saved[-1]} (checkpoint.resume = 'auto', the "
+            "default, resumes from it)")
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
