@@ -308,6 +308,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = load(args)
     if cfg.model.hf:
         check_hf_folder(cfg.model.hf)
+    _check_pinned_mesh(cfg, args.overrides, args.gpus)
     from plait.planner.show import as_json, choose, pinned, print_plans, write_recipe
 
     cluster = Cluster(args.gpus, args.gpus_per_node,
@@ -339,6 +340,19 @@ def cmd_report(args: argparse.Namespace) -> None:
         print(f"note: left out {note}")
     for path in written:
         print(path)
+
+
+def _check_pinned_mesh(cfg: Config, overrides: list[str], gpus: int) -> None:
+    """The mesh degrees the overrides pin multiply to a divisor of --gpus, or no layout can be
+    valid: said before the search (which imports torch and prices layouts to find none)."""
+    given = {item.split("=", 1)[0].strip() for item in overrides}
+    pins = {a: getattr(cfg.parallel, a) for a in AXES if f"parallel.{a}" in given
+            and getattr(cfg.parallel, a) > 0}
+    product = math.prod(pins.values())
+    if gpus % product:
+        said = " * ".join(f"{a}={v}" for a, v in pins.items())
+        raise ConfigError("plan", f"the pinned degrees {said} = {product} do not divide "
+                          f"--gpus={gpus}; change --gpus or the pinned degrees")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

@@ -168,10 +168,17 @@ def cmd_bench_scaling(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     check_output_path(args.png, "--png")
+    cfg = load(args)
+    from plait.checks import validate
+
+    for n in sizes:  # every world size before the bench imports torch (`bench.scaling.at_world`)
+        batch = cfg.train.global_batch * n // sizes[0] if args.weak else cfg.train.global_batch
+        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=0),
+                                     train=dataclasses.replace(cfg.train, global_batch=batch)), n)
     from plait.bench import run_scaling
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-    run_scaling(sizes, load(args), args.steps, args.weak, args.png)
+    run_scaling(sizes, cfg, args.steps, args.weak, args.png)
 
 
 def cmd_bench_moe(args: argparse.Namespace) -> None:
