@@ -294,7 +294,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from plait.checks import check_hf_folder
+    from plait.checks_hf import check_hf_folder
     from plait.planner.hardware import ENGINES, Cluster, check_options, device, planned_precision
 
     if args.calibrate:
@@ -387,7 +387,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
-    from plait.checks import check_safetensors
+    from plait.checks_hf import check_safetensors
 
     try:
         raw = json.loads((hf / "config.json").read_text())

@@ -1,0 +1,164 @@
+"""The checks of a Hugging Face model folder (`model.hf`, `plait convert --from hf`), before any
+worker: what its files say without torch (config.json, safetensors headers), then what needs
+transformers' reading of it, and the degrees against its family's plan (`HF_PLANS`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from plait.config import Config, ConfigError
+from plait.mesh import ParallelDims
+from plait.model.plan import tp_misfit
+
+
+def check_hf(cfg: Config, dims: ParallelDims) -> None:
+    """A Hugging Face folder: readable, its family's plan has what the degrees need, and nothing
+    the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
+    sequence). What config.json says alone is checked first, without torch (a refusal in a
+    fraction of a second); then what needs transformers' reading of it."""
+    from plait.model.hf_config import HF_PLANS, architecture
+
+    raw = read_hf_folder(cfg.model.hf)
+    arch = architecture(raw)
+    fields = {"num_key_value_heads": raw.get("num_attention_heads"), **raw}
+    early = arch in HF_PLANS and all(type(fields.get(k)) is int  # as written, whole numbers
+                                     for k in HF_PLANS[arch].tp_divides)
+    if early:
+        _check_planned(dims, arch, SimpleNamespace(**fields))
+    config = transformers_config(Path(cfg.model.hf), raw)
+    if not early:
+        arch = arch or config.model_type
+        _check_planned(dims, arch, config)
+    plan = HF_PLANS.get(arch)
+    if plan is None and cfg.data.document_mask:
+        raise ConfigError("data.document_mask", f"{arch} has no plait plan (planned: "
+                          f"{', '.join(HF_PLANS)}), and its attention takes no document mask "
+                          "from plait; set it to false")
+    if plan is None and cfg.train.activation_checkpointing != "none":
+        raise ConfigError("train.activation_checkpointing", f"{arch} has no plait plan naming "
+                          "its blocks; set it to 'none'")
+    # Pipeline stages put the embedding and the head apart (tp splits both by vocabulary rows
+    # alike and keeps them one; ZeRO-3 makes them one unit).
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied and dims.pp > 1:
+        raise ConfigError("parallel.pp", "the model ties its input embedding and output head "
+                          "(tie_word_embeddings), which pipeline stages would hold apart; set "
+                          "pp = 1, or use a model with tie_word_embeddings = false")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < cfg.data.seq_len:
+        raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding "
+                          f"window ({window}), which plait does not apply; use seq_len <= "
+                          f"{window}")
+
+
+def _check_planned(dims: ParallelDims, arch: str, fields: object) -> None:
+    """The degrees against the family's plan (`HF_PLANS`): an axis that needs a plan, tp
+    dividing what it splits (read from `fields`), ep needing experts."""
+    from plait.model.hf_config import HF_PLANS
+
+    plan = HF_PLANS.get(arch)
+    for axis in ("tp", "pp", "cp", "ep"):
+        if getattr(dims, axis) > 1 and plan is None:
+            raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
+                              f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
+                              f"{axis} = 1")
+    misfit = plan and tp_misfit(plan, fields, dims.tp)
+    if misfit:
+        raise ConfigError("parallel.tp", misfit)
+    if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
+        raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
+
+
+def check_hf_folder(where: str) -> tuple[dict, object]:
+    """A `model.hf` folder that transformers' save_pretrained wrote for a causal LM: its
+    config.json as JSON and as transformers reads it."""
+    raw = read_hf_folder(where)
+    return raw, transformers_config(Path(where), raw)
+
+
+def read_hf_folder(where: str) -> dict:
+    """What a `model.hf` folder's files say without torch or transformers: a config.json that
+    is a JSON object asking for no code of its own and giving the model's shape, and whole
+    safetensors files."""
+    folder = Path(where)
+    if not (folder / "config.json").is_file():
+        raise ConfigError("model.hf", f"{folder} has no config.json; give a folder that "
+                          "transformers' save_pretrained wrote")
+    from plait.model.hf_config import hf_args, read_config
+
+    try:
+        raw = read_config(folder)
+    except ValueError as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("model.hf", f"{folder}/config.json holds no JSON object")
+    if raw.get("auto_map"):
+        raise ConfigError("model.hf", f"{folder}/config.json asks for the folder's own code "
+                          "(auto_map), which plait does not run; give a model transformers "
+                          "implements")
+    check_safetensors(folder)
+    try:
+        hf_args(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
+    return raw
+
+
+def transformers_config(folder: Path, raw: dict) -> object:
+    """The folder's config as transformers reads it, for a causal language model it knows."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ConfigError("model.hf", "needs the transformers package: pip install "
+                          "transformers") from None
+    _check_causal_lm(folder, raw)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
+
+
+def check_safetensors(folder: Path, key: str = "model.hf") -> None:
+    """Each weights file's header reads and covers the file (safetensors checks both on open):
+    a truncated or corrupted one crashed the workers (`model.hf`) or `plait convert --from hf`
+    (`key`, the argument that named the folder)."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, "numpy"):  # the same header check, without importing torch
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(key, f"{path} is not a whole safetensors file ({e}); copy it "
+                              "again") from None
+
+
+def _check_causal_lm(folder: Path, raw: dict) -> None:
+    """A causal language model that transformers knows, with no code of its own to run: an
+    encoder (BERT's masked LM) would train with a fresh head and no causal mask, silently."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    from plait.model.hf_config import architecture
+
+    where = f"{folder}/config.json"
+    kind = raw.get("model_type")
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError("model.hf", f"{where}: model_type {kind!r} is not a causal language "
+                          "model transformers knows (AutoModelForCausalLM); give a decoder such "
+                          "as Llama, Qwen, Mistral, Mixtral or GPT-2")
+    arch = architecture(raw)
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    encoder = kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not raw.get("is_decoder")
+    if arch and arch not in causal and arch.endswith("ForCausalLM"):
+        raise ConfigError("model.hf", f"{where}: architectures names {arch}, a class this "
+                          f"transformers does not have (model_type {kind!r} builds "
+                          f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind]}); give that class, or a "
+                          "transformers version that has it")
+    if (arch and arch not in causal) or encoder:
+        raise ConfigError("model.hf", f"{where}: {arch or kind} is an encoder or another head, "
+                          "not a causal language model (it would train without a causal mask); "
+                          "give a decoder such as Llama, Qwen, Mistral, Mixtral or GPT-2")
