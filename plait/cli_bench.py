@@ -6,12 +6,11 @@ line before any worker starts."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from plait.choices import COMPRESSIONS, CP_METHODS
 from plait.cli_common import check_output_path, load, recipe_path
-from plait.config import ConfigError, load_config
+from plait.config import ConfigError, at_world, cp_variants, load_config, with_cp
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> None:
@@ -171,10 +170,8 @@ def cmd_bench_scaling(args: argparse.Namespace) -> None:
     cfg = load(args)
     from plait.checks import validate
 
-    for n in sizes:  # every world size before the bench imports torch (`bench.scaling.at_world`)
-        batch = cfg.train.global_batch * n // sizes[0] if args.weak else cfg.train.global_batch
-        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=0),
-                                     train=dataclasses.replace(cfg.train, global_batch=batch)), n)
+    for n in sizes:  # every world size before any worker, and before the bench imports torch
+        validate(at_world(cfg, n, sizes[0], args.weak), n)
     from plait.bench import run_scaling
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
@@ -216,10 +213,8 @@ def cmd_bench_cp(args: argparse.Namespace) -> None:
     cfg = load(args)
     from plait.checks import validate
 
-    for c, m in [(1, "ring")] + [(c, m) for c in degrees for m in methods]:
-        # every variant before any worker, and before the bench imports torch (`bench.cp.with_cp`)
-        validate(dataclasses.replace(cfg, parallel=dataclasses.replace(
-            cfg.parallel, cp=c, cp_method=m, dp=1)), c)
+    for c, m in cp_variants(degrees, methods):  # before any worker, and before torch's import
+        validate(with_cp(cfg, c, m), c)
     from plait.bench import run_cp
 
     run_cp(cfg, degrees, methods, args.steps, args.warmup)

@@ -191,6 +191,25 @@ def microbatches(par: ParallelConfig, dims: ParallelDims) -> int:
     return par.microbatches or dims.pp
 
 
+def at_world(cfg: Config, n: int, first: int, weak: bool) -> Config:
+    """The recipe at n ranks (`bench scaling`): dp takes what the other degrees leave; under
+    weak scaling the global batch grows with n from the first size's."""
+    batch = cfg.train.global_batch * n // first if weak else cfg.train.global_batch
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=0),
+                               train=dataclasses.replace(cfg.train, global_batch=batch))
+
+
+def with_cp(cfg: Config, cp: int, method: str) -> Config:
+    """The recipe over cp ranks by `method`, one sequence per step (`bench cp`)."""
+    par = dataclasses.replace(cfg.parallel, cp=cp, cp_method=method, dp=1)
+    return dataclasses.replace(cfg, parallel=par)
+
+
+def cp_variants(degrees: list[int], methods: list[str]) -> list[tuple[int, str]]:
+    """`bench cp`'s runs: one rank (the reference), then each degree > 1 by each method."""
+    return [(1, "ring")] + [(c, m) for c in degrees if c > 1 for m in methods]
+
+
 def clip_warmup(cfg: Config) -> tuple[Config, str | None]:
     """A run shorter than its warm-up gets the warm-up clipped to the run, and a note saying so."""
     train = cfg.train

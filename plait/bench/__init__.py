@@ -19,7 +19,7 @@ from plait.bench.pp import (
 )
 from plait.bench.step import with_free_dp
 from plait.checks import validate
-from plait.config import Config, ConfigError
+from plait.config import Config, ConfigError, at_world, cp_variants, with_cp
 from plait.launch import launch
 from plait.train.progress import each
 from plait.train.report import draw_timelines
@@ -142,11 +142,10 @@ def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str)
     """The recipe at each world size (bench/scaling.py); a table and the speedup picture."""
     import os
 
-    from plait.bench.scaling import at_world, bench_scaling, draw_speedup, scaling_rows
+    from plait.bench.scaling import bench_scaling, draw_speedup, scaling_rows
 
+    # every world size was checked by the command before it imported this package (torch)
     configs = {n: at_world(cfg, n, sizes[0], weak) for n in sizes}
-    for n, c in configs.items():
-        validate(c, n)  # every world size is checked before any worker starts
     cores = os.cpu_count() or 1
     if sizes[-1] > cores:
         Console(stderr=True).print(
@@ -275,12 +274,11 @@ def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int
 def run_cp(cfg: Config, degrees: list[int], methods: list[str], steps: int,
            warmup: int) -> list[dict]:
     """One long sequence per step on one rank, then over C ranks by each method: bench/cp.py."""
-    from plait.bench.cp import bench_cp, with_cp
+    from plait.bench.cp import bench_cp
 
-    variants = [(1, "ring")] + [(c, m) for c in degrees if c > 1 for m in methods]
+    # every variant was checked by the command before it imported this package (torch)
+    variants = cp_variants(degrees, methods)
     configs = {v: with_cp(cfg, *v) for v in variants}
-    for (c, _), vcfg in configs.items():
-        validate(vcfg, c)  # every variant is checked before any worker starts
     rows = []
     for c, m in each(variants, "bench cp: cp, method"):
         rows.append({"cp": c, "method": m if c > 1 else "-",

@@ -10,7 +10,6 @@ on CUDA only: on a CPU there is no peer to run against, so the reference is the 
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -24,11 +23,6 @@ from plait.config import Config
 from plait.predict.activations import activation_bytes
 from plait.predict.cost import chunk_layouts
 from plait.train.trainer import Trainer
-
-
-def with_cp(cfg: Config, cp: int, method: str) -> Config:
-    par = dataclasses.replace(cfg.parallel, cp=cp, cp_method=method, dp=1)
-    return dataclasses.replace(cfg, parallel=par)
 
 
 @record

@@ -16,7 +16,6 @@ same batches in turns with plait, so both scale on the same machine state.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -28,14 +27,6 @@ from plait.comm import LEDGER
 from plait.config import Config, microbatches
 from plait.model import build_model
 from plait.train.data import TokenData
-
-
-def at_world(cfg: Config, n: int, first: int, weak: bool) -> Config:
-    """The recipe at n ranks: dp takes what the other degrees leave; under weak scaling the
-    global batch grows with n."""
-    batch = cfg.train.global_batch * n // first if weak else cfg.train.global_batch
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=0),
-                               train=dataclasses.replace(cfg.train, global_batch=batch))
 
 
 def has_torch_peer(cfg: Config) -> bool:
