@@ -33,19 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.choices import held_precision
 from plait.comm import all_reduce, broadcast
-from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups
-from plait.comm.compression import build_compression
 from plait.comm.trace import TRACER
 from plait.config import ParallelConfig
-from plait.mesh import (
-    AXES,
-    Axis,
-    ParallelDims,
-    batch_axis,
-    dp_per_node,
-    hsdp_groups,
-    ranks_per_node,
-)
+from plait.mesh import AXES, Axis, batch_axis
 from plait.model.documents import Documents
 from plait.model.materialize import Filler, Source, is_meta, materialize
 from plait.model.plan import has_plan, plan_of
@@ -53,7 +43,9 @@ from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.data_parallel import BucketedDataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.dropout import seed_ranks
-from plait.parallel.expert_parallel import apply_ep, expert_overrides, has_experts, moe_layers
+from plait.parallel.engines import build_data_parallel
+from plait.parallel.expert_parallel import apply_ep, has_experts, moe_layers
+from plait.parallel.grads import by_device_and_dtype, scale_grads_
 from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.parallel.muon_routes import muon_matrices
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
@@ -217,7 +209,7 @@ class Parallelized:
         total = torch.zeros(1, dtype=torch.float64, device=_device(self.module))
         counted = [piece.detach() for name, piece in self.engine.grad_pieces()
                    if self.record.counts_once(name, over)]
-        for pieces in _by_device_and_dtype(counted):
+        for pieces in by_device_and_dtype(counted):
             # Each piece's norm accumulated in fp32 (as torch's clip_grad_norm_), their squares
             # summed in fp64; reading each gradient once (a fp64 copy of every gradient, squared,
             # was ~30 GB of memory traffic a step at 1.5B parameters).
@@ -226,25 +218,6 @@ class Parallelized:
         for axis in axes:
             all_reduce(total, axis.group)
         return total[0]
-
-
-@torch.no_grad()
-def scale_grads_(params, factor: float) -> None:
-    """Multiply every gradient by `factor`: the loss scale's inverse times the clipping
-    coefficient. Clipping's coefficient is torch.nn.utils.clip_grad_norm_'s, max_norm / (norm +
-    1e-6) capped at 1, from the global norm the caller supplies: only the parallel layout knows
-    which gradients are shards to sum over ranks and which are replicas to count once."""
-    for group in _by_device_and_dtype([p.grad for p in params if p.grad is not None]):
-        torch._foreach_mul_(group, factor)
-
-
-def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`tensors` in groups of one device and dtype: what one multi-tensor (`_foreach_*`) kernel
-    takes."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
 
 
 def _device(module: torch.nn.Module) -> torch.device:
@@ -409,50 +382,6 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
     record.replicate_all("cp", partial_grad=True)  # other tokens of the same rows
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record
-
-
-def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
-                        held: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
-                        wrap: WrapPolicy | None = None, fill: Filler | None = None,
-                        matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
-    """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
-    hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
-    experts over dp, reducing gradients with the `parallel.compression` method. With a `held`
-    dtype (half) the parameters are held in it, with fp32 masters; ZeRO reduces gradients in it
-    where `parallel.reduce_dtype` names it, DDP in fp32."""
-    dp = axes["batch"]
-    overrides = {n: axes["dp"] for n in expert_overrides(record)}
-    compression = build_compression(cfg.compression, cfg.compression_ratio,
-                                    cfg.compression_rank, cfg.compression_start)
-    classes = {"matrices": matrices, "groups": record.groups}
-    if cfg.zero == 0:
-        nodes = None
-        if cfg.allreduce == "hierarchical":  # dp's ranks on each node, and across the nodes
-            dims = ParallelDims(**{a: mesh[a].size() for a in AXES})
-            node = dp_per_node(dims, ranks_per_node(cfg.ranks_per_node, dims.world_size))
-            local, across = hsdp_groups(dataclasses.replace(dims, dp_shard=node))
-            nodes = NodeGroups(local.group, across.group)
-        return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
-                            algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
-                            overrides={n: a.group for n, a in overrides.items()}, nodes=nodes,
-                            param_dtype=held, **classes)
-    shard, replicate = dp, None
-    if cfg.dp_shard and cfg.dp_shard < dp.size:
-        dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
-        shard, replicate = hsdp_groups(dims)
-    precision = {
-        "param_dtype": held,
-        "reduce_dtype": HALF[cfg.reduce_dtype] if cfg.reduce_dtype != "fp32" else torch.float32,
-    }
-    if cfg.zero == 3:
-        return Zero3DataParallel(chunks, shard, **precision, offload=cfg.offload,
-                                        replicate=replicate,
-                                        reshard_after_forward=cfg.reshard_after_forward,
-                                        compression=compression, overrides=overrides,
-                                        wrap=wrap, fill=fill, **classes)
-    return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
-                            offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
-                            compression=compression, overrides=overrides, **classes)
 
 
 __all__ = [

@@ -1,0 +1,74 @@
+"""The data-parallel engine `parallel.zero` names (DDP | ZeRO-1/2 | ZeRO-3), built over this
+stage's chunks: the last step of `parallelize`'s straight line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups
+from plait.comm.compression import build_compression
+from plait.config import ParallelConfig
+from plait.mesh import (
+    AXES,
+    Axis,
+    ParallelDims,
+    dp_per_node,
+    hsdp_groups,
+    ranks_per_node,
+)
+from plait.model.materialize import Filler
+from plait.parallel.data_parallel import BucketedDataParallel, SyncedReplicas
+from plait.parallel.expert_parallel import expert_overrides
+from plait.parallel.loss_scaling import HALF
+from plait.parallel.pipeline import StageModules
+from plait.parallel.placement import PlacementRecord
+from plait.parallel.wrap import WrapPolicy
+from plait.parallel.zero import ZeroDataParallel
+from plait.parallel.zero3 import Zero3DataParallel
+
+
+def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
+                        held: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
+                        wrap: WrapPolicy | None = None, fill: Filler | None = None,
+                        matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
+    """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
+    hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
+    experts over dp, reducing gradients with the `parallel.compression` method. With a `held`
+    dtype (half) the parameters are held in it, with fp32 masters; ZeRO reduces gradients in it
+    where `parallel.reduce_dtype` names it, DDP in fp32."""
+    dp = axes["batch"]
+    overrides = {n: axes["dp"] for n in expert_overrides(record)}
+    compression = build_compression(cfg.compression, cfg.compression_ratio,
+                                    cfg.compression_rank, cfg.compression_start)
+    classes = {"matrices": matrices, "groups": record.groups}
+    if cfg.zero == 0:
+        nodes = None
+        if cfg.allreduce == "hierarchical":  # dp's ranks on each node, and across the nodes
+            dims = ParallelDims(**{a: mesh[a].size() for a in AXES})
+            node = dp_per_node(dims, ranks_per_node(cfg.ranks_per_node, dims.world_size))
+            local, across = hsdp_groups(dataclasses.replace(dims, dp_shard=node))
+            nodes = NodeGroups(local.group, across.group)
+        return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
+                            algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
+                            overrides={n: a.group for n, a in overrides.items()}, nodes=nodes,
+                            param_dtype=held, **classes)
+    shard, replicate = dp, None
+    if cfg.dp_shard and cfg.dp_shard < dp.size:
+        dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
+        shard, replicate = hsdp_groups(dims)
+    precision = {
+        "param_dtype": held,
+        "reduce_dtype": HALF[cfg.reduce_dtype] if cfg.reduce_dtype != "fp32" else torch.float32,
+    }
+    if cfg.zero == 3:
+        return Zero3DataParallel(chunks, shard, **precision, offload=cfg.offload,
+                                        replicate=replicate,
+                                        reshard_after_forward=cfg.reshard_after_forward,
+                                        compression=compression, overrides=overrides,
+                                        wrap=wrap, fill=fill, **classes)
+    return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
+                            offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
+                            compression=compression, overrides=overrides, **classes)
