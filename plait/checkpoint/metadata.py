@@ -27,6 +27,7 @@ refused in one line naming it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -168,30 +169,36 @@ def check_tensor_files(checkpoint: str | Path, metadata: Metadata) -> None:
     pickles are read (`map_location="meta"`: no tensor data), so the launcher checks a
     checkpoint of any size in well under a second a GB; a file whose bytes are not tensors is
     refused here in one line, not in the workers after launch."""
-    folder, sizes = Path(checkpoint), {}
-    for index, info in metadata.storage_data.items():
-        name = info.relative_path
-        if name not in sizes:
-            sizes[name] = os.stat(folder / name).st_size
-        where = f"{folder / name} (bytes {info.offset}-{info.offset + info.length})"
-        if info.offset + info.length > sizes[name]:
-            raise UnsafeCheckpoint(f"{where}: past the end of the file ({sizes[name]} bytes)")
-        entry = metadata.state_dict_metadata.get(getattr(index, "fqn", None))
-        if entry is None:
-            raise UnsafeCheckpoint(f"{where}: stored for no entry of the metadata")
-        with open(folder / name, "rb") as f:
-            try:  # the view DCP's reader loads each item through
-                tensor = torch.load(_create_file_view(f, info.offset, info.length),
-                                    map_location="meta", weights_only=True)
-            except Exception as e:  # not a zip, a pickle weights_only refuses, truncated
-                raise UnsafeCheckpoint(f"{where} is not a tensor torch.load(weights_only=True) "
-                                       f"reads ({type(e).__name__}: "
-                                       f"{str(e).splitlines()[0][:120]})") from None
-        chunk = [c.sizes for c in entry.chunks if c.offsets == getattr(index, "offset", None)]
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype != entry.properties.dtype or \
-                (chunk and tensor.shape != chunk[0]):
-            raise UnsafeCheckpoint(f"{where}: not the {entry.properties.dtype} tensor of "
-                                   f"{index.fqn!r}'s chunk that the metadata names")
+    folder = Path(checkpoint)
+    with contextlib.ExitStack() as stack:
+        files: dict[str, io.BufferedReader] = {}  # each opened once: many items share a file
+        for index, info in metadata.storage_data.items():
+            name = info.relative_path
+            if name not in files:
+                files[name] = stack.enter_context(open(folder / name, "rb"))
+            f, size = files[name], os.fstat(files[name].fileno()).st_size
+            where = f"{folder / name} (bytes {info.offset}-{info.offset + info.length})"
+            if info.offset + info.length > size:
+                raise UnsafeCheckpoint(f"{where}: past the end of the file ({size} bytes)")
+            entry = metadata.state_dict_metadata.get(getattr(index, "fqn", None))
+            if entry is None:
+                raise UnsafeCheckpoint(f"{where}: stored for no entry of the metadata")
+            _check_item(f, info, entry, index, where)
+
+
+def _check_item(f, info, entry: TensorStorageMetadata, index, where: str) -> None:
+    """One storage item: read through the view DCP's reader loads it through, on `meta`."""
+    try:
+        tensor = torch.load(_create_file_view(f, info.offset, info.length),
+                            map_location="meta", weights_only=True)
+    except Exception as e:  # not a zip, a pickle weights_only refuses, truncated
+        raise UnsafeCheckpoint(f"{where} is not a tensor torch.load(weights_only=True) reads "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    chunk = [c.sizes for c in entry.chunks if c.offsets == getattr(index, "offset", None)]
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != entry.properties.dtype or \
+            (chunk and tensor.shape != chunk[0]):
+        raise UnsafeCheckpoint(f"{where}: not the {entry.properties.dtype} tensor of "
+                               f"{index.fqn!r}'s chunk that the metadata names")
 
 
 def check_checkpoint(checkpoint: str | Path) -> dict:
