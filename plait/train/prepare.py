@@ -77,8 +77,7 @@ def _rows(path: Path, field: str) -> Iterator[str]:
                                  streaming=True)
     for i, row in _readable(rows, path):
         if field not in row:
-            raise ConfigError("--field", f"{path} has no field '{field}' (it has "
-                              f"{', '.join(row)}); name the text's field with --field")
+            raise _no_field(path, field, row)
         if not isinstance(row[field], str):
             raise ConfigError("--field", f"row {i} of {path}: '{field}' is "
                               f"{type(row[field]).__name__}, not text")
@@ -117,8 +116,12 @@ def _first_json_line(path: Path, field: str) -> None:
         raise ConfigError("SRC", f"{path} does not read as json: its first line is not JSON "
                           f"({e})") from None
     if isinstance(row, dict) and field not in row:
-        raise ConfigError("--field", f"{path} has no field '{field}' (it has "
-                          f"{', '.join(row)}); name the text's field with --field")
+        raise _no_field(path, field, row)
+
+
+def _no_field(path: Path, field: str, row: dict) -> ConfigError:
+    return ConfigError("--field", f"{path} has no field '{field}' (it has {', '.join(row)}); "
+                       "name the text's field with --field")
 
 
 def resolve_tokenizer(spec: str, sources: list[str], field: str) -> TokenizerSpec:
