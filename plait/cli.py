@@ -296,6 +296,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from plait.checks_hf import check_hf_folder
     from plait.planner.hardware import ENGINES, Cluster, check_options, device, planned_precision
+    from plait.planner.pins import check_mesh_pins, pinned
 
     if args.calibrate:
         from plait.bench.calibrate import calibrate_and_print
@@ -308,14 +309,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
     cfg = load(args)
     if cfg.model.hf:
         check_hf_folder(cfg.model.hf)
-    _check_pinned_mesh(cfg, args.overrides, args.gpus)
-    from plait.planner.show import as_json, choose, pinned, print_plans, write_recipe
+    fixed = pinned(cfg, args.overrides)
+    check_mesh_pins(fixed, args.gpus)
+    from plait.planner.show import as_json, choose, print_plans, write_recipe
 
     cluster = Cluster(args.gpus, args.gpus_per_node,
                       device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus,
                              args.gpu_memory_gb, args.gpu_tflops), ENGINES[args.engine])
     cfg, cluster = planned_precision(cfg, cluster)
-    plans = choose(cfg, cluster, pinned(cfg, args.overrides))
+    plans = choose(cfg, cluster, fixed)
     if args.json:
         print(as_json(plans, args.top))
     else:
@@ -340,19 +342,6 @@ def cmd_report(args: argparse.Namespace) -> None:
         print(f"note: left out {note}")
     for path in written:
         print(path)
-
-
-def _check_pinned_mesh(cfg: Config, overrides: list[str], gpus: int) -> None:
-    """The mesh degrees the overrides pin multiply to a divisor of --gpus, or no layout can be
-    valid: said before the search (which imports torch and prices layouts to find none)."""
-    given = {item.split("=", 1)[0].strip() for item in overrides}
-    pins = {a: getattr(cfg.parallel, a) for a in AXES if f"parallel.{a}" in given
-            and getattr(cfg.parallel, a) > 0}
-    product = math.prod(pins.values())
-    if gpus % product:
-        said = " * ".join(f"{a}={v}" for a, v in pins.items())
-        raise ConfigError("plan", f"the pinned degrees {said} = {product} do not divide "
-                          f"--gpus={gpus}; change --gpus or the pinned degrees")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

@@ -162,7 +162,7 @@ def engine_of(row: Published) -> str:
 def plan_command(row: Published) -> list[str]:
     """The `plait plan` arguments that price a row as `published_row` does (its layout pinned
     by overrides, its engine, device and cluster)."""
-    from plait.planner.show import PINNABLE
+    from plait.planner.pins import PINNABLE
 
     key = {short: long for long, short in PINNABLE.items()}
     pins = [f"{key[k]}={v!r}" if isinstance(v, str) else f"{key[k]}={str(v).lower()}"

@@ -15,30 +15,8 @@ from plait.planner.hardware import Cluster
 from plait.planner.price import HEADROOM, PricedLayout, estimate, with_degrees
 from plait.planner.search import meshes, rank_plans, reasons
 
-PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",
-            "parallel.cp_method": "cp_method", "parallel.zero": "zero",
-            "parallel.dp_shard": "dp_shard", "parallel.microbatches": "microbatches",
-            "parallel.pp_schedule": "pp_schedule",
-            "parallel.sequence_parallel": "sequence_parallel", "parallel.offload": "offload",
-            "train.activation_checkpointing": "activation_checkpointing",
-            "parallel.dp": "dp", "parallel.pp_virtual": "pp_virtual"}
-
-
 # A layout's degrees: pinned all, the layout is the user's, priced even when it does not fit.
 DEGREES = {"tp", "pp", "cp", "ep", "zero"}
-
-
-def pinned(cfg: Config, overrides: list[str]) -> dict:
-    """The degrees the user's overrides fix (the others are searched)."""
-    out = {}
-    for item in overrides:
-        key = item.split("=", 1)[0].strip()
-        if key in PINNABLE:
-            section, name = key.split(".")
-            out[PINNABLE[key]] = getattr(getattr(cfg, section), name)
-    if out.get("dp") == 0:  # dp = 0: the rest of the world, as unpinned
-        del out["dp"]
-    return out
 
 
 def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:

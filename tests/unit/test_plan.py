@@ -83,7 +83,8 @@ def test_a_pinned_dp_is_kept_and_an_invalid_pin_says_why():
     """parallel.dp was not a pin: `plait plan parallel.dp=2` on 8 GPUs offered dp 4 without a
     word. A pin no layout satisfies is refused with validate's own reason (it said only "no
     layout is valid")."""
-    from plait.planner.show import choose, pinned
+    from plait.planner.pins import pinned
+    from plait.planner.show import choose
 
     cfg = tiny_config("model.n_layers=4", "parallel.dp=2")
     fixed = pinned(cfg, ["parallel.dp=2"])
