@@ -119,19 +119,21 @@ def transformers_config(folder: Path, raw: dict) -> object:
         raise ConfigError("model.hf", f"{folder}/config.json: {e}".splitlines()[0]) from None
 
 
-def check_safetensors(folder: Path, key: str = "model.hf") -> None:
+def check_safetensors(folder: Path, key: str = "model.hf") -> set[str]:
     """Each weights file's header reads and covers the file (safetensors checks both on open):
     a truncated or corrupted one crashed the workers (`model.hf`) or `plait convert --from hf`
-    (`key`, the argument that named the folder)."""
+    (`key`, the argument that named the folder). Returns the names of the folder's tensors."""
     from safetensors import SafetensorError, safe_open
 
+    names = set()
     for path in sorted(folder.glob("*.safetensors")):
         try:
-            with safe_open(path, "numpy"):  # the same header check, without importing torch
-                pass
+            with safe_open(path, "numpy") as file:  # the header check, without importing torch
+                names.update(file.keys())
         except (SafetensorError, OSError) as e:
             raise ConfigError(key, f"{path} is not a whole safetensors file ({e}); copy it "
                               "again") from None
+    return names
 
 
 def _check_causal_lm(folder: Path, raw: dict) -> None:

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 import os
 import re
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from plait.choices import HALF_PRECISIONS, MUON_ADJUST_LR, OPTIMIZERS, PARAM_DTYPES
+from plait.choices import (
+    COMPILE_BACKEND_ENTRY_POINTS,
+    COMPILE_BACKENDS,
+    HALF_PRECISIONS,
+    MUON_ADJUST_LR,
+    OPTIMIZERS,
+    PARAM_DTYPES,
+)
 from plait.config import Config, ConfigError, DataConfig, TrainConfig, model_section
 from plait.mesh import ParallelDims
 from plait.model.args import ModelArgs
@@ -183,25 +191,31 @@ def check_checkpoint(cfg: Config) -> None:
         raise ConfigError("checkpoint.resume", f"no complete checkpoint at {ck.resume}; give a "
                           "checkpoint folder (with COMPLETE) or a folder of them, 'auto' or "
                           "'never'")
-    if source is not None:
-        # Imported here: torch.distributed.checkpoint takes seconds to import, which every
-        # refusal and every command that validates a configuration would pay otherwise.
-        from plait.checkpoint import BadMeta
-        from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
+    if source is None:
+        return
+    from plait.checkpoint import BadMeta, read_meta
 
-        try:
-            saved = check_checkpoint(source)
-        except (UnsafeCheckpoint, BadMeta) as e:
-            raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, "
-                              "or set checkpoint.resume='never'") from None
-        held = model_section(saved)
-        ours = _weights_signature(cfg.model.args())
-        differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
-        if differ:
-            key, value = next(iter(differ.items()))
-            raise ConfigError("checkpoint.resume", f"{source} holds a model with {key}={value}, "
-                              f"this run's has {key}={ours[key]}; resume with the same model "
-                              "settings, or set checkpoint.resume='never'")
+    try:  # plait.json first, read without torch: a checkpoint of another model is refused fast
+        held = model_section(dict(read_meta(source, model=True)["config"]["model"]))
+    except BadMeta as e:
+        raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, or set "
+                          "checkpoint.resume='never'") from None
+    ours = _weights_signature(cfg.model.args())
+    differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
+    if differ:
+        key, value = next(iter(differ.items()))
+        raise ConfigError("checkpoint.resume", f"{source} holds a model with {key}={value}, "
+                          f"this run's has {key}={ours[key]}; resume with the same model "
+                          "settings, or set checkpoint.resume='never'")
+    # Imported here: torch.distributed.checkpoint takes seconds to import, which every refusal
+    # and every command that validates a configuration would pay otherwise.
+    from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
+
+    try:
+        check_checkpoint(source)
+    except (UnsafeCheckpoint, BadMeta) as e:
+        raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, "
+                          "or set checkpoint.resume='never'") from None
 
 
 def _weights_signature(args: ModelArgs) -> dict:
@@ -215,12 +229,16 @@ def _check_compile(train: TrainConfig) -> None:
     if not isinstance(train.compile, bool) and train.compile != "auto":
         raise ConfigError("train.compile", f"true, false or 'auto', got {train.compile!r}")
     if train.compile is not False and train.compile_backend != "inductor":
-        from torch._dynamo import list_backends
-
-        known = list_backends(exclude_tags=())
+        known = compile_backends()
         if train.compile_backend not in known:
             raise ConfigError("train.compile_backend", f"one of torch.compile's backends "
                               f"({', '.join(known)}), got '{train.compile_backend}'")
+
+
+def compile_backends() -> list[str]:
+    """The names `train.compile_backend` may take: torch's own and those packages register."""
+    plugins = entry_points(group=COMPILE_BACKEND_ENTRY_POINTS)
+    return sorted({*COMPILE_BACKENDS, *(plugin.name for plugin in plugins)})
 
 
 def _check_optimizer(train: TrainConfig) -> None:

@@ -376,6 +376,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
+    from plait.checkpoint.hf_llama import model_overrides, names_problem
     from plait.checks_hf import check_safetensors
 
     try:
@@ -384,16 +385,23 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise ConfigError("HF_DIR", f"{hf}/config.json: {e}".splitlines()[0]) from None
     if not isinstance(raw, dict):
         raise ConfigError("HF_DIR", f"{hf}/config.json holds no JSON object")
-    check_safetensors(hf, "HF_DIR")
-    from plait.checkpoint.hf import import_hf, unrepresentable  # torch, from here on
+    names = check_safetensors(hf, "HF_DIR")
+    try:
+        model_overrides(raw)  # what plait's Llama cannot represent, or a setting missing
+    except KeyError as e:
+        raise ConfigError("HF_DIR", f"{hf}/config.json lacks {e}, which a Llama's config has; "
+                          "give a whole Hugging Face Llama folder") from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError("HF_DIR", f"{hf}/config.json: {str(e).split(';')[0]}; train the "
+                          f"folder as itself instead: plait train model.hf={hf}") from None
+    problem = names_problem(names, raw)
+    if problem:
+        raise ConfigError("HF_DIR", f"{hf}: {problem}; give a Hugging Face Llama folder")
+    from plait.checkpoint.hf import import_hf  # torch, from here on
 
-    why = unrepresentable(raw)
-    if why is not None:
-        raise ConfigError("HF_DIR", f"{hf}/config.json: {why}; train the folder as itself "
-                          f"instead: plait train model.hf={hf}")
     try:
         path, overrides = import_hf(hf, out)
-    except ValueError as e:  # tensors of another model, or missing
+    except ValueError as e:  # a tensor of another shape
         raise ConfigError("HF_DIR", f"{e}; give a Hugging Face Llama folder") from None
     settings = " ".join(f"model.{k}={v}" for k, v in overrides.items())
     print(f"{path}\ncontinue training it with: plait train checkpoint.resume={path} {settings}")

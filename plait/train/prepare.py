@@ -73,15 +73,23 @@ def _rows(path: Path, field: str) -> Iterator[str]:
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are said here, once
-    rows = datasets.load_dataset(TABLES[path.suffix], data_files=str(path), split="train",
-                                 streaming=True)
-    for i, row in _readable(rows, path):
-        if field not in row:
-            raise _no_field(path, field, row)
-        if not isinstance(row[field], str):
-            raise ConfigError("--field", f"row {i} of {path}: '{field}' is "
-                              f"{type(row[field]).__name__}, not text")
-        yield row[field]
+    # A streaming dataset imports torch when it is installed, to share its epoch counter with a
+    # DataLoader's workers and to subclass torch's IterableDataset; plait reads the rows as
+    # dicts, so it asks for neither (importing torch was most of a bad table's refusal: seconds).
+    # Only while plait reads: a Python caller's own datasets keep torch.
+    torch_available, datasets.config.TORCH_AVAILABLE = datasets.config.TORCH_AVAILABLE, False
+    try:
+        rows = datasets.load_dataset(TABLES[path.suffix], data_files=str(path), split="train",
+                                     streaming=True)
+        for i, row in _readable(rows, path):
+            if field not in row:
+                raise _no_field(path, field, row)
+            if not isinstance(row[field], str):
+                raise ConfigError("--field", f"row {i} of {path}: '{field}' is "
+                                  f"{type(row[field]).__name__}, not text")
+            yield row[field]
+    finally:
+        datasets.config.TORCH_AVAILABLE = torch_available
 
 
 def _readable(rows, path: Path) -> Iterator[tuple[int, dict]]:

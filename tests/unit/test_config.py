@@ -14,6 +14,7 @@ import pytest
 
 from plait import cli
 from plait.checks import validate
+from plait.checks_run import compile_backends
 from plait.config import ConfigError, load_config
 
 
@@ -386,7 +387,8 @@ OTHER_BAD_INPUT = [
     (["convert", "--from", "hf", "{files}/empty_dir", "{files}/out"], "HF_DIR"),
     # Folders that were SafetensorError, JSONDecodeError and KeyError tracebacks
     *[(["convert", "--from", "hf", "{files}/" + name, "{files}/out"], "HF_DIR")
-      for name in ("hf_cut", "hf_garbled_config", "hf_other_tensors", "hf_missing_tensor")],
+      for name in ("hf_cut", "hf_garbled_config", "hf_other_tensors", "hf_missing_tensor",
+                   "hf_no_width")],
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "bpe:10"], "--tokenizer"),
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/t.json"],
      "--tokenizer"),
@@ -482,7 +484,8 @@ def _prepared_corpora(root):
 
 def _bad_hf_folders(root):
     """Hugging Face folders `plait convert --from hf` must refuse in one line: a weights file
-    cut short, a config.json that is not JSON, tensors of another model, one tensor missing."""
+    cut short, a config.json that is not JSON, tensors of another model, one tensor missing, a
+    config.json without hidden_size (a KeyError traceback before)."""
     import shutil
 
     import torch
@@ -513,6 +516,9 @@ def _bad_hf_folders(root):
     data = (root / "hf_cut" / "model.safetensors").read_bytes()
     (root / "hf_cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
     (root / "hf_garbled_config" / "config.json").write_text("{not json")
+    shutil.copytree(root / "hf_missing_tensor", root / "hf_no_width")
+    (root / "hf_no_width" / "config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k != "hidden_size"}))
 
 
 def _bad_manifests(root):
@@ -592,12 +598,7 @@ PROBE = ("import sys\nfrom plait import cli\ntry:\n    cli.main(sys.argv[1:])\nf
 def _may_import_torch(argv: list[str], field: str) -> bool:
     """The refusals whose check may read through torch or a library that imports it; every other
     one is made from the configuration, the file system and numpy alone."""
-    return (argv[:2] == ["data", "prepare"] and ".jsonl" in argv[2]  # `datasets` reads JSON lines
-            or "checkpoint.resume={files}/ck_tiny" in argv  # DCP's metadata of a checkpoint
-            or field == "plan"  # the search found no layout: it priced them
-            or field == "train.compile_backend"  # torch.compile's list of backends
-            or argv[3:4] in (["{files}/hf_other_tensors"], ["{files}/hf_missing_tensor"])
-            # the tensors against plait's Llama of the folder's config.json (built on meta)
+    return (field == "plan"  # the search found no layout: it priced them
             or argv[0] == "bench" and not field.startswith("--"))  # a bench's own layouts
 
 
@@ -626,9 +627,19 @@ def test_refusals_import_no_torch_and_say_how_long_they_take(files, capsys):
         print(f"\n{len(rows)} bad inputs refused, each in a fresh process: median "
               f"{statistics.median(seconds):.2f} s, 90th percentile "
               f"{seconds[int(0.9 * len(seconds))]:.2f} s, slowest {seconds[-1]:.2f} s "
-              f"({len(imported)} import torch: a checkpoint, JSON lines, layouts to price); "
+              f"({len(imported)} import torch: layouts to price); "
               "the slowest: " + "; ".join(f"{' '.join(row[0])[:60]} {t:.2f} s"
                                           for t, row in slowest))
+
+
+def test_the_compile_backends_named_without_torch_are_the_installed_torchs():
+    """`train.compile_backend` is checked against a list kept in plait (importing torch._dynamo
+    to ask takes seconds): the installed torch must list no backend that the list lacks, or a
+    valid name would be refused."""
+    from torch._dynamo import list_backends
+
+    assert set(list_backends(exclude_tags=())) <= set(compile_backends())
+    assert "inductor" in compile_backends() and "aot_eager" in compile_backends()
 
 
 def test_context_parallel_refusals_name_the_fix():
