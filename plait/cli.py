@@ -370,8 +370,13 @@ def cmd_convert(args: argparse.Namespace) -> None:
             raise ConfigError("CKPT", f"{source} is a mixture of experts, which a Hugging Face "
                               "Llama folder cannot hold; export a dense model")
         print(export_hf(source, out))
-        return
-    hf, out = Path(args.first), args.second  # plait convert --from hf HF_DIR OUT_CKPT
+    else:  # plait convert --from hf HF_DIR OUT_CKPT
+        _convert_from_hf(Path(args.first), args.second)
+
+
+def _convert_from_hf(hf: Path, out: str) -> None:
+    """The folder's config.json and tensor names are checked without torch (a refusal takes a
+    fraction of a second), their shapes against plait's Llama once torch is imported."""
     if not (hf / "config.json").is_file() or not any(hf.glob("*.safetensors")):
         raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
                           "Hugging Face Llama folder")
