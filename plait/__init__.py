@@ -2,7 +2,7 @@
 
 The Python API (`plait/api.py`; docs/python.md): `init`, `prepare`, `print0`,
 `finish`, `estimate` (a layout's bytes, FLOPs and collectives per rank before launch) and
-`plan` (every data-parallel layout of a module, priced: `plait/predict/module.py`; the planner
+`plan` (every data-parallel layout of a module, priced: `plait/api_estimate.py`; the planner
 itself is `plait.planner`), with `ParallelConfig`, `WrapPolicy`, `ModelPlan`,
 `LossScaler` (fp16) and `load_hf` (a Hugging Face folder).
 They are imported when first used, so that `import plait.cli` stays light.
@@ -25,8 +25,8 @@ _EXPORTS = {
     "LossScaler": "plait.parallel.loss_scaling",
     "ModelPlan": "plait.model.plan",
     "load_hf": "plait.model.hf",
-    "estimate": "plait.predict.module",
-    "plan": "plait.predict.module",
+    "estimate": "plait.api_estimate",
+    "plan": "plait.api_estimate",
 }
 
 __all__ = list(_EXPORTS)

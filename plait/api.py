@@ -41,7 +41,7 @@ from torch import nn
 from plait import checkpoint as ckpt
 from plait.checkpoint import rank_state
 from plait.checkpoint.layout import SaveBoxes
-from plait.checks import validate_parallel
+from plait.checks_layout import validate_parallel
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.config import ParallelConfig
 from plait.mesh import build_mesh, rows_share

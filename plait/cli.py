@@ -53,10 +53,10 @@ def outputs(args: argparse.Namespace):
 
 def check_inputs(cfg: Config, out=None) -> None:
     """What validate cannot see from the configuration alone: the data and the output paths."""
-    from plait.train.data import check_source
+    from plait.train.mixture import check_corpus
 
     vocab_key = f"model.hf ({cfg.model.hf})" if cfg.model.hf else "model.vocab_size"
-    note = check_source(cfg.data, cfg.model.args().vocab_size, cfg.train.global_batch, vocab_key)
+    note = check_corpus(cfg.data, cfg.model.args().vocab_size, cfg.train.global_batch, vocab_key)
     if note and speaks():
         print(note, file=sys.stderr)
     if out is None:
@@ -318,6 +318,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
                              args.gpu_memory_gb, args.gpu_tflops), ENGINES[args.engine])
     cfg, cluster = planned_precision(cfg, cluster)
     plans = choose(cfg, cluster, fixed)
+    from plait.checks_files import check_data  # the corpus, the same for every layout
+
+    check_data(cfg.data, cfg.model.args())
     if args.json:
         print(as_json(plans, args.top))
     else:

@@ -149,6 +149,11 @@ class DataConfig:
     document_mask: bool = False
 
 
+def folder_name(path: str) -> str:
+    """A mixture source's name where its entry gives none: its folder's."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # where checkpoints go; "" saves none

@@ -42,9 +42,9 @@ def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     from plait.checks import validate
     from plait.config import load_config
     from plait.launch import launch
+    from plait.planner.calibrate import measure_cpu_flops
     from plait.planner.hardware import Cluster, Device
     from plait.planner.price import estimate
-    from plait.train.metrics import measure_cpu_flops
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a rank's share: workers run one thread each

@@ -24,13 +24,24 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from plait.parallel.placement import ParamPlacement
+
+class Box(Protocol):
+    """The part of a whole tensor a rank holds: a box of `local_shape` at `origin` of `shape`
+    (`plait.parallel.placement.ParamPlacement` is one; the model layer names no parallelism)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def local_shape(self) -> tuple[int, ...]: ...
+    @property
+    def origin(self) -> tuple[int, ...]: ...
+    @property
+    def local_numel(self) -> int: ...
 
 
 @contextlib.contextmanager
@@ -64,12 +75,12 @@ class Source:
         """Rows [lo, hi) of dim 0 of the whole tensor `name` (of `shape`), fp32 on the CPU."""
         raise NotImplementedError
 
-    def box(self, name: str, placement: ParamPlacement) -> torch.Tensor:
+    def box(self, name: str, placement: Box) -> torch.Tensor:
         """The part of `name` a rank holds (its placement's box), on `self.device`."""
         return self.elements(name, placement, 0, placement.local_numel).view(
             placement.local_shape)
 
-    def elements(self, name: str, placement: ParamPlacement, start: int, n: int) -> torch.Tensor:
+    def elements(self, name: str, placement: Box, start: int, n: int) -> torch.Tensor:
         """Elements [start, start + n) of the rank's box of `name`, flattened; only the rows
         that hold them are produced."""
         local, origin, shape = placement.local_shape, placement.origin, placement.shape

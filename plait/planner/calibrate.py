@@ -1,5 +1,6 @@
-"""This machine as `plait plan --calibrate` measured it (`plait/bench/calibrate.py` measures;
-the planner only reads what was stored), so that `--gpu cpu` plans are in its seconds.
+"""This machine as `plait plan --calibrate` measured it (`plait/bench/calibrate.py` runs the
+measurements; the planner reads what was stored, or measures the matmul rate alone when nothing
+was), so that `--gpu cpu` plans are in its seconds.
 
     matmul rate    one thread's fp32 FLOP/s on 512 x 512 matmuls (`measure_cpu_flops`)
     efficiency     the share of that rate a training step's matmuls reach, and the overheads
@@ -18,9 +19,9 @@ The result is JSON in $XDG_CACHE_HOME/plait/calibration.json (~/.cache by defaul
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -65,20 +66,13 @@ def fit_alpha_beta(n: int, samples: list[tuple[int, float]]) -> tuple[float, flo
     return alpha, 1.0 / max(inverse_beta, 1e-15)
 
 
-def calibrated_device(found: dict, ranks: int):
-    """The `cpu` device for a job of `ranks` ranks on the measured machine: the links measured
-    at the nearest world size at or below it, compute shared when ranks exceed the cores."""
-    from plait.planner.hardware import Device, host_memory_per_rank
-
-    measured = sorted(int(n) for n in found["links"])
-    n = max([m for m in measured if m <= ranks] or measured[:1])
-    link = found["links"][str(n)]
-    share = min(1.0, found["cores"] / ranks)
-    return dataclasses.replace(
-        Device(f"cpu (calibrated {found['measured_at']})", found["matmul_flops"],
-               host_memory_per_rank(ranks),
-               link["beta_Bps"] / 1e9, link["beta_Bps"] / 1e9),
-        intra_alpha_s=link["alpha_s"], inter_alpha_s=link["alpha_s"],
-        efficiency=found["efficiency"] * share, step_overhead_s=found["step_overhead_s"] / share,
-        microbatch_overhead_s=found["microbatch_overhead_s"] / share,
-        overlap=ranks < found["cores"], gloo=True)
+def measure_cpu_flops(size: int = 512, seconds: float = 0.3) -> float:
+    """FLOP/s of one thread on fp32 matmuls: the ceiling a CPU rank can reach, since CPUs publish
+    no single peak."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    return 2 * size**3 * n / (time.perf_counter() - start)

@@ -140,12 +140,29 @@ def host_memory_per_rank(ranks: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks, 1)
 
 
+def calibrated_device(found: dict, ranks: int) -> Device:
+    """The `cpu` device for a job of `ranks` ranks on the measured machine: the links measured
+    at the nearest world size at or below it, compute shared when ranks exceed the cores."""
+    measured = sorted(int(n) for n in found["links"])
+    n = max([m for m in measured if m <= ranks] or measured[:1])
+    link = found["links"][str(n)]
+    share = min(1.0, found["cores"] / ranks)
+    return replace(
+        Device(f"cpu (calibrated {found['measured_at']})", found["matmul_flops"],
+               host_memory_per_rank(ranks),
+               link["beta_Bps"] / 1e9, link["beta_Bps"] / 1e9),
+        intra_alpha_s=link["alpha_s"], inter_alpha_s=link["alpha_s"],
+        efficiency=found["efficiency"] * share, step_overhead_s=found["step_overhead_s"] / share,
+        microbatch_overhead_s=found["microbatch_overhead_s"] / share,
+        overlap=ranks < found["cores"], gloo=True)
+
+
 def cpu_device(ranks: int = 1) -> Device:
     """This machine for a job of `ranks` ranks: as `plait plan --calibrate` measured it, or, not
     yet calibrated, one core's fp32 matmul rate measured now with loopback gloo guessed (about
     1 GB/s and 1 ms per message step on 2 cores, from `plait bench comm`)."""
-    from plait.planner.calibrate import calibrated_device, load
-    from plait.train.metrics import measure_cpu_flops
+    # Imported here: calibrate measures with torch, which pricing a GPU layout never needs.
+    from plait.planner.calibrate import load, measure_cpu_flops
 
     found = load()
     if found is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from plait.checks import validate
+from plait.checks_layout import check_layout
 from plait.config import Config, ConfigError
 from plait.mesh import ParallelDims
 from plait.planner.hardware import Cluster
@@ -53,7 +53,7 @@ def meshes(cfg: Config, cluster: Cluster, fixed: dict):
 
 
 def candidates(cfg: Config, cluster: Cluster, fixed: dict):
-    """Every layout validate accepts on cluster.gpus ranks; `fixed` pins degrees. Left out
+    """Every layout check_layout accepts on cluster.gpus ranks; `fixed` pins degrees. Left out
     unless pinned, as dominated: GPipe (1F1B's bubble with more activations in flight) and tp
     without sequence parallelism (the same bytes, more activations). Activation checkpointing
     varies last, from none to full, so `rank_plans` can stop at the first mode that fits."""
@@ -81,7 +81,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
                 continue
             c = with_degrees(cfg, **d, dp=0)
             try:
-                yield c, validate(c, cluster.gpus)
+                yield c, check_layout(c, cluster.gpus)
             except ConfigError:
                 continue
 

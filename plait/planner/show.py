@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from plait.checks import validate
+from plait.checks_layout import check_layout
 from plait.config import Config, ConfigError
 from plait.planner.hardware import Cluster
 from plait.planner.price import HEADROOM, PricedLayout, estimate, with_degrees
@@ -41,7 +41,7 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:
     if not plans:
         pins = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none pinned"
         try:  # the settings as given, unpinned degrees at their defaults: why, where it says
-            validate(cfg, cluster.gpus)
+            check_layout(cfg, cluster.gpus)
             why = ""
         except ConfigError as e:
             why = f" ({e})"
@@ -123,7 +123,7 @@ def leanest(cfg: Config, cluster: Cluster, fixed: dict,
                  "dp_shard": 0, "activation_checkpointing": "full", **fixed, "dp": 0}
             c = with_degrees(cfg, **d)  # dp: the mesh's (a pinned dp chose the meshes)
             try:
-                dims = validate(c, cluster.gpus)
+                dims = check_layout(c, cluster.gpus)
             except ConfigError:
                 continue
             seen.add((tp, cp, ep))

@@ -1,5 +1,5 @@
 """Activation bytes per rank, from formulas: the peak of what autograd keeps for backward during
-a step (the `activation_bytes` metric, counted by storage in `train/activation_memory.py`), for
+a step (the `activation_bytes` metric, counted by storage in `predict/activation_memory.py`), for
 the planner and `--dry-run`, checked against measurement in the composition matrix.
 
 Per micro-batch of r rows and s tokens, with A = r s dim elements, F = r s ffn_dim, T = tp and

@@ -9,7 +9,7 @@ world of torch's "fake" process-group backend (`fake_world`: every collective re
 leaving its output's shape as the real one would). Counted while it runs:
 
     activation_bytes   the peak of what autograd keeps for backward, by storage: the counter of
-                       the run's own `activation_bytes` metric (`train/activation_memory.py`)
+                       the run's own `activation_bytes` metric (`predict/activation_memory.py`)
     flops              torch's `FlopCounterMode` over the step's operations on this rank
                        (recomputation included: what the rank executes)
     collectives        the ledger of `plait.comm` (calls and bus bytes per operation), the
@@ -44,8 +44,8 @@ from torch.utils.flop_counter import FlopCounterMode, shape_wrapper
 from plait.comm import LEDGER, Op
 from plait.comm.watchdog import RECORDER
 from plait.parallel import Parallelized
+from plait.predict.activation_memory import SavedActivations
 from plait.predict.routing import fake_experts, grouped_mm_flops
-from plait.train.activation_memory import SavedActivations
 
 
 class Untraceable(RuntimeError):

@@ -214,11 +214,7 @@ def check_source(cfg: DataConfig, vocab_size: int, global_batch: int,
     folder's sampled blocks are checked against their crc32s; training checks each block it
     reads, and every id's range (`corpus.py`); the whole corpus is `plait data verify`'s. Returns
     the notes a limit the user asked for, or a corpus without block checksums, makes ("" when
-    none); raises ConfigError naming the key."""
-    if cfg.sources:
-        from plait.train.mixture import check_sources  # it builds on this module
-
-        return check_sources(cfg, vocab_size, vocab_key)
+    none); raises ConfigError naming the key. A mixture (`data.sources`): `mixture.check_corpus`."""
     unchecked = ""
     try:
         if is_prepared(cfg.source):

@@ -23,7 +23,7 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, list[str]]:
         return cfg, []
     try:
         saved = read_meta(source)
-    except BadMeta:  # the checks refuse it next, in one line (`checks_run.check_checkpoint`)
+    except BadMeta:  # the checks refuse it next, in one line (`checks_files.check_checkpoint`)
         return cfg, []
     if "optim" not in saved.get("contents", []):  # a model alone (an import): no run to continue
         return cfg, []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,18 +30,6 @@ def inactive_expert_params(args: ModelArgs) -> int:
     return moe_blocks * (args.moe_experts - args.moe_top_k) * 3 * args.dim * args.ffn_dim
 
 
-def measure_cpu_flops(size: int = 512, seconds: float = 0.3) -> float:
-    """FLOP/s of one thread on fp32 matmuls: the ceiling a CPU rank can reach, since CPUs publish
-    no single peak."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm up
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        n += 1
-    return 2 * size**3 * n / (time.perf_counter() - start)
-
-
 def peak_flops(device: torch.device, configured_tflops: float) -> float:
     """Peak FLOP/s of one device: the configured value, else the planner's device table (dense
     bf16 or fp16, datasheets: `planner.hardware.DEVICES`), else measured."""
@@ -54,6 +41,8 @@ def peak_flops(device: torch.device, configured_tflops: float) -> float:
         found = known_device(torch.cuda.get_device_name(device))
         if found is not None:
             return found.peak_flops
+    from plait.planner.calibrate import measure_cpu_flops
+
     return measure_cpu_flops()
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from plait.checkpoint import read_meta
-from plait.config import ConfigError, DataConfig
+from plait.config import ConfigError, DataConfig, folder_name
 from plait.train.corpus import MANIFEST, is_prepared, read_manifest
 from plait.train.data import TokenData, as_rows, check_source, positions, share
 
@@ -47,10 +47,6 @@ def sources_of(cfg: DataConfig) -> list[MixedSource]:
     """`data.sources` as `MixedSource`s: each name given, or the folder's own."""
     return [MixedSource(s["path"], float(s["weight"]), s.get("name") or folder_name(s["path"]))
             for s in cfg.sources]
-
-
-def folder_name(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 class WeightSpan:
@@ -185,6 +181,15 @@ class Mixture:
             out[f"epoch/{name}"] = rows / n
             out[f"tokens/{name}"] = rows * part.seq_len
         return out
+
+
+def check_corpus(cfg: DataConfig, vocab_size: int, global_batch: int,
+                 vocab_key: str = "model.vocab_size") -> str:
+    """The run's corpus checked before any worker starts: its one source (`check_source`) or
+    each of its mixture's (`check_sources`); the notes to say."""
+    if cfg.sources:
+        return check_sources(cfg, vocab_size, vocab_key)
+    return check_source(cfg, vocab_size, global_batch, vocab_key)
 
 
 def check_sources(cfg: DataConfig, vocab_size: int, vocab_key: str) -> str:

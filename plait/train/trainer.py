@@ -30,8 +30,8 @@ from plait.parallel import cross_entropy, parallelize
 from plait.parallel.compile import apply_compile, compile_enabled, graph_breaks
 from plait.parallel.dropout import seed_ranks
 from plait.parallel.loss_scaling import HALF, LossScaler
+from plait.predict.activation_memory import SavedActivations
 from plait.predict.trace import Untraceable, model_flops
-from plait.train.activation_memory import SavedActivations
 from plait.train.checkpointing import Checkpointer
 from plait.train.faults import maybe_fail
 from plait.train.host_memory import STEADY_THRESHOLD, release_freed_memory

@@ -24,7 +24,7 @@ from torch import nn
 import plait
 from plait.comm import LEDGER
 from plait.predict.trace import StepFlops
-from plait.train.activation_memory import SavedActivations
+from plait.predict.activation_memory import SavedActivations
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 VOCAB, SEQ, WIDTH, BATCH = 64, 16, 32, 8

@@ -2,6 +2,8 @@
 thing (neither two of plait's classes nor one of plait's and one of torch's share a name)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -41,3 +43,13 @@ def test_class_names_are_plaits_own_and_say_one_thing():
                                   torch.distributed.checkpoint, torch.distributed.fsdp)
               for name in dir(module) if isinstance(getattr(module, name, None), type)}
     assert sorted(set(seen) & torchs) == []
+
+
+def test_imports_keep_the_layers_of_the_design_and_make_no_cycle():
+    """pyproject.toml's import-linter contracts: docs/design.md's layers, each importing only
+    those below it, and no import cycle; imports inside functions count too (grimp reads them)."""
+    lint = Path(sys.executable).parent / "lint-imports"
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=PLAIT.parent, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "2 kept, 0 broken" in proc.stdout

@@ -14,7 +14,7 @@ import pytest
 
 from plait import cli
 from plait.checks import validate
-from plait.checks_run import compile_backends
+from plait.checks_train import compile_backends
 from plait.config import ConfigError, load_config
 
 

@@ -89,7 +89,7 @@ def test_the_mask_is_kept_for_backward_once_not_per_layer():
     mask (`Documents.additive`), so the saved activations grow by one (rows, 1, seq, seq) fp32
     mask whatever the depth (counted by storage, as `--dry-run` and the trainer count them),
     and the rotary tables of positions that are now per row."""
-    from plait.train.activation_memory import SavedActivations
+    from plait.predict.activation_memory import SavedActivations
 
     args = model_args("tiny")
     tokens, ids = _window(args.vocab_size)

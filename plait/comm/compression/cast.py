@@ -8,7 +8,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait.comm.collectives import Op, all_reduce, reduce_scatter
-from plait.comm.compression import Chain, Segment
+from plait.comm.compression.base import Chain, Segment
 
 
 class Cast:

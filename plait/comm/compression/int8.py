@@ -21,7 +21,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait.comm.collectives import Op, all_gather, all_to_all
-from plait.comm.compression import Chain, Segment, sum_in_rank_order
+from plait.comm.compression.base import Chain, Segment, sum_in_rank_order
 
 BLOCK = 256
 

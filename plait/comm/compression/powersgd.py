@@ -27,7 +27,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from plait.comm.collectives import Op, all_reduce
-from plait.comm.compression import Chain, Segment, own_chunk
+from plait.comm.compression.base import Chain, Segment, own_chunk
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from plait.comm.collectives import Op
-from plait.comm.compression import GatheredWithFeedback, Segment, members_numel
+from plait.comm.compression.base import GatheredWithFeedback, Segment, members_numel
 
 
 def _bits(device) -> torch.Tensor:

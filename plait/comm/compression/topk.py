@@ -19,7 +19,7 @@ import math
 import torch
 
 from plait.comm.collectives import Op
-from plait.comm.compression import GatheredWithFeedback, Segment
+from plait.comm.compression.base import GatheredWithFeedback, Segment
 
 
 def k_of(numel: int, ratio: float) -> int:

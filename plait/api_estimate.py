@@ -23,7 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from plait.checks import validate_parallel
+from plait.checks_layout import validate_parallel
 from plait.config import Config, ParallelConfig
 from plait.mesh import build_mesh, rows_share
 from plait.model.plan import has_plan

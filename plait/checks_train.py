@@ -1,13 +1,10 @@
-"""The checks of a run's own sections, `train` (with fp16's loss scale), `data` and `checkpoint`,
-made before a worker starts; `plait.checks.validate` calls them after the model's and the
-layout's. Each raises `ConfigError(field, fix)`."""
+"""The checks of the `train` section (with fp16's loss scale, the compiler and the optimizer),
+made before a worker starts; `plait.checks_layout.check_layout` calls them after the model's and
+the layout's. Each raises `ConfigError(field, fix)`; none imports torch (a device check aside)."""
 
 from __future__ import annotations
 
-import os
-import re
 from importlib.metadata import entry_points
-from pathlib import Path
 
 from plait.choices import (
     COMPILE_BACKEND_ENTRY_POINTS,
@@ -17,9 +14,8 @@ from plait.choices import (
     OPTIMIZERS,
     PARAM_DTYPES,
 )
-from plait.config import Config, ConfigError, DataConfig, TrainConfig, model_section
+from plait.config import ConfigError, TrainConfig
 from plait.mesh import ParallelDims
-from plait.model.args import ModelArgs
 
 
 def _has_cuda() -> bool:
@@ -118,111 +114,6 @@ def _check_loss_scale(train: TrainConfig) -> None:
         if not ok:
             value = getattr(train, f"loss_scale_{key}")
             raise ConfigError(f"train.loss_scale_{key}", f"{want}, got {value}")
-
-
-def check_data(data: DataConfig, args: ModelArgs) -> None:
-    if not 1 <= data.seq_len <= args.max_seq_len:
-        raise ConfigError(
-            "data.seq_len",
-            f"must be in [1, model.max_seq_len={args.max_seq_len}], got {data.seq_len}",
-        )
-    if not 0 < data.val_fraction < 1:
-        raise ConfigError("data.val_fraction", f"must be in (0, 1), got {data.val_fraction}")
-    if data.max_bytes < 0:
-        raise ConfigError("data.max_bytes", f"must be >= 0 (0: all of data.source), got "
-                          f"{data.max_bytes}")
-    if data.source != "stdlib" and not Path(data.source).exists():
-        raise ConfigError("data.source", f"no such file or folder '{data.source}'; or use 'stdlib'")
-    if data.sources:
-        _check_sources(data)
-
-
-def _check_sources(data: DataConfig) -> None:
-    """`data.sources`: tables of a path, a weight and maybe a name, the names distinct."""
-    from plait.train.mixture import folder_name  # numpy's import: only for a mixture
-    if data.source != "stdlib":
-        raise ConfigError("data.sources", "a mixture replaces data.source: set one of them")
-    if data.max_bytes:
-        raise ConfigError("data.max_bytes", "cuts data.source; a mixture's sources are whole "
-                          "(set it to 0, or weigh the sources)")
-    names = set()
-    for i, entry in enumerate(data.sources):
-        key = f"data.sources[{i}]"
-        unknown = sorted(set(entry) - {"path", "weight", "name"})
-        if unknown:
-            raise ConfigError(f"{key}.{unknown[0]}", "unknown key; a source has path, weight "
-                              "and name")
-        path, weight = entry.get("path"), entry.get("weight")
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"{key}.path", "the folder plait data prepare wrote, as a string")
-        # Bounded so that any number of them sums to a finite total (the draw divides by it).
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                or not 0 < weight <= 1e6:
-            raise ConfigError(f"{key}.weight", f"a number in (0, 1e6] (the weights need not sum "
-                              f"to 1), got {weight!r}")
-        name = entry.get("name", folder_name(path))
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-            raise ConfigError(f"{key}.name", f"letters, digits, '_', '.' or '-' (it names the "
-                              f"source's metrics, epoch/<name>), got {name!r}")
-        if name in names:
-            raise ConfigError(f"{key}.name", f"'{name}' names two sources; give each its own "
-                              "name")
-        names.add(name)
-
-
-def check_checkpoint(cfg: Config) -> None:
-    ck = cfg.checkpoint
-    if ck.every < 0:
-        raise ConfigError("checkpoint.every", f"must be >= 0 steps (0: at the end), got {ck.every}")
-    if ck.keep < 1:
-        raise ConfigError("checkpoint.keep", f"must be >= 1, got {ck.keep}")
-    if ck.every and not ck.dir:
-        raise ConfigError("checkpoint.every", "saving needs checkpoint.dir, a folder to save in")
-    if ck.dir:
-        where = Path(ck.dir)
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        if not where.is_dir() or not os.access(where, os.W_OK):
-            raise ConfigError("checkpoint.dir", f"cannot write in {where}; choose another folder")
-    from plait.checkpoint import find
-
-    source = find(ck.resume, ck.dir)  # a path given as `resume` is looked in alone
-    if ck.resume not in ("auto", "never") and source is None:
-        raise ConfigError("checkpoint.resume", f"no complete checkpoint at {ck.resume}; give a "
-                          "checkpoint folder (with COMPLETE) or a folder of them, 'auto' or "
-                          "'never'")
-    if source is None:
-        return
-    from plait.checkpoint import BadMeta, read_meta
-
-    try:  # plait.json first, read without torch: a checkpoint of another model is refused fast
-        held = model_section(dict(read_meta(source, model=True)["config"]["model"]))
-    except BadMeta as e:
-        raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, or set "
-                          "checkpoint.resume='never'") from None
-    ours = _weights_signature(cfg.model.args())
-    differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
-    if differ:
-        key, value = next(iter(differ.items()))
-        raise ConfigError("checkpoint.resume", f"{source} holds a model with {key}={value}, "
-                          f"this run's has {key}={ours[key]}; resume with the same model "
-                          "settings, or set checkpoint.resume='never'")
-    # Imported here: torch.distributed.checkpoint takes seconds to import, which every refusal
-    # and every command that validates a configuration would pay otherwise.
-    from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
-
-    try:
-        check_checkpoint(source)
-    except (UnsafeCheckpoint, BadMeta) as e:
-        raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, "
-                          "or set checkpoint.resume='never'") from None
-
-
-def _weights_signature(args: ModelArgs) -> dict:
-    """What a checkpoint's weights fix: their shapes, and the numbers the forward uses them with."""
-    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
-            "rope_theta")
-    return {k: getattr(args, k) for k in keys}
 
 
 def _check_compile(train: TrainConfig) -> None:
