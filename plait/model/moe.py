@@ -199,6 +199,14 @@ def run_experts(x: torch.Tensor, counts: list[int], experts: nn.ModuleDict,
     return torch.cat([experts[str(first + i)](part) for i, part in enumerate(parts)])
 
 
+# Eager under train.compile (parallel/compile.py): the rows each expert gets are known only when
+# the routing has run, and a graph of them would be recompiled for each batch's counts.
+@torch.compiler.disable
+def _dispatch(dispatch: Callable, tokens: torch.Tensor, routing: Routing,
+              experts: nn.ModuleDict) -> torch.Tensor:
+    return dispatch(tokens, routing, experts)
+
+
 def local_dispatch(tokens: torch.Tensor, routing: Routing, experts: nn.ModuleDict) -> torch.Tensor:
     """Every expert on this device: (A, dim) expert outputs, in the routing's order."""
     return run_experts(tokens[routing.token], routing.kept_counts(), experts, 0)
@@ -276,14 +284,20 @@ class MoEFeedForward(nn.Module):
         # This rank's part of the aux loss: the global f_i with its own tokens' P_i (the mean of
         # the parts over equally sized ranks is the global loss, and its gradient theirs).
         aux = aux_loss(picked, probs.mean(0))
-        y = self.dispatch(tokens, routing, self.experts)
+        y = _dispatch(self.dispatch, tokens, routing, self.experts)
         out = torch.zeros_like(tokens).index_add(0, routing.token,
                                                  (y * routing.weight[:, None]).to(tokens.dtype))
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
             out = AttachLoss.apply(out, (self.aux_coef * aux + self.z_coef * z)
                                    * (self.grad_scale * self.loss_scale))
         if self.training and routing.counts is None:  # (fake tokens have no statistics)
-            self.stats.append(RouterStats(
-                aux_loss=aux_loss(picked, prob_sum / n).item(), z_loss=(z_sum / n).item(),
-                dropped=(dropped / n).item(), kept=kept.detach().cpu()))
+            self._record(picked, prob_sum, z_sum, dropped, n, kept)
         return out.view_as(x)
+
+    # Eager under train.compile: reading numbers to the host breaks a graph at each, and the
+    # graphs resumed after them were recompiled every step.
+    @torch.compiler.disable
+    def _record(self, picked, prob_sum, z_sum, dropped, n, kept) -> None:
+        self.stats.append(RouterStats(
+            aux_loss=aux_loss(picked, prob_sum / n).item(), z_loss=(z_sum / n).item(),
+            dropped=(dropped / n).item(), kept=kept.detach().cpu()))

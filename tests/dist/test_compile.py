@@ -91,7 +91,11 @@ SAME_LAYOUT = [
 
 
 def eager_then_compiled(eager, compiled):
-    return run_steps(eager), with_compile_counts(compiled)
+    from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER  # compilations per frame
+
+    out = run_steps(eager), with_compile_counts(compiled)
+    out[1]["most_compiles"] = max(FRAME_COMPILE_COUNTER.values())
+    return out
 
 
 @pytest.mark.parametrize("overrides", [r[1] for r in SAME_LAYOUT], ids=[r[0] for r in SAME_LAYOUT])
@@ -99,6 +103,10 @@ def test_compiled_blocks_train_what_the_same_layout_trains_eager(overrides):
     for eager, compiled in run_world(eager_then_compiled, 2, config(*overrides),
                                      config(*AOT, *overrides), timeout=240):
         assert compiled["graphs"] > 0
+        # No frame compiled again for each batch (at most once more: the document masks' cache
+        # is filled on the first call). MoE's dispatch and the router's host reads of its
+        # statistics were, until dynamo's limit of 8 (69 graphs in 4 steps): they run eager.
+        assert compiled["most_compiles"] <= 2, compiled["most_compiles"]
         _equal([compiled], eager)
 
 
