@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from training import run_steps, tiny_config
 
-from plait.cli import check_inputs
+from plait.cli.commands import check_inputs
 from plait.checks import validate
 from plait.config import ConfigError
 

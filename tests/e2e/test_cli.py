@@ -120,7 +120,7 @@ def test_3d_recipe(tmp_path):
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     from plait.checks import validate
-    from plait.cli_common import load_config, recipe_path
+    from plait.cli.common import load_config, recipe_path
     from plait.config import clip_warmup
     from plait.train.dry_run import describe_rank
 
@@ -175,7 +175,7 @@ def test_long_context_recipe(tmp_path):
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     from plait.checks import validate
-    from plait.cli_common import recipe_path
+    from plait.cli.common import recipe_path
     from plait.config import load_config
     from plait.train.dry_run import describe_rank
 

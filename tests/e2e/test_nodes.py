@@ -94,7 +94,7 @@ def test_a_lost_node_leaves_the_job_to_the_other_and_the_run_ends_bit_exact(tmp_
     straight = plait_here("train", "--nproc", "2", *run, f"checkpoint.dir={tmp_path / 'one'}")
     assert straight.returncode == 0, straight.stderr
     args = ["-m", "plait", "train", *run, f"checkpoint.dir={tmp_path / 'two'}"]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see cli.py: #135712
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see cli/commands.py: #135712
     # The lost node leaves the rendezvous once its heartbeat is keep_alive_interval x
     # max_attempt old: 4 s here, not the default 15 (the test's time, not what it shows).
     conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4"

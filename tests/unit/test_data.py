@@ -153,7 +153,7 @@ def test_a_model_folders_tokenizer_and_its_vocabulary(tmp_path):
     with `model.hf = DIR`, a corpus beyond the model's vocabulary (256) is refused, naming it."""
     from hf_models import write_model
 
-    from plait.cli import check_inputs
+    from plait.cli.commands import check_inputs
     from plait.config import ConfigError, load_config
 
     folder = write_model(tmp_path / "gpt2", "gpt2")

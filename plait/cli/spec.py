@@ -1,6 +1,6 @@
 """The command line as data: each command's help, options and handler. A handler is named
 ("module:function") and imported only when its command runs, so that parsing, and refusing a bad
-key or value, imports no torch (`cli.py`, `main`)."""
+key or value, imports no torch (`__init__.py`, `main`)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Command:
 
 
 TRAIN = Command("train", "train a model on N local workers, or under torchrun",
-                "plait.cli:cmd_train", (
+                "plait.cli.commands:cmd_train", (
     CONFIG,
     arg("--nproc", type=int, help="local workers (default: the config's degrees)"),
     arg("--metrics", help="write one JSON object per step here (rank 0)"),
@@ -73,7 +73,7 @@ TRAIN = Command("train", "train a model on N local workers, or under torchrun",
     OVERRIDES))
 
 RUN = Command("run", "run your own script on N local workers, as torchrun would (it calls "
-              "plait.init(); docs/python.md)", "plait.cli:cmd_run", (
+              "plait.init(); docs/python.md)", "plait.cli.commands:cmd_run", (
     nproc(1, "local workers (default 1)"),
     arg("--threads", type=int, default=1, help="intra-op threads per worker"),
     arg("--preload", action="append", default=[], metavar="MODULE",
@@ -84,18 +84,18 @@ RUN = Command("run", "run your own script on N local workers, as torchrun would 
 
 BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="suite", commands=(
     Command("comm", "bandwidth of each collective and all-reduce algorithm",
-            "plait.cli_bench:cmd_bench_comm", (
+            "plait.cli.bench:cmd_bench_comm", (
                 nproc(4), arg("--min-seconds", type=float, default=0.2,
                               help="time per size and collective"))),
     Command("step", "plait's step against PyTorch's own: DDP, ZeRO, TP, 3-D",
-            "plait.cli_bench:cmd_bench_step", (
+            "plait.cli.bench:cmd_bench_step", (
                 nproc(4), CONFIG, steps(10, "variant and launch"),
                 arg("--repeats", type=int, default=2,
                     help="launches of each side, by turns (each its own processes)"),
                 OVERRIDES)),
     Command("gpu", "one device: plait's step (eager, compiled, on transformers' module) against "
             "the plain torch loop over transformers' Llama (eager, compiled)",
-            "plait.cli_bench:cmd_bench_gpu", (
+            "plait.cli.bench:cmd_bench_gpu", (
                 arg("--shape", choices=("1b", "tiny"), default="1b",
                     help="plait's 1b preset at 8 x 2,048 tokens in bf16 (a GPU), or tiny"),
                 steps(10, "side"), arg("--warmup", type=int, default=3,
@@ -108,28 +108,28 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                 arg("--json", dest="json_out", help="also write the rows to this file"),
                 OVERRIDES)),
     Command("pp", "pipeline schedules: bubbles, memory, vs torch pipelining",
-            "plait.cli_bench:cmd_bench_pp", (
+            "plait.cli.bench:cmd_bench_pp", (
                 nproc(2, "pipeline stages"), CONFIG, steps(5, "schedule"),
                 png("runs/bench_pp/timeline.png", "timeline picture"), OVERRIDES)),
     Command("compression", "each gradient compression method on one recipe: loss, bytes, time; "
-            "vs torch's DDP hooks", "plait.cli_bench:cmd_bench_compression", (
+            "vs torch's DDP hooks", "plait.cli.bench:cmd_bench_compression", (
                 nproc(4), CONFIG,
                 arg("--methods", help="comma-separated, from fp16, bf16, int8, topk, powersgd, "
                     "sign (default: every method)"),
                 png("runs/bench_compression/loss.png", "loss curves picture"), OVERRIDES)),
     Command("scaling", "one recipe at several world sizes: tokens/s, speedup, efficiency, exposed "
-            "communication; vs torch", "plait.cli_bench:cmd_bench_scaling", (
+            "communication; vs torch", "plait.cli.bench:cmd_bench_scaling", (
                 arg("--nproc", default="1,2,4", help="world sizes, comma-separated"),
                 arg("--weak", action="store_true", help="fixed rows per rank (the batch grows); "
                     "default: fixed global batch"),
                 CONFIG, steps(5, "world size"),
                 png("runs/bench_scaling/speedup.png", "speedup picture"), OVERRIDES)),
     Command("checkpoint", "save and load time and bytes per rank, sync and async, for the "
-            "default and the 3-D recipe", "plait.cli_bench:cmd_bench_checkpoint", (
+            "default and the 3-D recipe", "plait.cli.bench:cmd_bench_checkpoint", (
                 arg("--repeats", type=int, default=3, help="saves and loads per variant"),
                 OVERRIDES)),
     Command("moe", "a mixture of experts at several ep degrees on the same ranks: step time, "
-            "all-to-all share; vs looping over the experts", "plait.cli_bench:cmd_bench_moe", (
+            "all-to-all share; vs looping over the experts", "plait.cli.bench:cmd_bench_moe", (
                 nproc(4), arg("--config", default="moe", help="a TOML file, or a recipe in "
                               "configs/"),
                 arg("--ep", default="1,2,4", help="expert-parallel degrees, comma-separated"),
@@ -137,7 +137,7 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                 arg("--warmup", type=int, default=2, help="untimed steps first"),
                 png("runs/bench_moe/load.png", "expert load histogram"), OVERRIDES)),
     Command("cp", "one long sequence: cp = 1 against ring attention and Ulysses at each cp "
-            "degree", "plait.cli_bench:cmd_bench_cp", (
+            "degree", "plait.cli.bench:cmd_bench_cp", (
                 arg("--config", default="long_context",
                     help="a TOML file, or a recipe in configs/"),
                 arg("--cp", default="2,4", help="context-parallel degrees, comma-separated"),
@@ -145,9 +145,9 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                 steps(3, "variant"),
                 arg("--warmup", type=int, default=1, help="untimed steps first"), OVERRIDES)),
     Command("memory", "each rank's peak host memory building a model and through its first "
-            "step, against the formulas", "plait.cli_bench:cmd_bench_memory", (OVERRIDES,)),
+            "step, against the formulas", "plait.cli.bench:cmd_bench_memory", (OVERRIDES,)),
     Command("data", "plait data prepare's tokens/s per worker; training's memory per rank and "
-            "data wait on a small and a big corpus", "plait.cli_bench:cmd_bench_data", (
+            "data wait on a small and a big corpus", "plait.cli.bench:cmd_bench_data", (
                 nproc(2),
                 arg("--sizes-mb", default="10,1024",
                     help="MiB of text to tokenize, then MiB of ids of each bigger corpus"),
@@ -158,16 +158,16 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
                 arg("--dir", default="runs/bench_data",
                     help="where the corpora are written (and deleted after)"), OVERRIDES)),
     Command("gemm", "this machine's matrix-multiply rate by shape (bf16, fp8), beside the "
-            "planner's shape model", "plait.cli_bench:cmd_bench_gemm", (
+            "planner's shape model", "plait.cli.bench:cmd_bench_gemm", (
                 arg("--out", default="runs/bench_gemm/gemm.json", help="the sweep as JSON"),
                 arg("--fp8", action="store_true", help="also fp8 (torch._scaled_mm; GPUs with "
                     "fp8 tensor cores)"))),
     Command("plan", "the planner's predictions against runs here (bytes, state, activations, "
-            "step time) and published GPU runs", "plait.cli_bench:cmd_bench_plan", (
+            "step time) and published GPU runs", "plait.cli.bench:cmd_bench_plan", (
                 arg("--which", default="all", help="measured, published or all"),
                 steps(3, "configuration"))),
     Command("topology", "2 emulated nodes x 2 (root): tp, dp, HSDP and pp inside vs across "
-            "nodes at two link rates, predicted vs measured", "plait.cli_bench:cmd_bench_topology",
+            "nodes at two link rates, predicted vs measured", "plait.cli.bench:cmd_bench_topology",
             (steps(8, "layout and rate"),
              arg("--ratios", default="18,75",
                  help="loopback's bandwidth over the inter-node link's, comma-separated"),
@@ -178,7 +178,7 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
 DATA = Command("data", "prepare a corpus: tokenize text into memory-mapped shards",
                dest="data_command", commands=(
     Command("prepare", "tokenize text files, folders, JSONL / Parquet / Arrow tables into OUT",
-            "plait.cli_data:cmd_data_prepare", (
+            "plait.cli.data:cmd_data_prepare", (
                 arg("paths", nargs="+", metavar="SRC... OUT",
                     help="text files or folders (a file is a document), JSONL / Parquet / Arrow "
                     "files (a row is a document); then the folder to write"),
@@ -192,20 +192,20 @@ DATA = Command("data", "prepare a corpus: tokenize text into memory-mapped shard
                 arg("--follow-links", action="store_true",
                     help="read files that links in a source folder point to outside it"))),
     Command("verify", "read a prepared corpus whole: each shard's sha256 and every id",
-            "plait.cli_data:cmd_data_verify", (
+            "plait.cli.data:cmd_data_verify", (
                 arg("folder", metavar="OUT", help="a folder plait data prepare wrote"),
                 arg("--sample", type=int, default=0, metavar="N",
                     help="N shards chosen at random (default: every shard)")))))
 
 COMPARE = Command("compare", "two runs' losses step by step; exit 1 at the first step beyond "
-                  "tolerance", "plait.cli:cmd_compare", (
+                  "tolerance", "plait.cli.commands:cmd_compare", (
     arg("a", metavar="A.jsonl"), arg("b", metavar="B.jsonl"),
     arg("--rtol", type=float, default=1e-5, help="relative tolerance on each step's loss "
         "(default 1e-5: float32 reduction order)"),
     arg("--png", help="also draw both runs' train and validation losses into this PNG")))
 
 PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time, warnings; "
-               "before any GPU-hour", "plait.cli:cmd_plan", (
+               "before any GPU-hour", "plait.cli.commands:cmd_plan", (
     CONFIG,
     arg("--gpus", type=int, help="devices in the job (required unless --calibrate)"),
     arg("--gpus-per-node", type=int, default=8),
@@ -229,13 +229,14 @@ PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time
     OVERRIDES))
 
 REPORT = Command("report", "PNGs of a run's metrics: loss, throughput, communication, memory",
-                 "plait.cli:cmd_report", (
+                 "plait.cli.commands:cmd_report", (
     arg("metrics", metavar="METRICS",
         help="a metrics file (plait train --metrics), or the folder holding it"),
     arg("--out", help="folder for the PNGs (default: report/ beside the file)")))
 
 CONVERT = Command("convert", "a checkpoint to a Hugging Face Llama folder (--to hf OUT CKPT), or "
-                  "one into a checkpoint (--from hf HF_DIR OUT)", "plait.cli:cmd_convert", (
+                  "one into a checkpoint (--from hf HF_DIR OUT)",
+                  "plait.cli.commands:cmd_convert", (
     arg("first", metavar="OUT|HF_DIR"), arg("second", metavar="CKPT|OUT_CKPT")), exclusive=(
     arg("--to", choices=["hf"], help="export CKPT (any layout) into the folder OUT"),
     arg("--from", dest="source", choices=["hf"],

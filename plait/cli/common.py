@@ -1,5 +1,5 @@
-"""What the command-line modules share (`cli.py`, `cli_bench.py`): recipes, the configuration of a
-command, output paths checked before anything starts."""
+"""What the command-line modules share (`commands.py`, `bench.py`, `data.py`): recipes, the
+configuration of a command, output paths checked before anything starts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from plait.config import Config, ConfigError, clip_warmup, load_config
 from plait.train.outputs import creatable
 
-RECIPES = Path(__file__).resolve().parent.parent / "configs"
+RECIPES = Path(__file__).resolve().parents[2] / "configs"
 
 
 def recipe_path(name: str | None) -> Path | None:

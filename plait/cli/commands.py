@@ -1,19 +1,11 @@
-"""`plait train [--config FILE] [--nproc N] [--metrics FILE] [--tensorboard DIR] [--trace DIR]
-[--nnodes N --rdzv-endpoint HOST:PORT] ...`
-`plait run [--nproc N] [--preload MODULE] script.py [args ...]` (a user's script: `plait.init()`)
-`plait bench comm | step | pp | compression | scaling | checkpoint | moe ...` (`cli_bench.py`)
-`plait plan --gpus N [--gpu h100] [...]`, `plait compare A.jsonl B.jsonl [--rtol R]`,
-`plait report METRICS [--out DIR]`
-
-Thin: parse, validate, launch. Bad input exits with status 2 and one line naming the field and the
-fix, before any worker starts.
-"""
+"""The commands that train and run (train, run), and those that start no worker (plan, compare,
+report, convert): each `cmd_*` takes the parsed arguments, checks every input it can (status 2
+and one line, `ConfigError`), then launches or answers. The parser and dispatch: __init__.py."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import os
@@ -21,23 +13,8 @@ import socket
 import sys
 from pathlib import Path
 
-from plait.cli_common import check_output_path, in_torchrun, load
-from plait.cli_spec import COMMANDS, add_commands
+from plait.cli.common import check_output_path, in_torchrun, load
 from plait.config import AXES, Config, ConfigError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, status 2, like every other bad input
-        print(f"plait: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _parser() -> argparse.ArgumentParser:
-    """Every command, from its description in `cli_spec.py` (no handler imported yet)."""
-    parser = _Parser(prog="plait", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    add_commands(sub, _Parser, COMMANDS)
-    return parser
 
 
 def default_world(cfg: Config) -> int:
@@ -413,22 +390,3 @@ def _convert_from_hf(hf: Path, out: str) -> None:
         raise ConfigError("HF_DIR", f"{e}; give a Hugging Face Llama folder") from None
     settings = " ".join(f"model.{k}={v}" for k, v in overrides.items())
     print(f"{path}\ncontinue training it with: plait train checkpoint.resume={path} {settings}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = _parser()
-    # Overrides may come before or after options (`--nproc 4 parallel.tp=2`); argparse alone
-    # would take only the first run of positionals.
-    args, extra = parser.parse_known_args(argv)
-    unknown = [word for word in extra if word.startswith("-") or "=" not in word]
-    if unknown or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    if extra:
-        args.overrides = [*args.overrides, *extra]
-    module, name = args.handler.split(":")
-    try:  # the handler's imports (torch, ...) only now: a bad key was refused before them
-        getattr(importlib.import_module(module), name)(args)
-    except ConfigError as e:
-        if speaks():
-            print(f"plait: error: {e}", file=sys.stderr)
-        sys.exit(2)

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from plait.choices import COMPRESSIONS, CP_METHODS
-from plait.cli_common import check_output_path, load, recipe_path
+from plait.cli.common import check_output_path, load, recipe_path
 from plait.config import ConfigError, at_world, cp_variants, load_config, with_cp
 
 
