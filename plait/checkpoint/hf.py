@@ -23,7 +23,15 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from plait.checkpoint import finish, meta, read_meta
-from plait.checkpoint.hf_llama import BUFFERS, NAMES, ROTATED, hf_config, model_overrides, rename
+from plait.checkpoint.hf_llama import (
+    BUFFERS,
+    NAMES,
+    ROTATED,
+    hf_config,
+    model_overrides,
+    names_problem,
+    rename,
+)
 from plait.checkpoint.rank_state import load_full, one_process
 from plait.config import Config, ModelConfig, model_section
 from plait.model.args import ModelArgs
@@ -84,17 +92,13 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     return out
 
 
-def _check_complete(sd: dict, args: ModelArgs, hf_dir: Path) -> None:
-    """The imported tensors are the whole of plait's Llama of `args`, each of its shape (the
-    config.json and the safetensors of one model), or a one-line ValueError."""
+def _check_shapes(sd: dict, args: ModelArgs, hf_dir: Path) -> None:
+    """The imported tensors, their names already checked (`hf_llama.names_problem`), are plait's
+    Llama of `args` (no layer beyond its own), each of its shape; a one-line ValueError if not."""
     from plait.model.llama import build_model
 
     want = {f"model.{n}": tuple(p.shape)
             for n, p in build_model(args, seed=0, device="meta").named_parameters()}
-    missing = sorted(want.keys() - sd.keys())
-    if missing:
-        raise ValueError(f"{hf_dir}: its safetensors lack {len(missing)} tensor(s) of the model "
-                         f"config.json describes ({missing[0].removeprefix('model.')}, ...)")
     for name, t in sd.items():
         if name not in want:
             raise ValueError(f"{hf_dir}: {name.removeprefix('model.')} is not in the model "
@@ -115,6 +119,9 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, dict]:
     weights = {}
     for file in sorted(hf_dir.glob("*.safetensors")):
         weights.update(load_file(str(file)))
+    problem = names_problem(set(weights), hf)
+    if problem:
+        raise ValueError(f"{hf_dir}: {problem}")
     if "lm_head.weight" not in weights and hf.get("tie_word_embeddings"):
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     back = {v: k for k, v in NAMES.items()}
@@ -122,16 +129,12 @@ def import_hf(hf_dir: str | Path, out: str | Path) -> tuple[Path, dict]:
     for name, t in weights.items():
         if name.endswith(BUFFERS):
             continue
-        try:
-            mine = rename(name, back)
-        except KeyError:
-            raise ValueError(f"{hf_dir}: tensor {name!r} is not a Llama's (its safetensors "
-                             "hold another model)") from None
+        mine = rename(name, back)
         t = t.float()
         if mine.endswith(ROTATED):
             t = _to_interleaved(t, args.head_dim)
         sd[f"model.{mine}"] = t.contiguous()
-    _check_complete(sd, args, hf_dir)
+    _check_shapes(sd, args, hf_dir)
     sd["train.step"] = torch.tensor(0, dtype=torch.int64)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
