@@ -41,16 +41,16 @@ from torch import nn
 from plait import checkpoint as ckpt
 from plait.checkpoint import rank_state
 from plait.checkpoint.layout import SaveBoxes
-from plait.checks_layout import validate_parallel
 from plait.comm import LEDGER, all_reduce, broadcast
-from plait.config import ParallelConfig
+from plait.config.checks_layout import validate_parallel
+from plait.config.schema import ParallelConfig
 from plait.mesh import build_mesh, rows_share
+from plait.optim.loss_scaling import HALF, LossScaler
+from plait.optim.muon import MatrixExchange
+from plait.optim.whole_matrices import Factory, WholeMatrices
 from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
 from plait.parallel.batch import Call, as_microbatches
 from plait.parallel.compile import apply_compile, compile_enabled
-from plait.parallel.loss_scaling import HALF, LossScaler
-from plait.parallel.muon import MatrixExchange
-from plait.parallel.whole_matrices import Factory, WholeMatrices
 from plait.parallel.wrap import WrapPolicy
 from plait.train.verify import Verdict, verify_step
 
@@ -238,7 +238,7 @@ class Prepared:
         """An optimizer of `whole(tensors)` over the parameters `prepare(whole=...)` named, each
         whole on the rank that owns it (`torch.optim.Muon`, `torch.optim.Adafactor`, anything
         that needs a matrix whole), and `rest(tensors)` over the others (this rank's slices
-        under ZeRO); one object to `step` with (`plait/parallel/whole_matrices.py`)."""
+        under ZeRO); one object to `step` with (`plait/optim/whole_matrices.py`)."""
         par = self.parallelized
         if not par.engine.matrices:
             raise ValueError("whole: name the parameters the optimizer needs whole in "

@@ -23,8 +23,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from plait.checks_layout import validate_parallel
-from plait.config import Config, ParallelConfig
+from plait.config.checks_layout import validate_parallel
+from plait.config.schema import Config, ParallelConfig
 from plait.mesh import build_mesh, rows_share
 from plait.model.plan import has_plan
 from plait.parallel import ModuleOptions, parallelize

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from plait.config import load_config
+from plait.config.schema import load_config
+from plait.data.batches import TokenData
 from plait.model.documents import Documents
-from plait.train.data import TokenData
-from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.optim.build import build_optimizer, lr_at, set_lr
 
 SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

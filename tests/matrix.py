@@ -8,10 +8,10 @@ from fractions import Fraction
 import torch
 from training import assert_params_close
 
-from plait.checks import validate
 from plait.comm import Op
-from plait.parallel.loss_scaling import HALF
+from plait.optim.loss_scaling import HALF
 from plait.predict import cost
+from plait.train.checks import validate
 from plait.train.dry_run import describe_rank
 
 STEPS = 4

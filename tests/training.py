@@ -9,11 +9,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from plait.checks import validate
 from plait.comm import LEDGER
-from plait.config import load_config
+from plait.config.schema import load_config
 from plait.mesh import build_mesh
 from plait.predict import cost
+from plait.train.checks import validate
 from plait.train.trainer import Trainer
 
 STEPS = 5
@@ -161,10 +161,10 @@ def grad_scaler_reference(cfg, steps: int = 4, inject: tuple[str, int] | None = 
     them; Micikevicius et al. 2018). `inject` = (module name, step): that module's output
     gradient overflows in that step. Returns losses, the scale after each step, the global norm
     of the unscaled gradient before clipping, the skipped steps, and the parameters."""
+    from plait.data.batches import TokenData
     from plait.model.moe import MoEFeedForward
+    from plait.optim.build import build_optimizer, lr_at, set_lr
     from plait.parallel import cross_entropy
-    from plait.train.data import TokenData
-    from plait.train.optim import build_optimizer, lr_at, set_lr
     from plait.train.trainer import build_configured_model
 
     train = cfg.train

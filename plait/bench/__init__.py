@@ -18,9 +18,9 @@ from plait.bench.pp import (
     with_schedule,
 )
 from plait.bench.step import with_free_dp
-from plait.checks import validate
-from plait.config import Config, ConfigError, at_world, cp_variants, with_cp
+from plait.config.schema import Config, ConfigError, at_world, cp_variants, with_cp
 from plait.launch import launch
+from plait.train.checks import validate
 from plait.train.progress import each
 from plait.train.report import draw_timelines
 
@@ -39,7 +39,7 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
 
 
 def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
-    from plait.choices import PP_SCHEDULES
+    from plait.config.choices import PP_SCHEDULES
     from plait.parallel.pipeline.schedules import build_schedule
     from plait.parallel.pipeline.simulator import simulate, textbook_bubble
 

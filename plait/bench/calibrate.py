@@ -39,12 +39,12 @@ def time_all_reduces(sizes: list[int], min_seconds: float) -> list[tuple[int, fl
 def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     """Measure this machine and store the result; returns it."""
     from plait.bench.plan import measure_run
-    from plait.checks import validate
-    from plait.config import load_config
+    from plait.config.schema import load_config
     from plait.launch import launch
     from plait.planner.calibrate import measure_cpu_flops
     from plait.planner.hardware import Cluster, Device
     from plait.planner.price import estimate
+    from plait.train.checks import validate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a rank's share: workers run one thread each

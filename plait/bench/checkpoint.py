@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from plait.bench.step import start_worker
 from plait.checkpoint import step_path
 from plait.checkpoint.rank_state import load, training_state
-from plait.config import Config
+from plait.config.schema import Config
 from plait.train.checkpointing import CopyStager
 from plait.train.trainer import Trainer
 

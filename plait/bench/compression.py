@@ -26,10 +26,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from plait.bench.step import start_worker
-from plait.config import Config, microbatches
+from plait.config.schema import Config, microbatches
+from plait.data.batches import TokenData
 from plait.model import build_model
-from plait.train.data import TokenData
-from plait.train.optim import build_optimizer, lr_at, set_lr
+from plait.optim.build import build_optimizer, lr_at, set_lr
 from plait.train.trainer import Trainer
 
 PEERS = ("torch fp16_compress_hook", "torch powerSGD_hook")

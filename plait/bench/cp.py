@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
 from plait.comm import LEDGER, Op
-from plait.config import Config
+from plait.config.schema import Config
 from plait.predict.activations import activation_bytes
 from plait.predict.cost import chunk_layouts
 from plait.train.trainer import Trainer

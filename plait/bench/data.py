@@ -23,8 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from plait.bench.step import start_worker
-from plait.config import Config
-from plait.train.corpus import (
+from plait.config.schema import Config
+from plait.data.batches import TokenData
+from plait.data.corpus import (
     BLOCK_BYTES,
     CHECKSUMS,
     INDEX,
@@ -32,9 +33,8 @@ from plait.train.corpus import (
     SHARD_TOKENS,
     stdlib_files,
 )
-from plait.train.data import TokenData
+from plait.data.tokenize_corpus import prepare
 from plait.train.host_memory import anonymous_bytes
-from plait.train.prepare import prepare
 from plait.train.trainer import Trainer
 
 
@@ -165,8 +165,8 @@ def run_data(cfg: Config, nproc: int, sizes_mb: list[int], workers: list[int], s
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    from plait.checks import validate  # noqa: PLC0415
     from plait.launch import launch  # noqa: PLC0415
+    from plait.train.checks import validate  # noqa: PLC0415
 
     validate(cfg, nproc)
     shutil.rmtree(folder, ignore_errors=True)

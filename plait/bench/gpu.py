@@ -43,7 +43,7 @@ from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import forkserver
-from plait.config import Config, load_config
+from plait.config.schema import Config, load_config
 
 SIDES = ("plait", "plait-compiled", "plait-hf", "loop", "loop-compiled")
 SHAPES = {  # the model and batch of each shape
@@ -75,12 +75,12 @@ def _sync(device: torch.device) -> None:
 
 def _plait_step(cfg: Config, device: torch.device, hf_dir: str | None):
     """plait's side: the trainer's own step (its one step path)."""
-    from plait.checks import validate
     from plait.mesh import build_mesh
+    from plait.train.checks import validate
     from plait.train.trainer import Trainer
 
     if hf_dir is not None:
-        from plait.config import ModelConfig
+        from plait.config.schema import ModelConfig
 
         cfg = dataclasses.replace(cfg, model=ModelConfig(hf=hf_dir))
     dims = validate(cfg, dist.get_world_size())
@@ -94,8 +94,8 @@ def _loop_step(cfg: Config, device: torch.device, compiled: bool, microbatches: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from plait.checkpoint.hf import hf_config
-    from plait.parallel.loss_scaling import HALF
-    from plait.train.data import TokenData
+    from plait.data.batches import TokenData
+    from plait.optim.loss_scaling import HALF
 
     train = cfg.train
     torch.manual_seed(train.seed)
@@ -241,7 +241,7 @@ def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES
 
 
 def _shape_of(cfg: Config) -> str:
-    from plait.choices import held_precision
+    from plait.config.choices import held_precision
 
     a, train = cfg.model.args(), cfg.train
     held = held_precision(train.precision, train.param_dtype, cfg.parallel.zero)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
-from plait.config import Config
+from plait.config.schema import Config
 from plait.model import count_params
 from plait.model.llama import build_model
 from plait.predict import cost

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
 from plait.comm import LEDGER, Op
-from plait.config import Config
+from plait.config.schema import Config
 from plait.train.trainer import Trainer
 
 

@@ -1,5 +1,5 @@
 """`plait bench step --nproc N train.optimizer=muon [layout]`: Muon's exchange (each matrix
-orthogonalized once, by its owner: `parallel/muon.py`) against the simplest correct alternative,
+orthogonalized once, by its owner: `optim/muon.py`) against the simplest correct alternative,
 in which every rank all-gathers every matrix whole and orthogonalizes all of them (what a user
 who hands ZeRO's or tp's pieces to `torch.optim.Muon` would have to write). Both are plait's
 trainer step on the same processes, taking turns; also each one's optimizer step alone."""
@@ -17,11 +17,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.load import OtherLoad
 from plait.bench.step import start_worker, summarize, with_free_dp
-from plait.checks import validate
 from plait.comm import all_gather
-from plait.config import Config, ConfigError
+from plait.config.schema import Config, ConfigError
 from plait.launch import launch
-from plait.parallel.muon import SHIPPED, MatrixExchange, _zeropower_via_newtonschulz
+from plait.optim.muon import SHIPPED, MatrixExchange, _zeropower_via_newtonschulz
+from plait.train.checks import validate
 from plait.train.host_memory import malloc_threshold
 from plait.train.trainer import Trainer
 

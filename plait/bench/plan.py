@@ -94,9 +94,9 @@ def measure_run(cfg, steps: int) -> dict | None:
 
 def predicted(cfg, ranks: int, device) -> dict:
     """The plan's numbers for rank 0 of cfg on `ranks` ranks of one machine."""
-    from plait.checks import validate
     from plait.planner.hardware import Cluster
     from plait.planner.price import estimate
+    from plait.train.checks import validate
 
     plan = estimate(cfg, validate(cfg, ranks), Cluster(ranks, ranks, device))
     memory = plan.memory_bytes
@@ -110,10 +110,10 @@ def relative(pred: float, meas: float) -> float:
 
 def measured_rows(steps: int) -> list[dict]:
     """Each row of ROWS run (its own job) and planned on the calibrated CPU device."""
-    from plait.checks import validate
-    from plait.config import load_config
+    from plait.config.schema import load_config
     from plait.launch import launch
     from plait.planner.hardware import cpu_device
+    from plait.train.checks import validate
     from plait.train.progress import each
 
     configs = [(name, n, load_config(None, [*BASE, *overrides])) for name, n, overrides in ROWS]

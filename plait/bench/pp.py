@@ -32,11 +32,11 @@ from torch.distributed.pipelining import (
 from plait import comm
 from plait.bench.step import start_worker
 from plait.comm.trace import TRACER, pipeline_spans
-from plait.config import Config
+from plait.config.schema import Config
+from plait.data.batches import TokenData
 from plait.model import build_model
 from plait.parallel import parallelize
 from plait.parallel.pipeline.stage import split_model
-from plait.train.data import TokenData
 from plait.train.progress import each
 
 TORCH_PEERS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,

@@ -176,7 +176,7 @@ def published_row(row: Published) -> dict:
     """One published run planned with its layout pinned (the micro-batches and schedule, where
     not published, the planner's best): predicted and published throughput and memory, and with
     `row.rank` where its layout ranks among the planner's distinct layouts that fit."""
-    from plait.config import load_config
+    from plait.config.schema import load_config
     from plait.planner.hardware import planned_precision
     from plait.planner.search import rank_plans
 

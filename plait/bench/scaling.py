@@ -24,9 +24,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import plait_step, start_worker, time_in_turns, torch_runner
 from plait.comm import LEDGER
-from plait.config import Config, microbatches
+from plait.config.schema import Config, microbatches
+from plait.data.batches import TokenData
 from plait.model import build_model
-from plait.train.data import TokenData
 
 
 def has_torch_peer(cfg: Config) -> bool:

@@ -39,13 +39,13 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import comm
-from plait.checks import validate
-from plait.config import Config, microbatches
+from plait.config.schema import Config, microbatches
+from plait.data.batches import TokenData
 from plait.mesh import build_mesh
 from plait.model.plan import has_plan, plan_of
+from plait.optim.loss_scaling import HALF
 from plait.parallel import BucketedDataParallel
-from plait.parallel.loss_scaling import HALF
-from plait.train.data import TokenData
+from plait.train.checks import validate
 from plait.train.host_memory import STEADY_THRESHOLD, malloc_threshold, release_freed_memory
 from plait.train.trainer import Trainer, build_configured_model
 
@@ -97,7 +97,7 @@ class _Runner:
 def as_plaits_llama(cfg: Config) -> Config:
     """`cfg` with its Hugging Face model (`model.hf`) replaced by plait's own Llama of the same
     shape (`hf_args`: width, layers, heads, MLP, vocabulary)."""
-    from plait.config import ModelConfig
+    from plait.config.schema import ModelConfig
 
     shape = dataclasses.asdict(cfg.model.args())
     return dataclasses.replace(cfg, model=ModelConfig(preset="tiny", overrides=shape))

@@ -12,9 +12,9 @@ from plait import forkserver
 from plait.bench.load import BUSY, OtherLoad
 from plait.bench.step import NO_COMM, SIDES, bench_step, summarize, with_free_dp, world_sizes
 from plait.bench.tp import bench_tp
-from plait.checks import validate
-from plait.config import Config, ConfigError, microbatches
+from plait.config.schema import Config, ConfigError, microbatches
 from plait.launch import launch
+from plait.train.checks import validate
 from plait.train.progress import each
 
 

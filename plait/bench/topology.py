@@ -153,8 +153,8 @@ def cluster_of(intra: dict, inter: dict):
 
 def configured(overrides: list[str]):
     """(the configuration of a layout on the cluster, its degrees) (ConfigError if refused)."""
-    from plait.checks import validate
-    from plait.config import load_config
+    from plait.config.schema import load_config
+    from plait.train.checks import validate
 
     cfg = load_config(None, [*BASE, *overrides, f"parallel.ranks_per_node={PER_NODE}"])
     return cfg, validate(cfg, NODES * PER_NODE)

@@ -8,14 +8,14 @@ A checkpoint is a folder `step-NNNNNNNN` (the number of optimizer steps done) ho
   step count), `train.step`, `rng` (the CPU generator's state), with a compression method
   its state: `compression.error.<name>`, `compression.q.<name>` (`compression.py`), and under
   fp16 the loss scaler's: `train.loss_scale`, `train.loss_scale_growth_tracker`,
-  `train.loss_scale_hysteresis_left`, `train.skipped_steps` (`parallel/loss_scaling.py`);
+  `train.loss_scale_hysteresis_left`, `train.skipped_steps` (`optim/loss_scaling.py`);
 - `plait.json`: the step, the configuration and world it was made with, and what it contains
   (a Hugging Face import holds the model alone);
 - `COMPLETE`, written last by rank 0 once DCP has gathered every rank's write results and
   written its metadata. A folder without it is ignored: a crash during a save leaves the previous
   checkpoint the newest complete one.
 
-The data position needs no state: a step's batch is a function of the step (`train/data.py`).
+The data position needs no state: a step's batch is a function of the step (`data/batches.py`).
 Loading runs nothing a checkpoint holds: DCP's `.metadata` is unpickled against an allow-list of
 the classes it is made of (`metadata.py`), tensors by `torch.load(weights_only=True)`, and
 `plait.json` is JSON.

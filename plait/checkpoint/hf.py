@@ -33,7 +33,7 @@ from plait.checkpoint.hf_llama import (
     rename,
 )
 from plait.checkpoint.rank_state import load_full, one_process
-from plait.config import Config, ModelConfig, model_section
+from plait.config.schema import Config, ModelConfig, model_section
 from plait.model.args import ModelArgs
 from plait.model.hf import HF_PLANS, architecture, hf_name, read_config
 

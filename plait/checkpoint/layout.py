@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from plait.parallel.state import Piece
+from plait.parallel.engines.state import Piece
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

@@ -17,7 +17,7 @@ import sys
 
 from plait.cli.commands import speaks
 from plait.cli.spec import COMMANDS, add_commands
-from plait.config import ConfigError
+from plait.config.schema import ConfigError
 
 # The package: the commands' options (spec.py), what they read (common.py), the commands
 # (commands.py: train, run, plan, compare, report, convert; bench.py; data.py). A handler is

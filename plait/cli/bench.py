@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from plait.choices import COMPRESSIONS, CP_METHODS
 from plait.cli.common import check_output_path, load, recipe_path
-from plait.config import ConfigError, at_world, cp_variants, load_config, with_cp
+from plait.config.choices import COMPRESSIONS, CP_METHODS
+from plait.config.schema import ConfigError, at_world, cp_variants, load_config, with_cp
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> None:
@@ -168,7 +168,7 @@ def cmd_bench_scaling(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     check_output_path(args.png, "--png")
     cfg = load(args)
-    from plait.checks import validate
+    from plait.train.checks import validate
 
     for n in sizes:  # every world size before any worker, and before the bench imports torch
         validate(at_world(cfg, n, sizes[0], args.weak), n)
@@ -211,7 +211,7 @@ def cmd_bench_cp(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need >= 1 timed steps after >= 0 warm-up steps, got "
                           f"{args.steps} after {args.warmup}")
     cfg = load(args)
-    from plait.checks import validate
+    from plait.train.checks import validate
 
     for c, m in cp_variants(degrees, methods):  # before any worker, and before torch's import
         validate(with_cp(cfg, c, m), c)

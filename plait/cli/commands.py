@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from plait.cli.common import check_output_path, in_torchrun, load
-from plait.config import AXES, Config, ConfigError
+from plait.config.schema import AXES, Config, ConfigError
 
 
 def default_world(cfg: Config) -> int:
@@ -30,7 +30,7 @@ def outputs(args: argparse.Namespace):
 
 def check_inputs(cfg: Config, out=None) -> None:
     """What validate cannot see from the configuration alone: the data and the output paths."""
-    from plait.train.mixture import check_corpus
+    from plait.data.mixture import check_corpus
 
     vocab_key = f"model.hf ({cfg.model.hf})" if cfg.model.hf else "model.vocab_size"
     note = check_corpus(cfg.data, cfg.model.args().vocab_size, cfg.train.global_batch, vocab_key)
@@ -81,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if nodes and not cfg.parallel.ranks_per_node:  # what the checks and --dry-run see
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     ranks_per_node=nproc))
-    from plait.checks import validate
+    from plait.train.checks import validate
 
     cfg = fit_to_world(cfg, nproc * (nodes or 1))
     dims = validate(cfg, nproc * (nodes or 1))
@@ -108,7 +108,7 @@ def _train_as_torchrun_worker(args: argparse.Namespace, cfg: Config) -> None:
         raise ConfigError("--max-restarts", "torchrun's shared store keeps a dead attempt's "
                           "keys, which hang the restart (pytorch#135712): run torchrun with "
                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
-    from plait.checks import validate
+    from plait.train.checks import validate
 
     cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
     dims = validate(cfg, int(os.environ["WORLD_SIZE"]))
@@ -271,7 +271,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from plait.checks_hf import check_hf_folder
+    from plait.config.checks_hf import check_hf_folder
     from plait.planner.hardware import ENGINES, Cluster, check_options, device, planned_precision
     from plait.planner.pins import check_mesh_pins, pinned
 
@@ -295,7 +295,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                              args.gpu_memory_gb, args.gpu_tflops), ENGINES[args.engine])
     cfg, cluster = planned_precision(cfg, cluster)
     plans = choose(cfg, cluster, fixed)
-    from plait.checks_files import check_data  # the corpus, the same for every layout
+    from plait.data.checks import check_data  # the corpus, the same for every layout
 
     check_data(cfg.data, cfg.model.args())
     if args.json:
@@ -336,7 +336,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         from plait.checkpoint import BadMeta
         from plait.checkpoint.hf import export_hf
         from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
-        from plait.config import model_section
+        from plait.config.schema import model_section
 
         try:
             saved = check_checkpoint(source)
@@ -362,7 +362,7 @@ def _convert_from_hf(hf: Path, out: str) -> None:
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
     from plait.checkpoint.hf_llama import model_overrides, names_problem
-    from plait.checks_hf import check_safetensors
+    from plait.config.checks_hf import check_safetensors
 
     try:
         raw = json.loads((hf / "config.json").read_text())

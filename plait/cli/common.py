@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from plait.config import Config, ConfigError, clip_warmup, load_config
-from plait.train.outputs import creatable
+from plait.config.paths import creatable
+from plait.config.schema import Config, ConfigError, clip_warmup, load_config
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs"
 

@@ -1,5 +1,5 @@
 """`plait data prepare SRC... OUT --tokenizer T [--field F] [--workers N]`: a corpus of token ids
-for `data.source = OUT` (`plait/train/prepare.py`); `plait data verify OUT [--sample N]`: its
+for `data.source = OUT` (`plait/data/tokenize_corpus.py`); `plait data verify OUT [--sample N]`: its
 shards read whole against their checksums and the vocabulary (a launch checks sizes and a sample
 only). Bad input exits with status 2 and one line."""
 
@@ -9,9 +9,9 @@ import argparse
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
-    from plait.config import ConfigError
-    from plait.train.corpus import SHARD_TOKENS
-    from plait.train.prepare import prepare
+    from plait.config.schema import ConfigError
+    from plait.data.corpus import SHARD_TOKENS
+    from plait.data.tokenize_corpus import prepare
 
     if len(args.paths) < 2:
         raise ConfigError("OUT", "name the sources, then the folder to write (SRC... OUT)")
@@ -35,8 +35,8 @@ def cmd_data_verify(args: argparse.Namespace) -> None:
     import time
     from pathlib import Path
 
-    from plait.config import ConfigError
-    from plait.train.corpus import CorpusError, is_prepared, read_manifest, verify_shards
+    from plait.config.schema import ConfigError
+    from plait.data.corpus import CorpusError, is_prepared, read_manifest, verify_shards
 
     folder = Path(args.folder)
     if not is_prepared(args.folder):

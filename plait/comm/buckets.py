@@ -1,5 +1,5 @@
-"""Gradient buckets: which parameters share a flat buffer (`plait.parallel.flat.FlatParam`) of
-about `cap_bytes`, so that many small gradients travel in a few large messages (latency is paid
+"""Gradient buckets: which parameters share a flat buffer (`plait.parallel.engines.flat.FlatParam`)
+of about `cap_bytes`, so that many small gradients travel in a few large messages (latency is paid
 per message).
 
 Parameters go in reverse registration order, roughly the order backward produces their gradients,

@@ -21,11 +21,11 @@ On gloo, a flat all-gather and a reduce-scatter each make a buffer the size of t
 (gloo gathers into a flat buffer of its own and copies out; its reduce-scatter all-reduces a clone
 and copies a chunk out), once per call, in its worker thread or the caller's. ZeRO-3 calls them
 for every unit twice a step, and those buffers, freed in between, are what fragments a CPU rank's
-heap (`plait/parallel/buffer_pool.py`). From `IN_PLACE` bytes on, on the CPU, plait does without
-them: the all-gather is n broadcasts, rank r's from its own chunk of `output` (each rank sends
-what the ring would: its chunk to the n - 1 others), and a reduce-scatter whose input the caller
-no longer needs (`scratch`) is the same all-reduce as gloo's, in place, and a copy. The ledger
-books the logical collective either way.
+heap (`plait/parallel/engines/buffer_pool.py`). From `IN_PLACE` bytes on, on the CPU, plait does
+without them: the all-gather is n broadcasts, rank r's from its own chunk of `output` (each rank
+sends what the ring would: its chunk to the n - 1 others), and a reduce-scatter whose input the
+caller no longer needs (`scratch`) is the same all-reduce as gloo's, in place, and a copy. The
+ledger books the logical collective either way.
 """
 
 from __future__ import annotations

@@ -31,31 +31,31 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plait.choices import held_precision
 from plait.comm import all_reduce, broadcast
 from plait.comm.trace import TRACER
-from plait.config import ParallelConfig
+from plait.config.choices import held_precision
+from plait.config.schema import ParallelConfig
 from plait.mesh import AXES, Axis, batch_axis
 from plait.model.documents import Documents
 from plait.model.materialize import Filler, Source, is_meta, materialize
 from plait.model.plan import has_plan, plan_of
+from plait.optim.loss_scaling import HALF, LossScaler
+from plait.optim.muon_routes import muon_matrices
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
-from plait.parallel.data_parallel import BucketedDataParallel, NaiveDataParallel, SyncedReplicas
 from plait.parallel.dropout import seed_ranks
 from plait.parallel.engines import build_data_parallel
+from plait.parallel.engines.ddp import BucketedDataParallel, NaiveDataParallel, SyncedReplicas
+from plait.parallel.engines.zero import ZeroDataParallel
+from plait.parallel.engines.zero3 import Zero3DataParallel, first_unit_spans, unit_names
 from plait.parallel.expert_parallel import apply_ep, has_experts, moe_layers
 from plait.parallel.grads import by_device_and_dtype, scale_grads_
-from plait.parallel.loss_scaling import HALF, LossScaler
-from plait.parallel.muon_routes import muon_matrices
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.tensor_parallel import apply_tp
 from plait.parallel.vocab_parallel import HeadCrossEntropy
 from plait.parallel.wrap import WrapPolicy
-from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero3 import Zero3DataParallel, first_unit_spans, unit_names
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -249,7 +249,7 @@ def parallelize(
     cut: each rank makes only what it holds (under ZeRO-3, its slices;
     `plait.model.materialize`). `whole` names the parameters an optimizer needs whole (True:
     Muon's, `muon_matrices`; or a test of (name, parameter)): the engine keeps them in flat
-    buffers of their own, for `parallel.muon.MatrixExchange`. `groups(name, parameter)` names
+    buffers of their own, for `optim.muon.MatrixExchange`. `groups(name, parameter)` names
     each parameter's optimizer group (weight decay by name under ZeRO): flat buffers never mix
     two groups (`Parallelized.engine.param_groups()`)."""
     axes = {a: Axis.of(mesh, a) for a in AXES}

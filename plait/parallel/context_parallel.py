@@ -38,9 +38,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
-from plait.choices import CP_METHODS
 from plait.comm import shift
 from plait.comm.autograd import heads_to_seq, seq_to_heads
+from plait.config.choices import CP_METHODS
 from plait.mesh import Axis
 from plait.model.documents import Documents
 from plait.model.llama import causal_attention

@@ -234,7 +234,7 @@ FUSED_PASSES = 4.0
 # to whole steps, also hold what is not those kernels (launches, the norm's and the optimizer's
 # extra passes), which compiling keeps: 9.3 of the 26 passes.
 COMPILED_PASSES = 9.3
-# torch's fused AdamW (plait's on CUDA, `train/optim.py`): reads the fp32 parameter, gradient and
+# torch's fused AdamW (plait's on CUDA, `optim/build.py`): reads the fp32 parameter, gradient and
 # two moments, writes the parameter and moments, once: 28 bytes an element (the H100's eager 1B
 # step lost 47 ms with it and the one-pass gradient norm: 36 ms of the foreach AdamW's 96 bytes
 # down to 28 at its memory rate, and ~30 GB of the norm's fp64 copies).
@@ -299,7 +299,7 @@ LINK_GBPS = (0.001, 1e5)
 
 def check_options(args) -> None:
     """`plait plan`'s cluster options, each refused in one line (`ConfigError`)."""
-    from plait.config import ConfigError
+    from plait.config.schema import ConfigError
 
     if args.gpus is None:
         raise ConfigError("--gpus", "required: the number of devices the job runs on")
@@ -324,7 +324,7 @@ def planned_precision(cfg, cluster: Cluster):
     """(cfg, cluster) as priced: `train.precision = "fp8"` is bf16's model state and activations
     with the linear layers' matmuls in fp8 (torchtitan's float8 training: Float8Linear keeps bf16
     weights and activations between layers), on a device that has fp8 tensor cores."""
-    from plait.config import ConfigError
+    from plait.config.schema import ConfigError
 
     if cfg.train.precision != "fp8":
         return cfg, cluster

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from plait.config import Config, ConfigError
+from plait.config.schema import Config, ConfigError
 from plait.mesh import AXES
 
 PINNABLE = {"parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from plait.checks_layout import check_layout
-from plait.config import Config, ConfigError
+from plait.config.checks_layout import check_layout
+from plait.config.schema import Config, ConfigError
 from plait.mesh import ParallelDims
 from plait.planner.hardware import Cluster
 from plait.planner.price import (

@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from plait.checks_layout import check_layout
-from plait.config import Config, ConfigError
+from plait.config.checks_layout import check_layout
+from plait.config.schema import Config, ConfigError
 from plait.planner.hardware import Cluster
 from plait.planner.price import HEADROOM, PricedLayout, estimate, with_degrees
 from plait.planner.search import meshes, rank_plans, reasons

@@ -39,10 +39,10 @@ from fractions import Fraction
 
 import torch
 
-from plait.config import Config, microbatches
+from plait.config.schema import Config, microbatches
 from plait.mesh import ParallelDims
+from plait.optim.loss_scaling import HALF
 from plait.parallel.compile import compile_enabled
-from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.simulator import peak_held
 from plait.parallel.vocab_parallel import (

@@ -39,18 +39,18 @@ from fractions import Fraction
 
 from plait.comm import Op, bus_bytes
 from plait.comm.compression import members_numel
-from plait.config import Config, microbatches
+from plait.config.schema import Config, microbatches
 from plait.mesh import ParallelDims, dp_per_node, ranks_per_node
 from plait.model.plan import has_plan, plan_of
-from plait.parallel.expert_parallel import moe_layers
-from plait.parallel.loss_scaling import HALF
-from plait.parallel.muon_routes import (
+from plait.optim.loss_scaling import HALF
+from plait.optim.muon_routes import (
     DataGroup,
     MatrixBuffer,
     Routes,
     newton_schulz_flops,
     plan_matrices,
 )
+from plait.parallel.expert_parallel import moe_layers
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.vocab_parallel import compute_device, run_tokens
@@ -173,7 +173,7 @@ def step_traffic(cfg: Config, dims: ParallelDims, record: PlacementRecord,
 
 
 def muon_routes(cfg: Config, dims: ParallelDims, record: PlacementRecord):
-    """Muon's exchange on this rank (`parallel.muon.Routes`), from the flat buffers the engine
+    """Muon's exchange on this rank (`optim.muon.Routes`), from the flat buffers the engine
     lays out; None for other optimizers."""
     names = matrices(cfg, record)
     if not names:
@@ -213,7 +213,7 @@ def muon_flops(cfg: Config, dims: ParallelDims, record: PlacementRecord,
 
 def _muon_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: PlacementRecord) -> None:
     """Muon: per step, each matrix's update to its owner and the orthogonalized one back, in bf16
-    (`parallel/muon.py`): an all-to-all over each data group whose ranks hold slices (ZeRO), two
+    (`optim/muon.py`): an all-to-all over each data group whose ranks hold slices (ZeRO), two
     over tp, and one back over each data group."""
     routes = muon_routes(cfg, dims, record)
     for data, elements in routes.traffic() if routes is not None else []:

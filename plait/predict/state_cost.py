@@ -11,17 +11,17 @@ import functools
 
 import torch
 
-from plait.choices import HALF_PRECISIONS, held_precision
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Segment, build_compression, layout, members_numel
-from plait.config import Config, microbatches
+from plait.config.choices import HALF_PRECISIONS, held_precision
+from plait.config.schema import Config, microbatches
 from plait.mesh import ParallelDims
+from plait.parallel.engines.flat import optimizer_classes
+from plait.parallel.engines.zero import flat_groups
 from plait.parallel.expert_parallel import expert_overrides
-from plait.parallel.flat import optimizer_classes
 from plait.parallel.pipeline import stage_schedule
 from plait.parallel.pipeline.schedules import Kind
 from plait.parallel.placement import PlacementRecord
-from plait.parallel.zero import flat_groups
 
 
 def _meta(record: PlacementRecord, dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:

@@ -195,8 +195,8 @@ def _traceable() -> Iterator[None]:
 def model_flops(cfg) -> float:
     """MFU's numerator: the FLOPs of one training step of the model whole, in one process, as
     `FlopCounterMode` counts them on fake tensors -- the forward and backward of the global batch
-    of `cfg` (a `plait.config.Config`), without recomputation or what a layout repeats on several
-    ranks. Raises `Untraceable` where the step reads values."""
+    of `cfg` (a `plait.config.schema.Config`), without recomputation or what a layout repeats on
+    several ranks. Raises `Untraceable` where the step reads values."""
     from plait.model import build_configured
     from plait.parallel import cross_entropy
 
@@ -246,16 +246,16 @@ _TRACES: dict[tuple, RankTrace] = {}
 
 
 def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
-    """The training step of rank `rank` of the configuration `cfg` (a `plait.config.Config`) on
-    `dims`, as `plait train` would run it: the model it names, built on `meta` and faked, placed
+    """The training step of rank `rank` of the configuration `cfg` (a `plait.config.schema.Config`)
+    on `dims`, as `plait train` would run it: the model it names, built on `meta` and faked, placed
     and wrapped by `parallelize`, fed this rank's rows of a global batch of token windows as the
     trainer cuts them (inputs and targets views of one (rows, seq + 1) tensor; and the inputs'
     documents under `data.document_mask`: the masks' shapes, whatever their values)."""
-    from plait.config import microbatches
+    from plait.config.schema import microbatches
     from plait.mesh import build_mesh, rows_share
     from plait.model import build_configured
+    from plait.optim.loss_scaling import LossScaler
     from plait.parallel import parallelize
-    from plait.parallel.loss_scaling import LossScaler
 
     M = microbatches(cfg.parallel, dims)
     meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)

@@ -1,3 +1,2 @@
-"""The trainer (trainer.py: one step loop for every layout), its optimizer and schedule, the data
-pipeline (corpora, batches, mixtures, prepare), metrics and outputs, faults and checkpoints'
-timing. docs/design.md maps its modules."""
+"""The trainer (trainer.py: one step loop for every layout), metrics and outputs (report, compare,
+tracing), faults and checkpoints' timing. docs/design.md maps its modules."""

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from plait.checkpoint import finish, meta, step_path
 from plait.checkpoint.layout import Boxes, SaveBoxes
 from plait.checkpoint.rank_state import training_state
-from plait.config import Config
+from plait.config.schema import Config
 from plait.train.faults import maybe_fail
 
 

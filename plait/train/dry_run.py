@@ -14,7 +14,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from plait.config import Config, microbatches
+from plait.config.schema import Config, microbatches
 from plait.mesh import (
     AXES,
     TP_ACROSS,

@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from plait.checkpoint import BadMeta, find, read_meta
-from plait.config import Config
+from plait.config.schema import Config
 from plait.mesh import AXES
 
 
@@ -23,7 +23,7 @@ def fit_world(cfg: Config, world: int) -> tuple[Config, list[str]]:
         return cfg, []
     try:
         saved = read_meta(source)
-    except BadMeta:  # the checks refuse it next, in one line (`checks_files.check_checkpoint`)
+    except BadMeta:  # the checks refuse it next, in one line (`checkpoint/checks.py`)
         return cfg, []
     if "optim" not in saved.get("contents", []):  # a model alone (an import): no run to continue
         return cfg, []

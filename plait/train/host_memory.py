@@ -28,7 +28,7 @@ its own under glibc's dynamic policy, took about 7,000). Untrimmed, a step reuse
 last one used; what stays resident is the heap's high-water mark, which the step's peak reached
 anyway (as a GPU's caching allocator keeps what it once held). What used to come and go in the
 heap at the size of whole units is gone: ZeRO-3 reuses its gathered units and gradient staging
-(`plait/parallel/buffer_pool.py`), and gloo's own flat buffers are avoided
+(`plait/parallel/engines/buffer_pool.py`), and gloo's own flat buffers are avoided
 (`plait/comm/collectives.py`). `MALLOC_MMAP_THRESHOLD_` in the environment, glibc's own setting,
 takes precedence.
 """

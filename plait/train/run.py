@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import forkserver
-from plait.checks import validate
 from plait.comm.watchdog import Heartbeat, diagnose, is_timeout
-from plait.config import Config
+from plait.config.schema import Config
 from plait.mesh import build_mesh
+from plait.train.checks import validate
 from plait.train.outputs import Outputs
 from plait.train.progress import print_summary
 

@@ -23,21 +23,21 @@ from plait.checkpoint import find
 from plait.checkpoint.rank_state import load
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
-from plait.config import Config, microbatches
+from plait.config.schema import Config, microbatches
+from plait.data.mixture import MIXTURE, mixture_history, open_data
 from plait.mesh import ParallelDims, rows_share
 from plait.model import build_configured, build_sharded, count_params
+from plait.optim.build import build_for, lr_at, set_lr
+from plait.optim.loss_scaling import HALF, LossScaler
 from plait.parallel import cross_entropy, parallelize
 from plait.parallel.compile import apply_compile, compile_enabled, graph_breaks
 from plait.parallel.dropout import seed_ranks
-from plait.parallel.loss_scaling import HALF, LossScaler
 from plait.predict.activation_memory import SavedActivations
 from plait.predict.trace import Untraceable, model_flops
 from plait.train.checkpointing import Checkpointer
 from plait.train.faults import maybe_fail
 from plait.train.host_memory import STEADY_THRESHOLD, release_freed_memory
 from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
-from plait.train.mixture import MIXTURE, mixture_history, open_data
-from plait.train.optim import build_for, lr_at, set_lr
 from plait.train.outputs import Outputs
 from plait.train.progress import Progress
 from plait.train.tracing import STEP, finish_trace, traced_steps

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from harness import run_world
 from training import assert_params_close, held_params, tiny_config
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.checkpoint import complete_checkpoints, read_meta
 from plait.checkpoint.rank_state import load_full
 from plait.mesh import build_mesh

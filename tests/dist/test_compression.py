@@ -28,8 +28,8 @@ from compression_reference import Simulation
 from harness import run_world
 from training import run_steps, tiny_config
 
-from plait.choices import COMPRESSIONS
-from plait.checks import validate
+from plait.config.choices import COMPRESSIONS
+from plait.train.checks import validate
 
 START = 1
 BASE = ["train.steps=3", "parallel.bucket_mb=0.05", f"parallel.compression_start={START}",

@@ -20,7 +20,7 @@ from harness import run_world
 from test_compositions import compare, config
 from training import run_steps
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.mesh import build_mesh
 from plait.model import build_model
 from plait.parallel import context_parallel, parallelize

@@ -44,7 +44,7 @@ import torch
 from harness import run_world
 from training import assert_params_close, run_steps, tiny_config
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.comm import Op
 from plait.predict import cost
 from plait.parallel.expert_parallel import moe_layers
@@ -189,7 +189,7 @@ def test_expert_parallel_equals_one_process(references, ranks, overrides):
 
 @pytest.mark.kernels
 def test_muon_orthogonalizes_each_expert_on_its_ep_rank():
-    """Muon (`parallel/muon.py`): each expert's matrices whole on their ep rank (split over tp,
+    """Muon (`optim/muon.py`): each expert's matrices whole on their ep rank (split over tp,
     brought together there), the dense ones over dp x ep; the same training as one process."""
     cfg = config("parallel.ep=2", "parallel.tp=2", "train.optimizer='muon'")
     results = run(4, cfg)

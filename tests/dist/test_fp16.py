@@ -31,7 +31,7 @@ from harness import run_world
 from matrix import STEPS, compare
 from training import grad_scaler_reference, overflow_at, run_steps, tiny_config
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.mesh import build_mesh
 from plait.parallel.expert_parallel import moe_layers
 from plait.predict import cost

@@ -22,7 +22,7 @@ from harness import run_world
 from hf_models import hf_config, train_reference, write_model
 from training import assert_params_close, run_steps
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.model.hf import hf_name
 from plait.planner.price import estimate
 from plait.planner.hardware import DEVICES, Cluster

@@ -11,8 +11,8 @@ from harness import run_world
 from matrix import compare
 from training import run_steps, tiny_config
 
-from plait.checks import validate
-from plait.config import microbatches
+from plait.train.checks import validate
+from plait.config.schema import microbatches
 from plait.mesh import AXES, Axis, batch_axis
 from plait.model import build_configured
 from plait.parallel import place

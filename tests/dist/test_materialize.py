@@ -14,7 +14,7 @@ from harness import run_world
 from hf_models import hf_config, write_model
 from training import held_params, tiny_config
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.mesh import build_mesh
 from plait.model import build_configured
 from plait.model.hf import hf_name

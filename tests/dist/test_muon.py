@@ -1,4 +1,4 @@
-"""Muon (`train.optimizer = "muon"`, `plait/parallel/muon.py`) under every layout equals one
+"""Muon (`train.optimizer = "muon"`, `plait/optim/muon.py`) under every layout equals one
 process running `torch.optim.Muon` for the blocks' matrices and `torch.optim.AdamW` for the rest.
 
 Three proofs, each for what it can prove:
@@ -23,11 +23,11 @@ import torch.distributed as dist
 from harness import run_world
 from training import tiny_config, unclipped
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.mesh import build_mesh
 from plait.parallel.vocab_parallel import HeadCrossEntropy
-from plait.train.data import TokenData
-from plait.train.optim import lr_at, set_lr
+from plait.data.batches import TokenData
+from plait.optim.build import lr_at, set_lr
 from plait.train.trainer import Trainer, build_configured_model
 
 BASE = ["model.n_layers=2", "train.warmup_steps=2", "train.steps=4", "train.optimizer='muon'"]
@@ -184,7 +184,7 @@ def test_each_matrix_has_one_owner_and_the_work_is_shared(ranks, overrides):
     """From `--dry-run`'s account of each rank (no process group): the Newton-Schulz FLOPs the
     ranks own add up to every matrix orthogonalized once, and no rank owns more than the largest
     matrix's above an even share."""
-    from plait.parallel.muon_routes import newton_schulz_flops
+    from plait.optim.muon_routes import newton_schulz_flops
     from plait.train.dry_run import describe_rank
 
     cfg = tiny_config(*BASE, *overrides)

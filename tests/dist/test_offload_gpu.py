@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from training import assert_params_close, held_params, tiny_config
 
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.mesh import build_mesh
-from plait.parallel import buffer_pool
+from plait.parallel.engines import buffer_pool
 from plait.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from training import run_steps, tiny_config
 
 from plait.cli.commands import check_inputs
-from plait.checks import validate
-from plait.config import ConfigError
+from plait.train.checks import validate
+from plait.config.schema import ConfigError
 
 FIELDS = {
     "parallel.tp": st.sampled_from([1, 2, 3]),

@@ -175,7 +175,7 @@ def test_mfu_reads_flop_counter_mode_on_the_whole_models_step(model):
     of that model in one process, exactly; every rank of a tp run reads it (rank 0 traces and
     broadcasts). A mixture of experts at expert choice, capacity 1, routes evenly on real tokens
     as the trace does on fake ones."""
-    from plait.checks import validate
+    from plait.train.checks import validate
     from plait.mesh import build_mesh
     from plait.model import build_configured
     from plait.parallel import cross_entropy

@@ -14,7 +14,7 @@ from harness import run_world
 from training import STEPS, assert_params_close, tiny_config, train_here, unclipped
 
 from plait.comm import LEDGER, Op
-from plait.checks import validate
+from plait.train.checks import validate
 from plait.mesh import build_mesh
 from plait.train.trainer import Trainer
 

@@ -119,9 +119,9 @@ def test_3d_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
-    from plait.checks import validate
     from plait.cli.common import load_config, recipe_path
-    from plait.config import clip_warmup
+    from plait.config.schema import clip_warmup
+    from plait.train.checks import validate
     from plait.train.dry_run import describe_rank
 
     cfg, _ = clip_warmup(load_config(recipe_path("3d"), ["train.steps=4"]))
@@ -174,9 +174,9 @@ def test_long_context_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
-    from plait.checks import validate
     from plait.cli.common import recipe_path
-    from plait.config import load_config
+    from plait.config.schema import load_config
+    from plait.train.checks import validate
     from plait.train.dry_run import describe_rank
 
     cfg = load_config(recipe_path("long_context"), overrides)
@@ -484,7 +484,7 @@ def test_bench_step_compares_with_torch_ddp_at_each_world_size(capsys):
     """Each world size's row; the exposed communication's baseline (plait's DDP with it
     skipped) in processes of its own, beside plait's and torch's, from 2 ranks on."""
     from plait.bench.step_runs import run_step
-    from plait.config import load_config
+    from plait.config.schema import load_config
 
     rows = run_step(2, load_config(None, list(TINY)), steps=1, repeats=1)
     out = capsys.readouterr().out
@@ -522,7 +522,7 @@ def test_bench_step_runs_each_side_in_processes_of_its_own():
     MiB ceiling after the first step: train/host_memory.py); torch's fully_shard, launched
     apart, keeps glibc's own, as a user of torch alone has it."""
     from plait.bench.step_runs import run_step
-    from plait.config import load_config
+    from plait.config.schema import load_config
     from plait.train.host_memory import STEADY_THRESHOLD
 
     cfg = load_config(None, ["parallel.zero=3", *TINY])
@@ -757,7 +757,7 @@ def test_bench_plan_measures_what_a_plan_predicts():
     state at the end of the step, bytes communicated and activations equal the plan's, as its
     table reports them ("peak", the state's high point during the step, is not part of it)."""
     from plait.bench.plan import measure_run, predicted
-    from plait.config import load_config
+    from plait.config.schema import load_config
     from plait.planner.hardware import DEVICES
 
     cfg = load_config(None, [*TINY, "parallel.zero=1"])

@@ -102,7 +102,7 @@ def test_a_50_gb_corpus_launches_and_trains_reading_a_bounded_part_of_it(tmp_pat
     touch, whatever the corpus's size. Counted as the shards' bytes in the page cache afterwards
     (mincore: fresh files have none, and reading a hole caches it), so every process is seen."""
     from plait.bench.data import sparse_corpus
-    from plait.train.corpus import BLOCK_BYTES, SAMPLE_BLOCKS
+    from plait.data.corpus import BLOCK_BYTES, SAMPLE_BLOCKS
     from plait.train.host_memory import cached_bytes
 
     probe = tmp_path / "probe.bin"

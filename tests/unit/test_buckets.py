@@ -3,7 +3,7 @@ from torch import nn
 
 from plait.comm.buckets import assign_buckets
 from plait.model import PRESETS, build_model
-from plait.parallel.flat import FlatParam
+from plait.parallel.engines.flat import FlatParam
 
 
 def _params(*numels, dtype=torch.float32):

@@ -1,9 +1,10 @@
-"""The buffer pool (plait/parallel/buffer_pool.py): a storage's memory comes and goes under the
-views of it, reused rather than allocated again, and never more buffers than were in use at once."""
+"""The buffer pool (plait/parallel/engines/buffer_pool.py): a storage's memory comes and goes under
+the views of it, reused rather than allocated again, and never more buffers than were in use at
+once."""
 
 import torch
 
-from plait.parallel.buffer_pool import SMALLEST, BufferPool
+from plait.parallel.engines.buffer_pool import SMALLEST, BufferPool
 
 N = SMALLEST // 4  # fp32 elements of a buffer the pool serves
 

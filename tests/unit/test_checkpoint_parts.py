@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from plait.checkpoint import MARKER, META, complete_checkpoints, find, finish, step_path
 from plait.checkpoint.layout import range_boxes
-from plait.config import load_config
+from plait.config.schema import load_config
 from plait.train.elastic import fit_world
 
 

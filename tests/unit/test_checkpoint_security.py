@@ -18,7 +18,7 @@ from plait import cli
 from plait.checkpoint import finish, meta
 from plait.checkpoint.metadata import CheckpointReader, UnsafeCheckpoint, read_metadata
 from plait.checkpoint.rank_state import load_full, one_process
-from plait.config import load_config
+from plait.config.schema import load_config
 
 MODEL = ["model.preset=tiny", "model.n_layers=1", "model.vocab_size=256", "data.seq_len=32"]
 

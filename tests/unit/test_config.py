@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from plait import cli
-from plait.checks import validate
-from plait.checks_train import compile_backends
-from plait.config import ConfigError, load_config
+from plait.config.checks_train import compile_backends
+from plait.config.schema import ConfigError, load_config
+from plait.train.checks import validate
 
 
 def test_overrides_are_typed_and_layered(tmp_path):
@@ -443,7 +443,7 @@ def _prepared_corpora(root):
     """A good corpus (bytes: 2,800 ids, 43 windows of 65), one of 300 tokens, damaged copies."""
     import shutil
 
-    from plait.train.prepare import prepare
+    from plait.data.tokenize_corpus import prepare
 
     text = root / "text"
     text.mkdir()
@@ -669,7 +669,7 @@ def test_dp_0_and_a_lone_local_addr_are_refused_in_their_own_words(no_launch, ca
 def test_an_output_path_made_meanwhile_by_another_node_is_creatable_and_left_alone(tmp_path):
     """Each node's launcher checks the same --metrics path; one made it between the other's
     look and its try (seen: 'cannot be created (File exists)' on the second node)."""
-    from plait.train.outputs import creatable
+    from plait.config.paths import creatable
 
     target = tmp_path / "runs" / "m.jsonl"
     target.parent.mkdir()

@@ -9,9 +9,9 @@ from corpora import word_level_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.config import DataConfig
-from plait.train.data import SMALL, TokenData, permute
-from plait.train.prepare import prepare
+from plait.config.schema import DataConfig
+from plait.data.batches import SMALL, TokenData, permute
+from plait.data.tokenize_corpus import prepare
 
 TEXTS = ["Plait trains one model on many ranks.\n", "Zürich, 東京 and naïve façades — ünïcödé.\n",
          "def f(x):\n    return x * 2\n" * 20, "short", "a " * 500]
@@ -154,7 +154,7 @@ def test_a_model_folders_tokenizer_and_its_vocabulary(tmp_path):
     from hf_models import write_model
 
     from plait.cli.commands import check_inputs
-    from plait.config import ConfigError, load_config
+    from plait.config.schema import ConfigError, load_config
 
     folder = write_model(tmp_path / "gpt2", "gpt2")
     word_level_tokenizer(folder / "tokenizer.json", 300)
@@ -177,9 +177,9 @@ def test_a_model_folders_tokenizer_and_its_vocabulary(tmp_path):
 def blocky(tmp_path, monkeypatch):
     """A corpus of 1,500 checksummed blocks of 128 ids (256 bytes: small, so that most blocks are
     outside a launch's sample of 32), 3 shards."""
-    import plait.train.prepare
+    import plait.data.tokenize_corpus
 
-    monkeypatch.setattr(plait.train.prepare, "BLOCK_BYTES", 256)
+    monkeypatch.setattr(plait.data.tokenize_corpus, "BLOCK_BYTES", 256)
     text = tmp_path / "text"
     text.mkdir()
     for i in range(8):
@@ -201,9 +201,9 @@ def test_a_changed_block_outside_the_sample_stops_training_where_it_is_read(bloc
     block changed elsewhere passes it, and stops the run when a batch reads it, naming the shard
     and the block's bytes. `plait data verify` reads every block and exits 2."""
     from plait import cli
-    from plait.config import load_config
-    from plait.train.corpus import CorpusError, _sampled, read_manifest, shard_blocks
-    from plait.train.data import check_source
+    from plait.config.schema import load_config
+    from plait.data.batches import check_source
+    from plait.data.corpus import CorpusError, _sampled, read_manifest, shard_blocks
 
     sampled = _sampled(shard_blocks(blocky, read_manifest(blocky)))
     assert len(sampled) == 32 and (0, 0) in sampled
@@ -223,8 +223,8 @@ def test_a_changed_block_outside_the_sample_stops_training_where_it_is_read(bloc
 
 
 def test_a_changed_block_in_the_sample_is_refused_before_launch(blocky):
-    from plait.config import ConfigError, load_config
-    from plait.train.data import check_source
+    from plait.config.schema import ConfigError, load_config
+    from plait.data.batches import check_source
 
     _flip(blocky, 0)
     cfg = load_config(None, [f"data.source={blocky}", "data.seq_len=64"])
@@ -235,9 +235,9 @@ def test_a_changed_block_in_the_sample_is_refused_before_launch(blocky):
 def test_a_corpus_without_block_checksums_still_checks_each_ids_range(blocky):
     """A corpus an older plait prepared (no checksums.npy): said once at launch; an id beyond the
     vocabulary still stops the run where a batch reads it, naming the shard and the id."""
-    from plait.config import load_config
-    from plait.train.corpus import MANIFEST, SAMPLE_IDS, CorpusError
-    from plait.train.data import check_source
+    from plait.config.schema import load_config
+    from plait.data.batches import check_source
+    from plait.data.corpus import MANIFEST, SAMPLE_IDS, CorpusError
 
     manifest = json.loads((blocky / MANIFEST).read_text())
     del manifest["block_bytes"], manifest["checksums"]
@@ -278,8 +278,8 @@ def test_a_model_hf_folder_is_not_asked_for_a_number(tmp_path):
     """A corpus with more token ids than the model has: model.vocab_size is a number to raise;
     a model.hf folder's vocabulary is its own, so the fix is the model's tokenizer, not
     "set model.hf (/path) >= 256"."""
-    from plait.config import ConfigError, load_config
-    from plait.train.data import check_source
+    from plait.config.schema import ConfigError, load_config
+    from plait.data.batches import check_source
 
     text = tmp_path / "t.txt"
     text.write_text("plait " * 2000)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from plait.cli import _parser
-from plait.config import ASYNC, Config
+from plait.config.schema import ASYNC, Config
 from plait.model.args import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,11 +18,11 @@ from harness import run_world
 from hf_models import hf_config, write_model
 from torch.utils import flop_counter
 
-from plait.checks import validate
 from plait.mesh import build_mesh
 from plait.model import build_configured
 from plait.predict import trace
 from plait.train import trainer as trainer_module
+from plait.train.checks import validate
 from plait.train.metrics import flops_per_token
 
 

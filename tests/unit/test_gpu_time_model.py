@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from plait.config import ConfigError, load_config
+from plait.config.schema import ConfigError, load_config
 from plait.planner.gemm import gemm_seconds
 from plait.planner.hardware import (
     COMPILE_S,
@@ -77,8 +77,8 @@ def test_plaits_own_step_on_one_gpu(gpu, preset, batch, recompute, measured):
     """Within 10%, and 20% under full recomputation, which is over-priced (+7% on the H200, +15%
     on the H100: elementwise passes priced at the memory's rate, 1.42 times slower on the H100,
     took 1.26 times as long there)."""
-    from plait.checks import validate
     from plait.planner.price import estimate
+    from plait.train.checks import validate
 
     cfg = load_config(None, [f"model.preset='{preset}'", f"train.global_batch={batch}",
                              "data.seq_len=2048", "train.precision='bf16'",
@@ -99,8 +99,8 @@ def test_plaits_step_as_it_runs_now_on_an_h100(compiled, measured):
     where its kernels took 1.26 times as long (+7% on this step, as the rows above), and the
     fitted passes still hold the gradient norm's fp64 copies that plait no longer makes (~30 GB
     a step, 3%)."""
-    from plait.checks import validate
     from plait.planner.price import estimate
+    from plait.train.checks import validate
 
     cfg = load_config(None, ["model.preset='1b'", "train.global_batch=8", "data.seq_len=2048",
                              "train.precision='bf16'", f"train.compile={str(compiled).lower()}"])
@@ -115,7 +115,7 @@ def test_fp8_is_priced_on_devices_that_have_it_and_refused_by_the_engine():
     assert priced.train.precision == "bf16" and cluster.engine.fp8
     with pytest.raises(ConfigError, match="no fp8 tensor cores"):
         planned_precision(cfg, Cluster(8, 8, DEVICES["a100"]))
-    from plait.checks import validate
+    from plait.train.checks import validate
 
     with pytest.raises(ConfigError, match="priced by plait plan only"):
         validate(cfg, 1)
@@ -195,7 +195,7 @@ def test_sequence_parallel_gathers_cost_only_autocasts_cast():
     elementwise traffic with bf16 parameters (ZeRO) or in fp32; under autocast over fp32
     parameters, an fp32 -> bf16 cast (6 bytes an element) per linear in forward (q, k, v; w1,
     w3) and per half in backward (`ShardKeepingLinear`)."""
-    from plait.config import load_config
+    from plait.config.schema import load_config
     from plait.mesh import ParallelDims
     from plait.predict.activations import regathered_bytes
 

@@ -68,7 +68,7 @@ def test_a_gpu_makes_bigger_runs_and_the_formula_follows_the_device():
     H200); a CPU keeps 2^24. A micro-batch of 1,024 tokens over 128K is then fused on the CPU
     and one unfused run on a GPU, and the activation formula prices each device's own path: the
     GPU's keeps the fp32 softmax (4 bytes a logit), the CPU's a log-sum-exp per token."""
-    from plait.config import load_config
+    from plait.config.schema import load_config
     from plait.mesh import ParallelDims
     from plait.parallel.vocab_parallel import fits_one_run, logit_block
     from plait.predict.activations import activation_bytes

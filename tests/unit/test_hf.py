@@ -13,10 +13,10 @@ import torch
 from plait import cli
 from plait.checkpoint import finish, meta
 from plait.checkpoint.rank_state import load_full, one_process
-from plait.checks import validate
-from plait.config import load_config
+from plait.config.schema import load_config
 from plait.model import build_model
 from plait.planner.price import DEGREES, with_degrees
+from plait.train.checks import validate
 from plait.train.dry_run import describe_rank
 
 transformers = pytest.importorskip("transformers")
@@ -116,8 +116,8 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
 
 
 def _refusal(*overrides, nproc=4):
-    from plait.checks import validate
-    from plait.config import ConfigError
+    from plait.config.schema import ConfigError
+    from plait.train.checks import validate
 
     with pytest.raises(ConfigError) as e:
         validate(load_config(None, list(overrides)), nproc)

@@ -1,4 +1,4 @@
-"""fp16's loss scale (`plait/parallel/loss_scaling.py`) against torch's own rule: with hysteresis 1
+"""fp16's loss scale (`plait/optim/loss_scaling.py`) against torch's own rule: with hysteresis 1
 `LossScaler` is `torch.amp.GradScaler`, for any sequence of clean and overflowing steps; with
 hysteresis H it tolerates H - 1 overflows after each growth (Megatron's DynamicGradScaler); a scale
 falling below its minimum stops the run naming the key; a static scale never moves."""
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.parallel.loss_scaling import LossScaler, LossScaleTooSmall
+from plait.optim.loss_scaling import LossScaler, LossScaleTooSmall
 
 
 def torch_scales(overflows: list[bool], init: float, interval: int) -> list[float]:

@@ -1,14 +1,14 @@
-"""A weighted mixture of prepared corpora (`data.sources`, plait/train/mixture.py): rows drawn in
+"""A weighted mixture of prepared corpora (`data.sources`, plait/data/mixture.py): rows drawn in
 proportion to the weights, each source by its own epochs, the same batches at any number of
 ranks, and a reweighing on resume that keeps what each source gave."""
 
 import numpy as np
 import pytest
 
-from plait.config import ConfigError, DataConfig, load_config
-from plait.train.data import TokenData
-from plait.train.mixture import Mixture, check_sources, mixture_history
-from plait.train.prepare import prepare
+from plait.config.schema import ConfigError, DataConfig, load_config
+from plait.data.batches import TokenData
+from plait.data.mixture import Mixture, check_sources, mixture_history
+from plait.data.tokenize_corpus import prepare
 
 SEQ = 32
 

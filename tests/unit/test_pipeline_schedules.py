@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from plait.choices import PP_SCHEDULES
+from plait.config.choices import PP_SCHEDULES
 from plait.parallel.pipeline.schedules import (
     Action,
     Kind,

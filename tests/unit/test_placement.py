@@ -3,11 +3,11 @@ model across ranks without a process group."""
 
 import pytest
 
-from plait.checks import validate
-from plait.config import load_config
+from plait.config.schema import load_config
 from plait.mesh import AXES
 from plait.model import build_model, model_args
 from plait.parallel.placement import PlacementRecord
+from plait.train.checks import validate
 from plait.train.dry_run import describe_rank
 
 

@@ -10,14 +10,14 @@ import dataclasses
 import pytest
 from training import tiny_config
 
-from plait.checks import validate
-from plait.config import ConfigError, load_config
+from plait.config.schema import ConfigError, load_config
 from plait.model import build_model
 from plait.planner.hardware import DEVICES, Cluster, Device
 from plait.planner.price import estimate, with_degrees
 from plait.planner.search import rank_plans
 from plait.planner.show import PIPELINE_SAVES, choose, leanest
 from plait.predict.cost import all_to_all_bytes
+from plait.train.checks import validate
 from plait.train.dry_run import describe_rank
 
 # A made-up device with round numbers, so no test measures this machine.

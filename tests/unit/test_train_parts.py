@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
-from plait.config import DataConfig, TrainConfig
+from plait.config.schema import DataConfig, TrainConfig
+from plait.data.batches import ByteTokenizer, TokenData
 from plait.model import PRESETS, build_model, count_params
-from plait.train.data import ByteTokenizer, TokenData
+from plait.optim.build import lr_at, peak_lr
 from plait.train.metrics import flops_per_token
-from plait.train.optim import lr_at, peak_lr
 
 
 @pytest.fixture(scope="module")

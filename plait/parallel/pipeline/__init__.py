@@ -10,7 +10,7 @@ import functools
 
 from torch import nn
 
-from plait.config import ParallelConfig
+from plait.config.schema import ParallelConfig
 from plait.mesh import Axis
 from plait.model.plan import has_plan, needs_plan
 from plait.parallel.pipeline.executor import PipelineExecutor

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from plait.choices import PP_SCHEDULES
+from plait.config.choices import PP_SCHEDULES
 
 
 class Kind(enum.Enum):

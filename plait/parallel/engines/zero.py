@@ -21,7 +21,7 @@ gradient reduce-scatter.
 
 Decay (matrices, embeddings) and no-decay (norm gains) parameters are never mixed in a bucket, so
 that every slice belongs to one optimizer parameter group; nor are the matrices a matrix optimizer
-(Muon) steps, whose slices it brings together whole (`parallel/muon.py`).
+(Muon) steps, whose slices it brings together whole (`optim/muon.py`).
 
 Hybrid sharding (HSDP; the hpZ idea of ZeRO++, Wang et al. 2023): with a `replicate` axis, state
 is sharded over the K ranks of `group` only, and the dp / K groups hold replicas of it. Each slice's
@@ -38,16 +38,21 @@ from plait.comm import all_gather, all_reduce, reduce_scatter
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression
 from plait.mesh import Axis
-from plait.parallel.buffer_pool import BufferPool
-from plait.parallel.data_parallel import (
+from plait.parallel.engines.buffer_pool import BufferPool
+from plait.parallel.engines.ddp import (
     SyncedReplicas,
     _broadcast_replicas,
     _check_all_have_grads,
     launch_ready,
     sync_classes,
 )
-from plait.parallel.flat import FlatParam, optimizer_classes, stepped_by_group, stepped_classes
-from plait.parallel.state import Piece, nbytes, optimizer_state_bytes
+from plait.parallel.engines.flat import (
+    FlatParam,
+    optimizer_classes,
+    stepped_by_group,
+    stepped_classes,
+)
+from plait.parallel.engines.state import Piece, nbytes, optimizer_state_bytes
 
 
 def flat_groups(named: list[tuple[str, nn.Parameter]], bucket_mb: float,

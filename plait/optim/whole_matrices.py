@@ -3,7 +3,7 @@ moments, Shampoo), under any layout, through the Python API (`Prepared.optimizer
 
 The user names which parameters such an optimizer steps (`plait.prepare(..., whole=...)`); the
 data-parallel engine keeps them in flat buffers of their own. Each matrix has an owner
-(`parallel.muon.MatrixExchange`: balanced over the ranks holding its pieces), which keeps it whole
+(`optim.muon.MatrixExchange`: balanced over the ranks holding its pieces), which keeps it whole
 in fp32 with the user's optimizer and all of that optimizer's state for it. A step: the gradients'
 pieces go to their owners (the exchange's all-to-alls, in fp32), each owner's optimizer steps its
 whole matrices, and the new values come back to the ranks that hold their pieces. The rest of the
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from plait.parallel.muon import MatrixExchange
+from plait.optim.muon import MatrixExchange
 
 Factory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 

@@ -1,4 +1,4 @@
-"""Where Muon's matrices are and who orthogonalizes each (`parallel/muon.py` moves them): which
+"""Where Muon's matrices are and who orthogonalizes each (`optim/muon.py` moves them): which
 parameters are matrices, each matrix's pieces over the data group and tp, its owner, and the
 routes of the four all-to-alls. Shapes and names only, no tensors: every rank, and the formulas
 (`predict/cost.py`), find the same answers without talking."""

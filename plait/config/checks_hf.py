@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from plait.config import Config, ConfigError
+from plait.config.schema import Config, ConfigError
 from plait.mesh import ParallelDims
 from plait.model.plan import tp_misfit
 

@@ -1,5 +1,5 @@
 """The optimizers (`train.optimizer`: AdamW; Muon for the blocks' matrices with AdamW for the
-rest, `plait/parallel/muon.py`; SGD with momentum) and the learning-rate schedule: linear warm-up,
+rest, `plait/optim/muon.py`; SGD with momentum) and the learning-rate schedule: linear warm-up,
 then cosine decay to a floor.
 
 With `train.lr_scaling = "linear"` the peak LR is scaled by global_batch / base_batch (the linear
@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from plait.config import TrainConfig
-from plait.parallel.muon import MatrixExchange, MuonAdamW
+from plait.config.schema import TrainConfig
+from plait.optim.muon import MatrixExchange, MuonAdamW
 
 
 def peak_lr(cfg: TrainConfig) -> float:

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from plait.checkpoint import read_meta
-from plait.config import ConfigError, DataConfig, folder_name
-from plait.train.corpus import MANIFEST, is_prepared, read_manifest
-from plait.train.data import TokenData, as_rows, check_source, positions, share
+from plait.config.schema import ConfigError, DataConfig, folder_name
+from plait.data.batches import TokenData, as_rows, check_source, positions, share
+from plait.data.corpus import MANIFEST, is_prepared, read_manifest
 
 if TYPE_CHECKING:
     import torch

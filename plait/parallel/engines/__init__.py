@@ -1,5 +1,7 @@
-"""The data-parallel engine `parallel.zero` names (DDP | ZeRO-1/2 | ZeRO-3), built over this
-stage's chunks: the last step of `parallelize`'s straight line."""
+"""The data-parallel engines and the one they build for a layout (`parallel.zero` names it: DDP
+ddp.py | ZeRO-1/2 zero.py | ZeRO-3 zero3.py), over this stage's chunks: the last step of
+`parallelize`'s straight line. They share one flat-parameter type (flat.py), the model-state
+accounting (state.py) and ZeRO's host staging (buffer_pool.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups
 from plait.comm.compression import build_compression
-from plait.config import ParallelConfig
+from plait.config.schema import ParallelConfig
 from plait.mesh import (
     AXES,
     Axis,
@@ -20,14 +22,14 @@ from plait.mesh import (
     ranks_per_node,
 )
 from plait.model.materialize import Filler
-from plait.parallel.data_parallel import BucketedDataParallel, SyncedReplicas
+from plait.optim.loss_scaling import HALF
+from plait.parallel.engines.ddp import BucketedDataParallel, SyncedReplicas
+from plait.parallel.engines.zero import ZeroDataParallel
+from plait.parallel.engines.zero3 import Zero3DataParallel
 from plait.parallel.expert_parallel import expert_overrides
-from plait.parallel.loss_scaling import HALF
 from plait.parallel.pipeline import StageModules
 from plait.parallel.placement import PlacementRecord
 from plait.parallel.wrap import WrapPolicy
-from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero3 import Zero3DataParallel
 
 
 def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,

@@ -52,13 +52,13 @@ from plait.comm import Pending, all_reduce, broadcast
 from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups, all_reduce_by
 from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression
-from plait.parallel.flat import (
+from plait.parallel.engines.flat import (
     FlatParam,
     optimizer_classes,
     stepped_by_group,
     stepped_classes,
 )
-from plait.parallel.state import Piece, model_state_bytes, nbytes, optimizer_state_bytes
+from plait.parallel.engines.state import Piece, model_state_bytes, nbytes, optimizer_state_bytes
 
 
 def sync_classes(named: list, default, overrides: dict) -> list[tuple[object, list]]:

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.config import ConfigError
-from plait.train import tokenize_worker
-from plait.train.corpus import BLOCK_BYTES, CHECKSUMS, INDEX, MANIFEST, SHARD_TOKENS, files_of
-from plait.train.outputs import creatable
+from plait.config.paths import creatable
+from plait.config.schema import ConfigError
+from plait.data import tokenize_worker
+from plait.data.corpus import BLOCK_BYTES, CHECKSUMS, INDEX, MANIFEST, SHARD_TOKENS, files_of
 
 TABLES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from plait.config import ConfigError, DataConfig
-from plait.train.corpus import (
+from plait.config.schema import ConfigError, DataConfig
+from plait.data.corpus import (
     CorpusError,
     is_prepared,
     map_ids,

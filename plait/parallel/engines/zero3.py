@@ -46,11 +46,11 @@ from plait.model.materialize import swap_parameters
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.batch import tensors_in
-from plait.parallel.data_parallel import sync_classes
-from plait.parallel.flat import FlatParam, optimizer_classes
-from plait.parallel.state import nbytes, optimizer_state_bytes
+from plait.parallel.engines.ddp import sync_classes
+from plait.parallel.engines.flat import FlatParam, optimizer_classes
+from plait.parallel.engines.state import nbytes, optimizer_state_bytes
+from plait.parallel.engines.zero import ShardedEngine
 from plait.parallel.wrap import WrapPolicy, wrapped_modules
-from plait.parallel.zero import ShardedEngine
 
 
 def unit_modules(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[list[nn.Module]]:

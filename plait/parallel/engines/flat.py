@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from plait.comm.compression import Segment, layout, members_numel
-from plait.parallel.state import Piece, Slice
+from plait.parallel.engines.state import Piece, Slice
 
 
 def optimizer_classes(members: list[tuple[str, nn.Parameter]], matrices: frozenset[str],

@@ -1,16 +1,17 @@
 """The checks of a configuration's model, layout and training keys (`check_layout`), made before
 a worker starts and by the planner for every layout it prices: they read no file but a Hugging
 Face folder's. Each raises `ConfigError(field, fix)`; the CLI turns it into exit status 2 and
-one line. What a run reads from disk is `checks_files.py`'s; `plait.checks.validate` runs both."""
+one line. What a run reads from disk is checked by `data/checks.py` and `checkpoint/checks.py`;
+`plait.train.checks.validate` runs them all."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from plait.checks_hf import check_hf
-from plait.checks_train import check_train
-from plait.choices import (
+from plait.config.checks_hf import check_hf
+from plait.config.checks_train import check_train
+from plait.config.choices import (
     COMPRESSIONS,
     CP_METHODS,
     HALF_PRECISIONS,
@@ -18,7 +19,7 @@ from plait.choices import (
     ROUTERS,
     WITH_ERROR_FEEDBACK,
 )
-from plait.config import (
+from plait.config.schema import (
     Config,
     ConfigError,
     ParallelConfig,

@@ -37,7 +37,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from plait.comm import all_to_all
 from plait.mesh import Axis
-from plait.parallel.muon_routes import DataGroup, Matrix, MatrixBuffer, Routes, plan_matrices
+from plait.optim.muon_routes import DataGroup, Matrix, MatrixBuffer, Routes, plan_matrices
 
 SHIPPED = torch.bfloat16  # what Newton-Schulz computes in: its input is rounded to it first
 

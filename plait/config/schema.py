@@ -1,7 +1,7 @@
 """Configuration: one typed dataclass per component, TOML files, `section.key=value` overrides.
 
-Every check that can be made before a worker starts is made in `plait.checks.validate`, and raises
-`ConfigError(field, fix)`; the CLI turns it into exit status 2 and one line.
+Every check that can be made before a worker starts is made in `plait.train.checks.validate`,
+and raises `ConfigError(field, fix)`; the CLI turns it into exit status 2 and one line.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm; 0 disables
-    # "adamw" | "muon" (Muon for the blocks' matrices, AdamW for the rest; parallel/muon.py) |
+    # "adamw" | "muon" (Muon for the blocks' matrices, AdamW for the rest; optim/muon.py) |
     # "sgd" (with momentum)
     optimizer: str = "adamw"
     muon_momentum: float = 0.95
@@ -110,7 +110,7 @@ class TrainConfig:
     sgd_momentum: float = 0.9
     seed: int = 0
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast; fp32 weights and optimizer
-    # state; fp16 with loss scaling, plait/parallel/loss_scaling.py)
+    # state; fp16 with loss scaling, plait/optim/loss_scaling.py)
     # The parameters' dtype under a half precision (FSDP2's param_dtype): "auto" (the half
     # dtype under ZeRO, fp32 under DDP and one device) | "fp32" | train.precision's half dtype
     # (held and computed in it under every engine, fp32 masters stepped, fp32 reductions)
@@ -136,12 +136,12 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     # "stdlib" (Python's own .py files), a text file or folder (bytes are tokens), a uint16 .bin,
-    # or a folder written by `plait data prepare` (train/corpus.py)
+    # or a folder written by `plait data prepare` (data/corpus.py)
     source: str = "stdlib"
     seq_len: int = 64
     val_fraction: float = 0.05  # of the documents (whole), or of the tokens of a single document
     max_bytes: int = 0  # train on the first bytes of `source` only (said when it cuts); 0: all
-    # A weighted mixture of prepared folders instead of `source` (train/mixture.py): each
+    # A weighted mixture of prepared folders instead of `source` (data/mixture.py): each
     # {path = "...", weight = 0.7, name = "web"} (name: the folder's own unless given)
     sources: list[dict] = field(default_factory=list)
     # Attention stops at document boundaries within a window, and positions restart at each

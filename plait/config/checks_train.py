@@ -1,12 +1,12 @@
-"""The checks of the `train` section (with fp16's loss scale, the compiler and the optimizer),
-made before a worker starts; `plait.checks_layout.check_layout` calls them after the model's and
+"""The checks of the `train` section (with fp16's loss scale, the compiler and the optimizer), made
+before a worker starts; `plait.config.checks_layout.check_layout` calls them after the model's and
 the layout's. Each raises `ConfigError(field, fix)`; none imports torch (a device check aside)."""
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-from plait.choices import (
+from plait.config.choices import (
     COMPILE_BACKEND_ENTRY_POINTS,
     COMPILE_BACKENDS,
     HALF_PRECISIONS,
@@ -14,7 +14,7 @@ from plait.choices import (
     OPTIMIZERS,
     PARAM_DTYPES,
 )
-from plait.config import ConfigError, TrainConfig
+from plait.config.schema import ConfigError, TrainConfig
 from plait.mesh import ParallelDims
 
 
@@ -94,7 +94,7 @@ def _check_precision(train: TrainConfig) -> None:
 
 
 def _check_loss_scale(train: TrainConfig) -> None:
-    """`train.loss_scale*`: fp16's (plait/parallel/loss_scaling.py)."""
+    """`train.loss_scale*`: fp16's (plait/optim/loss_scaling.py)."""
     scale = train.loss_scale
     if isinstance(scale, str) and scale != "dynamic":
         raise ConfigError("train.loss_scale", f"'dynamic' or a positive number, got '{scale}'")
