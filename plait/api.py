@@ -48,7 +48,7 @@ from plait.mesh import build_mesh, rows_share
 from plait.optim.loss_scaling import HALF, LossScaler
 from plait.optim.muon import MatrixExchange
 from plait.optim.whole_matrices import Factory, WholeMatrices
-from plait.parallel import ModuleOptions, Parallelized, cross_entropy, parallelize
+from plait.parallel import Options, Parallelized, cross_entropy, parallelize
 from plait.parallel.batch import Call, as_microbatches
 from plait.parallel.compile import apply_compile, compile_enabled
 from plait.parallel.wrap import WrapPolicy
@@ -335,12 +335,11 @@ def prepare(
     reference = copy.deepcopy(model) if verify else None
     M = parallel.microbatches or dims.pp
     mode = "full" if checkpoint else "none"
-    options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
-    parallelized = parallelize(model, build_mesh(dims, where.type), parallel, microbatches=M,
-                               precision=precision, param_dtype=param_dtype,
-                               activation_checkpointing=mode,
-                               options=options, scaler=loss_scaler, whole=whole,
-                               groups=groups)
+    options = Options(microbatches=M, precision=precision, param_dtype=param_dtype,
+                      activation_checkpointing=mode, loss_fn=loss_fn, wrap=wrap or WrapPolicy(),
+                      checkpoint=checkpoint or WrapPolicy(), scaler=loss_scaler, whole=whole,
+                      groups=groups)
+    parallelized = parallelize(model, build_mesh(dims, where.type), parallel, options)
     if compile_enabled("auto" if compile is None else compile, where):
         compiled = apply_compile(parallelized.module, compile_backend, wrap,
                                  required=compile is not None, loss_fn=parallelized.loss_fn)

@@ -27,7 +27,7 @@ from plait.config.checks_layout import validate_parallel
 from plait.config.schema import Config, ParallelConfig
 from plait.mesh import build_mesh, rows_share
 from plait.model.plan import has_plan
-from plait.parallel import ModuleOptions, parallelize
+from plait.parallel import Options, parallelize
 from plait.parallel.batch import as_microbatches
 from plait.parallel.wrap import WrapPolicy
 from plait.predict import cost
@@ -54,35 +54,33 @@ def estimate(model: nn.Module, example_batch, parallel: ParallelConfig | None = 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     device = next(model.parameters()).device
     device = torch.device("cpu") if device.type == "meta" else device
-    options = ModuleOptions(loss_fn, wrap or WrapPolicy(), checkpoint or WrapPolicy())
     M = parallel.microbatches or dims.pp
+    options = Options(microbatches=M, precision=precision,
+                      activation_checkpointing="full" if checkpoint else "none", loss_fn=loss_fn,
+                      wrap=wrap or WrapPolicy(), checkpoint=checkpoint or WrapPolicy())
     classes: dict[int, dict] = {}
     out = []
     for rank in range(dims.world_size):
         stands = representative(dims, rank)  # the rank that runs the same shapes
         if stands not in classes:
-            classes[stands] = _trace_module(model, example_batch, parallel, dims, stands, M,
-                                            precision, options, device, cfg)
+            classes[stands] = _trace_module(model, example_batch, parallel, dims, stands,
+                                            options, device, cfg)
         out.append({"rank": rank, "coords": dims.coords(rank), **classes[stands]})
     if gpu is not None:
         _add_step_time(out, cfg, dims, model, gpu, gpus_per_node)
     return [{k: v for k, v in r.items() if k != "_record"} for r in out]
 
 
-def _trace_module(model, batch, parallel, dims, rank, M, precision, options, device,
-                  cfg) -> dict:
+def _trace_module(model, batch, parallel, dims, rank, options, device, cfg) -> dict:
     with fake_world(rank, dims.world_size):
         mesh = build_mesh(dims, device.type)
         with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-            parallelized = parallelize(
-                fake_module(model, device, mode), mesh, parallel, microbatches=M,
-                precision=precision,
-                activation_checkpointing="full" if options.checkpoint else "none",
-                options=options)
+            parallelized = parallelize(fake_module(model, device, mode), mesh, parallel, options)
             fake_batch = tree_map(
                 lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
             here, rows = rows_share(parallelized.axes)
-            microbatches = as_microbatches(fake_batch, here, rows, M, options.loss_fn is None)
+            microbatches = as_microbatches(fake_batch, here, rows, options.microbatches,
+                                           options.loss_fn is None)
             traced = trace_step(parallelized, microbatches)
         record = parallelized.record
         return {"state": cost.state_bytes(cfg, dims, record),

@@ -35,7 +35,7 @@ from plait.comm.trace import TRACER, pipeline_spans
 from plait.config.schema import Config
 from plait.data.batches import TokenData
 from plait.model import build_model
-from plait.parallel import parallelize
+from plait.parallel import Options, parallelize
 from plait.parallel.pipeline.stage import split_model
 from plait.train.progress import each
 
@@ -53,7 +53,7 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _time_plait(cfg: Config, mesh, batches, steps: int):
     model = build_model(cfg.model.args(), cfg.train.seed)
-    par = parallelize(model, mesh, cfg.parallel, microbatches=len(batches))
+    par = parallelize(model, mesh, cfg.parallel, Options(microbatches=len(batches)))
     del model
     opt = torch.optim.AdamW([p for g in par.optimizer_groups() for p in g], lr=1e-4)
     times = []

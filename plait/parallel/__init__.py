@@ -52,7 +52,7 @@ from plait.parallel.expert_parallel import apply_ep, has_experts, moe_layers
 from plait.parallel.grads import by_device_and_dtype, scale_grads_
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only
 from plait.parallel.pipeline.executor import Activation
-from plait.parallel.placement import PlacementRecord
+from plait.parallel.placement import OptimizerClasses, PlacementRecord, ZeroUnit
 from plait.parallel.tensor_parallel import apply_tp
 from plait.parallel.vocab_parallel import HeadCrossEntropy
 from plait.parallel.wrap import WrapPolicy
@@ -64,13 +64,28 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ModuleOptions:
-    """What a model with no plan says about itself (any `nn.Module`, through the Python API)."""
+class Options:
+    """What `parallelize` reads besides the model, the mesh and the layout: how the step runs
+    (micro-batches, precision, recomputation), what a model with no plan says about itself (any
+    `nn.Module`, through the Python API: its loss, ZeRO-3's units, what to recompute), where a
+    model on `meta` gets its weights, and what the optimizer needs of the engine."""
 
+    microbatches: int = 1
+    precision: str = "fp32"  # "bf16", "fp16": computes under autocast
+    # Held parameters: "auto" (half under ZeRO only), "fp32" or a half dtype under every engine
+    # (`choices.held_precision`), with fp32 masters of what each rank steps.
+    param_dtype: str = "auto"
+    activation_checkpointing: str = "none"
     loss_fn: Callable[..., torch.Tensor] | None = None  # (outputs, targets) -> mean loss;
     # None: cross-entropy over (b, s, V) logits
-    wrap: WrapPolicy = WrapPolicy()  # ZeRO-3's units
+    wrap: WrapPolicy = WrapPolicy()  # ZeRO-3's units of a model with no plan
     checkpoint: WrapPolicy = WrapPolicy()  # what activation checkpointing = "full" recomputes
+    source: Source | None = None  # the weights of a model built on `meta`
+    scaler: LossScaler | None = None  # fp16's; default: dynamic from 2^16
+    # The parameters an optimizer needs whole (True: Muon's, `muon_matrices`; or a test of
+    # (name, parameter)), kept in flat buffers of their own.
+    whole: bool | Callable[[str, nn.Parameter], bool] = False
+    groups: Callable[[str, nn.Parameter], str] | None = None  # each parameter's optimizer group
 
 
 @dataclass
@@ -224,73 +239,49 @@ def _device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def parallelize(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    cfg: ParallelConfig,
-    microbatches: int = 1,
-    precision: str = "fp32",
-    activation_checkpointing: str = "none",
-    options: ModuleOptions = ModuleOptions(),
-    param_dtype: str = "auto",
-    source: Source | None = None,
-    scaler: LossScaler | None = None,
-    whole: bool | Callable[[str, nn.Parameter], bool] = False,
-    groups: Callable[[str, nn.Parameter], str] | None = None,
-) -> Parallelized:
+def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
+                options: Options = Options()) -> Parallelized:
     """Apply every configured parallelism to `model` in the documented order. A half
     precision ("bf16", "fp16") computes under autocast; the parameters are held in it, with fp32
-    masters of what each rank steps, where `param_dtype` says (`choices.held_precision`: "auto"
-    under ZeRO only; a half dtype under every engine), else in fp32. fp16 scales the loss by
-    `scaler` (default: dynamic from 2^16; `loss_scaling.py`). Do not use `model` afterwards:
-    its pieces now live in the returned chunks. A model with no plan gets the data-parallel
-    engines (`options` says what it would otherwise read from a plan); a degree that needs a
-    plan raises, naming it. A model built on `meta` is materialized from `source` after it is
+    masters of what each rank steps, where `options.param_dtype` says, else in fp32. fp16 scales
+    the loss by `options.scaler` (`loss_scaling.py`). Do not use `model` afterwards: its pieces
+    now live in the returned chunks. A model with no plan gets the data-parallel engines
+    (`options` says what it would otherwise read from a plan); a degree that needs a plan
+    raises, naming it. A model built on `meta` is materialized from `options.source` after it is
     cut: each rank makes only what it holds (under ZeRO-3, its slices;
-    `plait.model.materialize`). `whole` names the parameters an optimizer needs whole (True:
-    Muon's, `muon_matrices`; or a test of (name, parameter)): the engine keeps them in flat
-    buffers of their own, for `optim.muon.MatrixExchange`. `groups(name, parameter)` names
-    each parameter's optimizer group (weight decay by name under ZeRO): flat buffers never mix
-    two groups (`Parallelized.engine.param_groups()`)."""
+    `plait.model.materialize`). The parameters `options.whole` names go to flat buffers of their
+    own, for `optim.muon.MatrixExchange`; flat buffers never mix two of `options.groups`
+    (`Parallelized.engine.param_groups()`)."""
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    chunks, schedule, record = place(model, axes, cfg, microbatches, activation_checkpointing,
-                                     options.checkpoint, options.wrap)
+    chunks, schedule, record = place(model, axes, cfg, options.microbatches,
+                                     options.activation_checkpointing, options.checkpoint,
+                                     options.wrap, options.whole, options.groups)
     # Gradients that are partial sums must be summed: over dp x cp x ep by the data-parallel
     # engine, over tp (the norm gains under sequence parallelism, routers) by tensor
     # parallelism's hooks.
     unsynced = record.grad_sync_axes() - {"dp", "cp", "ep", "tp"}
     if unsynced:
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
-    fill = _fill(chunks, record, source, cfg.zero)
-    half = HALF.get(precision)
-    held = HALF.get(held_precision(precision, param_dtype, cfg.zero))
-    matrices = _optimizer_classes(chunks, record, whole, groups)
+    fill = _fill(chunks, record, options.source, cfg.zero)
+    half = HALF.get(options.precision)
+    held = HALF.get(held_precision(options.precision, options.param_dtype, cfg.zero))
+    # The matrices the engine keeps apart: those an optimizer of this run steps whole.
+    matrices = record.optimizer.matrices if options.whole else frozenset()
     engine = build_data_parallel(chunks, mesh, cfg, held, axes, record, options.wrap, fill,
                                  matrices)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
     seed_ranks(axes, cfg.sequence_parallel)  # dropout's masks (`dropout.py`)
-    loss_fn = _loss(model, options, axes["tp"])
+    loss_fn = _loss(model, options.loss_fn, axes["tp"])
     train, evaluate = _executors(model, chunks, schedule, axes, cfg, half, held, loss_fn,
                                  engine)
     context = ContextLayout(cfg.cp_method, axes["cp"].rank, axes["cp"].size)
-    if precision == "fp16" and scaler is None:
-        scaler = LossScaler()
+    scaler = None
+    if options.precision == "fp16":
+        scaler = options.scaler if options.scaler is not None else LossScaler()
     moe = [layer for chunk in chunks.values() for layer in moe_layers(chunk).values()]
     return Parallelized(chunks, engine, record, loss_fn, train, evaluate, axes, context,
-                        scaler if precision == "fp16" else None, moe)
-
-
-def _optimizer_classes(chunks: nn.ModuleDict, record: PlacementRecord,
-                       whole: bool | Callable[[str, nn.Parameter], bool],
-                       groups: Callable[[str, nn.Parameter], str] | None) -> frozenset[str]:
-    """What the engine keeps in flat buffers of their own: the matrices an optimizer needs
-    whole (returned; recorded), and each parameter's optimizer group (recorded)."""
-    if callable(whole):
-        record.matrices = frozenset(n for n, p in chunks.named_parameters() if whole(n, p))
-    if groups is not None:
-        record.groups = {n: groups(n, p) for n, p in chunks.named_parameters()}
-    return record.matrices if whole else frozenset()
+                        scaler, moe)
 
 
 def _fill(chunks: nn.ModuleDict, record: PlacementRecord, source: Source | None,
@@ -307,13 +298,13 @@ def _fill(chunks: nn.ModuleDict, record: PlacementRecord, source: Source | None,
     return None
 
 
-def _loss(model: nn.Module, options: ModuleOptions, tp: Axis) -> Callable:
+def _loss(model: nn.Module, loss_fn: Callable | None, tp: Axis) -> Callable:
     """The loss of the last stage: the user's, or cross-entropy; under tp, where the plan
     splits the head by vocabulary, plait's vocabulary-parallel cross-entropy."""
     plan = plan_of(model) if has_plan(model) else None
-    if plan is None or plan.vocab_head is None or tp.size == 1 and options.loss_fn is not None:
-        return options.loss_fn or cross_entropy
-    if options.loss_fn is not None:
+    if plan is None or plan.vocab_head is None or tp.size == 1 and loss_fn is not None:
+        return loss_fn or cross_entropy
+    if loss_fn is not None:
         raise ValueError("parallel.tp splits the output head by vocabulary: the loss is "
                          "plait's vocabulary-parallel cross-entropy; pass no loss_fn")
     if tp.size == 1:
@@ -349,13 +340,17 @@ def _executors(model: nn.Module, chunks: nn.ModuleDict, schedule, axes: dict[str
 
 def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
           activation_checkpointing: str = "none", checkpoint: WrapPolicy | None = None,
-          wrap: WrapPolicy | None = None):
+          wrap: WrapPolicy | None = None,
+          whole: bool | Callable[[str, nn.Parameter], bool] = False,
+          groups: Callable[[str, nn.Parameter], str] | None = None):
     """The model-parallel part of the straight line, which needs no communication to apply:
     pipeline chunks, then per chunk tensor (+ sequence), context and expert parallelism and
     activation checkpointing; the data-like axes replicate. Returns (chunks, schedule, placement
     record). With dry axes (`Axis.dry`) and a `meta` model it runs in one process: `plait train
     --dry-run`. `axes` holds the mesh axes and "batch", the dp x cp x ep ranks that split the
-    batch."""
+    batch. What the optimizer needs of the engine is recorded for the formulas: the matrices a
+    test `whole` names (else Muon's, which they read when `train.optimizer` is Muon) and the
+    parameters' `groups` (`Options`)."""
     record = PlacementRecord({a: axes[a].rank for a in AXES}, {a: axes[a].size for a in AXES})
     if axes["ep"].size > 1 and not has_experts(model):
         raise ValueError(f"parallel.ep={axes['ep'].size}: {type(model).__name__} has no "
@@ -374,11 +369,13 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
     for c, chunk in chunks.items():
         c = int(c)
         record.chunk_of.update({n: c for n, _ in chunk.named_parameters()})
-        names = unit_names(chunk, wrap)
-        record.units += names
-        record.unit_chunks += [c] * len(names)
-        record.spanning += [k == 0 and first_unit_spans(chunk, wrap) for k in range(len(names))]
-    record.matrices = muon_matrices(model, chunks)
+        record.units += [ZeroUnit(names, c, k == 0 and first_unit_spans(chunk, wrap))
+                         for k, names in enumerate(unit_names(chunk, wrap))]
+    matrices = muon_matrices(model, chunks)
+    if callable(whole):
+        matrices = frozenset(n for n, p in chunks.named_parameters() if whole(n, p))
+    record.optimizer = OptimizerClasses(
+        matrices, {n: groups(n, p) for n, p in chunks.named_parameters()} if groups else {})
     record.replicate_all("cp", partial_grad=True)  # other tokens of the same rows
     record.replicate_all("dp", partial_grad=True)  # other rows of the batch
     return chunks, schedule, record
@@ -387,8 +384,8 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
 __all__ = [
     "BucketedDataParallel",
     "Zero3DataParallel",
-    "ModuleOptions",
     "NaiveDataParallel",
+    "Options",
     "Parallelized",
     "WrapPolicy",
     "ZeroDataParallel",

@@ -14,6 +14,10 @@ replica (`check`). It answers what the rest of plait needs to know without askin
 transforms ran: the full and local shapes (model-state accounting, checkpoints), the axes a
 gradient must be summed over (`grad_sync_axes`), and which rank counts a replicated tensor in the
 one global gradient norm (`counts_once`).
+
+Beside the placements the record carries two things the formulas read as the engine builds them:
+ZeRO-3's units (`ZeroUnit`), and what the optimizer needs of the engine's flat buffers
+(`OptimizerClasses`).
 """
 
 from __future__ import annotations
@@ -72,24 +76,37 @@ class ParamPlacement:
         return math.prod(self.local_shape)
 
 
+@dataclass(frozen=True)
+class ZeroUnit:
+    """One of ZeRO-3's units as the engine cuts it (`zero3.unit_names`: a plan's block, or a wrap
+    policy's module): its parameters by name, its pipeline chunk (counted from 0 on this stage),
+    and whether it spans the chunk (`zero3.first_unit_spans`: gathered while the chunk's other
+    units run)."""
+
+    names: tuple[str, ...]
+    chunk: int
+    spans: bool
+
+
+@dataclass(frozen=True)
+class OptimizerClasses:
+    """What an optimizer needs of the engine: the parameters it steps as whole matrices (Muon's,
+    or what `plait.prepare(whole=...)` names) and each parameter's group (`plait.prepare`'s
+    `groups`), each kept in flat buffers of its own; the formulas lay buffers out the same."""
+
+    matrices: frozenset[str] = frozenset()
+    groups: dict[str, str] = field(default_factory=dict)  # name -> the user's parameter group
+
+
 class PlacementRecord:
     """Placements by parameter name (the single-device model's names), for one rank."""
 
     def __init__(self, coords: dict[str, int], sizes: dict[str, int]):
         self.coords, self.sizes = coords, sizes
         self.params: dict[str, ParamPlacement] = {}
-        # ZeRO-3's units by parameter name, as the engine cuts them (`zero3.unit_names`: the
-        # plan's blocks, or a wrap policy's modules); `place` sets them, the formulas read them.
-        self.units: list[tuple[str, ...]] = []
-        # Per unit: its pipeline chunk (counted from 0 on this stage), and whether it spans the
-        # chunk (`zero3.first_unit_spans`: gathered while the chunk's other units run).
-        self.unit_chunks: list[int] = []
         self.chunk_of: dict[str, int] = {}  # parameter name -> its pipeline chunk (global index)
-        self.spanning: list[bool] = []
-        # The parameters a matrix optimizer (Muon) would step (`parallel.muon_matrices`), so that
-        # the formulas lay out flat buffers as the engine does when it runs.
-        self.matrices: frozenset[str] = frozenset()
-        self.groups: dict[str, str] = {}  # name -> the user's parameter group (plait.prepare)
+        self.units: list[ZeroUnit] = []  # `place` sets them, the formulas read them
+        self.optimizer = OptimizerClasses()  # `place` sets it once
 
     def add(self, name: str, shape: tuple[int, ...]) -> None:
         self.params[name] = ParamPlacement(tuple(shape))

@@ -56,7 +56,7 @@ def half_params(cfg: Config) -> bool:
 
 def matrices(cfg: Config, record: PlacementRecord) -> frozenset[str]:
     """What the configured optimizer steps as whole matrices (Muon's), by name; else none."""
-    return record.matrices if cfg.train.optimizer == "muon" else frozenset()
+    return record.optimizer.matrices if cfg.train.optimizer == "muon" else frozenset()
 
 
 @functools.lru_cache(maxsize=512)
@@ -72,25 +72,25 @@ def flat_layouts(record: PlacementRecord, zero: int, bucket_mb: float,
     experts = expert_overrides(record)
     groups = []
     if zero == 3:
-        for u, unit in enumerate(map(set, record.units)):
+        for u, unit in enumerate(set(z.names) for z in record.units):
             members = [(n, p) for n, p in named if n in unit]
             for cls in (False, True):
                 groups += [(cls, m, u) for m, *_ in optimizer_classes(
                     [(n, p) for n, p in members if (n in experts) == cls], matrices,
-                    record.groups)]
+                    record.optimizer.groups)]
     else:
         for cls in (False, True):
             members = [(n, p) for n, p in named if (n in experts) == cls]
             if not members:
                 continue
             if zero == 0:
-                classes = optimizer_classes(members, matrices, record.groups) if masters \
+                classes = optimizer_classes(members, matrices, record.optimizer.groups) if masters \
                     else [(members,)]
                 groups += [(cls, m, None) for members, *_ in classes for m in assign_buckets(
                     members, int(bucket_mb * 2**20), int(min(1.0, bucket_mb) * 2**20))]
             else:
-                groups += [(cls, m, None) for m, *_ in flat_groups(members, bucket_mb,
-                                                                   matrices, record.groups)]
+                flats = flat_groups(members, bucket_mb, matrices, record.optimizer.groups)
+                groups += [(cls, m, None) for m, *_ in flats]
     kept = [(cls, layout(members), u) for cls, members, u in groups if members]
     return [(cls, segments, i if u is None else u) for i, (cls, segments, u) in enumerate(kept)]
 
@@ -205,9 +205,9 @@ def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params:
     if not par.reshard_after_forward:
         return params + sum(gathered)
     most = 0
-    for chunk in sorted(set(record.unit_chunks)):
-        mine = [u for u, c in enumerate(record.unit_chunks) if c == chunk]
-        span = gathered[mine[0]] if record.spanning[mine[0]] else 0
+    for chunk in sorted({z.chunk for z in record.units}):
+        mine = [u for u, z in enumerate(record.units) if z.chunk == chunk]
+        span = gathered[mine[0]] if record.units[mine[0]].spans else 0
         rest = [gathered[u] for u in mine if not (u == mine[0] and span)]
         pairs = [a + b for a, b in zip(rest, rest[1:], strict=False)] or rest or [0]
         most = max(most, span + max(pairs))

@@ -255,18 +255,18 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
     from plait.mesh import build_mesh, rows_share
     from plait.model import build_configured
     from plait.optim.loss_scaling import LossScaler
-    from plait.parallel import parallelize
+    from plait.parallel import Options, parallelize
 
     M = microbatches(cfg.parallel, dims)
     meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
     with fake_world(rank, dims.world_size):
         mesh = build_mesh(dims, torch.device(device).type)
         with FakeTensorMode() as mode:
-            parallelized = parallelize(
-                fake_module(meta, device, mode), mesh, cfg.parallel, microbatches=M,
-                precision=cfg.train.precision, param_dtype=cfg.train.param_dtype,
+            parallelized = parallelize(fake_module(meta, device, mode), mesh, cfg.parallel, Options(
+                microbatches=M, precision=cfg.train.precision,
+                param_dtype=cfg.train.param_dtype,
                 activation_checkpointing=cfg.train.activation_checkpointing,
-                scaler=LossScaler.of(cfg.train))
+                scaler=LossScaler.of(cfg.train)))
             _, rows = rows_share(parallelized.axes)
             window = torch.empty(cfg.train.global_batch // rows, cfg.data.seq_len + 1,
                                  dtype=torch.int64, device=device)

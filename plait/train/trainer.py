@@ -29,7 +29,7 @@ from plait.mesh import ParallelDims, rows_share
 from plait.model import build_configured, build_sharded, count_params
 from plait.optim.build import build_for, lr_at, set_lr
 from plait.optim.loss_scaling import HALF, LossScaler
-from plait.parallel import cross_entropy, parallelize
+from plait.parallel import Options, cross_entropy, parallelize
 from plait.parallel.compile import apply_compile, compile_enabled, graph_breaks
 from plait.parallel.dropout import seed_ranks
 from plait.predict.activation_memory import SavedActivations
@@ -86,12 +86,12 @@ class Trainer:
         n_params = count_params(model)  # the whole model's, before any split
         torch.manual_seed(cfg.train.seed)  # dropout's masks follow from it (parallel/dropout.py)
         self.microbatches = microbatches(cfg.parallel, dims)
-        self.parallelized = parallelize(
-            model, mesh, cfg.parallel, microbatches=self.microbatches,
-            precision=cfg.train.precision, param_dtype=cfg.train.param_dtype,
+        self.parallelized = parallelize(model, mesh, cfg.parallel, Options(
+            microbatches=self.microbatches, precision=cfg.train.precision,
+            param_dtype=cfg.train.param_dtype,
             activation_checkpointing=cfg.train.activation_checkpointing, source=source,
             scaler=LossScaler.of(cfg.train), whole=cfg.train.optimizer == "muon",
-        )
+        ))
         self.scaler = self.parallelized.scaler  # fp16's; None otherwise
         self.compiled = 0  # blocks whose forward is compiled (`train.compile`)
         if compile_enabled(cfg.train.compile, device):

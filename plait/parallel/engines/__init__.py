@@ -45,7 +45,7 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
     overrides = {n: axes["dp"] for n in expert_overrides(record)}
     compression = build_compression(cfg.compression, cfg.compression_ratio,
                                     cfg.compression_rank, cfg.compression_start)
-    classes = {"matrices": matrices, "groups": record.groups}
+    classes = {"matrices": matrices, "groups": record.optimizer.groups}
     if cfg.zero == 0:
         nodes = None
         if cfg.allreduce == "hierarchical":  # dp's ranks on each node, and across the nodes
