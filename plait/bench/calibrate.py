@@ -38,7 +38,7 @@ def time_all_reduces(sizes: list[int], min_seconds: float) -> list[tuple[int, fl
 
 def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     """Measure this machine and store the result; returns it."""
-    from plait.bench.plan import measure_run
+    from plait.bench.planner import measure_run
     from plait.config.schema import load_config
     from plait.launch import launch
     from plait.planner.calibrate import measure_cpu_flops

@@ -225,7 +225,7 @@ def cmd_bench_plan(args: argparse.Namespace) -> None:
         raise ConfigError("--which", f"measured, published or all; got {args.which!r}")
     if args.steps < 1:
         raise ConfigError("--steps", f"at least 1 timed step, got {args.steps}")
-    from plait.bench.plan import run_plan_bench
+    from plait.bench.planner import run_plan_bench
 
     run_plan_bench(args.steps, args.which)
 

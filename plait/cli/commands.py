@@ -288,7 +288,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         check_hf_folder(cfg.model.hf)
     fixed = pinned(cfg, args.overrides)
     check_mesh_pins(fixed, args.gpus)
-    from plait.planner.show import as_json, choose, print_plans, write_recipe
+    from plait.planner.policy import choose
+    from plait.planner.show import as_json, print_plans, write_recipe
 
     cluster = Cluster(args.gpus, args.gpus_per_node,
                       device(args.gpu, args.intra_node_gbps, args.inter_node_gbps, args.gpus,

@@ -756,7 +756,7 @@ def test_bench_plan_measures_what_a_plan_predicts():
     """`plait bench plan`'s measurement of one row (ZeRO-1 dp2, the tiny model): rank 0's model
     state at the end of the step, bytes communicated and activations equal the plan's, as its
     table reports them ("peak", the state's high point during the step, is not part of it)."""
-    from plait.bench.plan import measure_run, predicted
+    from plait.bench.planner import measure_run, predicted
     from plait.config.schema import load_config
     from plait.planner.hardware import DEVICES
 

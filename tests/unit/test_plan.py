@@ -13,9 +13,9 @@ from training import tiny_config
 from plait.config.schema import ConfigError, load_config
 from plait.model import build_model
 from plait.planner.hardware import DEVICES, Cluster, Device
+from plait.planner.policy import PIPELINE_SAVES, choose, leanest
 from plait.planner.price import estimate, with_degrees
 from plait.planner.search import rank_plans
-from plait.planner.show import PIPELINE_SAVES, choose, leanest
 from plait.predict.cost import all_to_all_bytes
 from plait.train.checks import validate
 from plait.train.dry_run import describe_rank
@@ -84,7 +84,7 @@ def test_a_pinned_dp_is_kept_and_an_invalid_pin_says_why():
     word. A pin no layout satisfies is refused with validate's own reason (it said only "no
     layout is valid")."""
     from plait.planner.pins import pinned
-    from plait.planner.show import choose
+    from plait.planner.policy import choose
 
     cfg = tiny_config("model.n_layers=4", "parallel.dp=2")
     fixed = pinned(cfg, ["parallel.dp=2"])
@@ -395,7 +395,7 @@ def test_a_model_far_beyond_its_gpus_is_refused_by_the_bound_before_the_search(m
     def searched(*a, **k):
         raise AssertionError("searched")
 
-    monkeypatch.setattr("plait.planner.show.rank_plans", searched)
+    monkeypatch.setattr("plait.planner.policy.rank_plans", searched)
     cfg = load_config(None, ["model.preset='405b'", "train.global_batch=16"])
     with pytest.raises(ConfigError, match="its model state alone needs over 835.0 GB per GPU"):
         choose(cfg, Cluster(1, 8, DEVICES["h100"]), {})
