@@ -4,6 +4,8 @@ Timings live here, never in tests."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 
 from rich.console import Console
 from rich.table import Table
@@ -18,8 +20,11 @@ from plait.bench.pp import (
     with_schedule,
 )
 from plait.bench.step import with_free_dp
+from plait.config.choices import PP_SCHEDULES
 from plait.config.schema import Config, ConfigError, at_world, cp_variants, with_cp
 from plait.launch import launch
+from plait.parallel.pipeline.schedules import build_schedule
+from plait.parallel.pipeline.simulator import simulate, textbook_bubble
 from plait.train.checks import validate
 from plait.train.progress import each
 from plait.train.report import draw_timelines
@@ -39,9 +44,6 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
 
 
 def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
-    from plait.config.choices import PP_SCHEDULES
-    from plait.parallel.pipeline.schedules import build_schedule
-    from plait.parallel.pipeline.simulator import simulate, textbook_bubble
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=nproc, dp=0))
     schedules, skipped = [], []
@@ -140,7 +142,6 @@ def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> li
 
 def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str) -> list[dict]:
     """The recipe at each world size (bench/scaling.py); a table and the speedup picture."""
-    import os
 
     from plait.bench.scaling import bench_scaling, draw_speedup, scaling_rows
 
@@ -180,7 +181,6 @@ def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str)
 
 def run_checkpoint(recipes: list[tuple[str, Config, int]], repeats: int) -> list[dict]:
     """Save and load costs per rank of each (name, config, world size): bench/checkpoint.py."""
-    import tempfile
 
     from plait.bench.checkpoint import bench_checkpoint
 

@@ -16,13 +16,23 @@ from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import comm
-from plait.planner.calibrate import LINK_RANKS, LINK_SIZES, STEP_OVERRIDES, fit_alpha_beta, path
+from plait.bench.comm import time_call
+from plait.config.schema import load_config
+from plait.launch import launch
+from plait.planner.calibrate import (
+    LINK_RANKS,
+    LINK_SIZES,
+    STEP_OVERRIDES,
+    fit_alpha_beta,
+    measure_cpu_flops,
+    path,
+)
+from plait.train.checks import validate
 
 
 @record
 def time_all_reduces(sizes: list[int], min_seconds: float) -> list[tuple[int, float]] | None:
     """On every rank: seconds per all-reduce of each size (the slowest rank's)."""
-    from plait.bench.comm import time_call
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -39,12 +49,8 @@ def time_all_reduces(sizes: list[int], min_seconds: float) -> list[tuple[int, fl
 def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     """Measure this machine and store the result; returns it."""
     from plait.bench.planner import measure_run
-    from plait.config.schema import load_config
-    from plait.launch import launch
-    from plait.planner.calibrate import measure_cpu_flops
     from plait.planner.hardware import Cluster, Device
     from plait.planner.price import estimate
-    from plait.train.checks import validate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a rank's share: workers run one thread each

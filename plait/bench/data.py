@@ -9,9 +9,14 @@ whose per-epoch permutation is held in full by every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -19,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -34,7 +41,12 @@ from plait.data.corpus import (
     stdlib_files,
 )
 from plait.data.tokenize_corpus import prepare
-from plait.train.host_memory import anonymous_bytes
+from plait.launch import launch
+from plait.train.checks import validate
+from plait.train.host_memory import (
+    anonymous_bytes,
+    cached_bytes,
+)
 from plait.train.trainer import Trainer
 
 
@@ -159,14 +171,8 @@ def bench_data(cfg: Config, steps: int) -> list[dict] | None:
 def run_data(cfg: Config, nproc: int, sizes_mb: list[int], workers: list[int], steps: int,
              folder: Path) -> dict:
     """The whole bench (module docstring); prints two tables, returns their rows."""
-    import dataclasses  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
 
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
-    from plait.launch import launch  # noqa: PLC0415
-    from plait.train.checks import validate  # noqa: PLC0415
 
     validate(cfg, nproc)
     shutil.rmtree(folder, ignore_errors=True)
@@ -221,15 +227,8 @@ def run_launch(overrides: list[str], sizes_gb: list[int], folder: Path) -> list[
     time from the process's start to its first step's metrics line, and the corpus bytes read
     meanwhile (the page cache's count, every process included), beside what each launch read
     before its checks sampled: every shard whole for its sha256, timed here the same way."""
-    import os  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
 
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
-    from plait.train.host_memory import cached_bytes  # noqa: PLC0415
 
     rows = []
     for gb in sizes_gb:

@@ -12,11 +12,16 @@ Operands are random normal: zeros make the tensor cores draw less power and run 
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import statistics
 import time
+from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 TOKENS = (1024, 4096, 16384)
 WIDTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -110,16 +115,17 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 2 / _seconds(lambda: dst.copy_(src), device, 10)
 
 
-def run_gemm(out: str, fp8: bool = False, device: str | None = None) -> dict:
+def run_gemm(out: str, fp8: bool = False, device: str | None = None, repeats: int = 10) -> dict:
     """`plait bench gemm`: the sweep on this machine's device (a GPU when there is one), written
-    to `out` as JSON and printed beside the planner's shape model (GPUs it knows by name)."""
-    from pathlib import Path
+    to `out` as JSON and printed beside the planner's shape model (GPUs it knows by name); each
+    case timed over `repeats` products after three warm-up ones."""
 
     device_ = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = torch.cuda.get_device_name(device_) if device_.type == "cuda" else "cpu"
-    found = {"device": name, "torch": torch.__version__, "rows": measure(device_, fp8)}
+    found = {"device": name, "torch": torch.__version__,
+             "rows": measure(device_, fp8, repeats)}
     if device_.type == "cuda":
-        found["attention"] = attention(device_)
+        found["attention"] = attention(device_, repeats)
         found["copy_bytes_per_s"] = copy_bandwidth(device_)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(found, indent=1))
@@ -137,10 +143,7 @@ def _error(row: dict, model) -> float:
 def print_gemm(found: dict) -> None:
     """Per dtype and token count: the measured TFLOP/s at the narrowest, middle and widest
     products, and the shape model's median error where the planner knows the device."""
-    import statistics
 
-    from rich.console import Console
-    from rich.table import Table
 
     from plait.planner.hardware import known_device
 
@@ -173,7 +176,6 @@ def print_gemm(found: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     """`python -m plait.bench.gemm --out FILE [--fp8]`: the bench on a machine where plait's
     command line is not installed (a GPU machine with its own torch)."""
-    import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

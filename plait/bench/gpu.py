@@ -43,7 +43,18 @@ from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import forkserver
-from plait.config.schema import Config, load_config
+from plait.bench.step import summarize
+from plait.config.choices import held_precision
+from plait.config.schema import Config, ModelConfig, load_config
+from plait.data.batches import TokenData
+from plait.launch import launch
+from plait.mesh import build_mesh
+from plait.optim.loss_scaling import HALF
+from plait.parallel.compile import compiled_graphs, graph_breaks
+from plait.predict.trace import model_flops
+from plait.train.checks import validate
+from plait.train.metrics import peak_flops
+from plait.train.trainer import Trainer
 
 SIDES = ("plait", "plait-compiled", "plait-hf", "loop", "loop-compiled")
 SHAPES = {  # the model and batch of each shape
@@ -75,12 +86,8 @@ def _sync(device: torch.device) -> None:
 
 def _plait_step(cfg: Config, device: torch.device, hf_dir: str | None):
     """plait's side: the trainer's own step (its one step path)."""
-    from plait.mesh import build_mesh
-    from plait.train.checks import validate
-    from plait.train.trainer import Trainer
 
     if hf_dir is not None:
-        from plait.config.schema import ModelConfig
 
         cfg = dataclasses.replace(cfg, model=ModelConfig(hf=hf_dir))
     dims = validate(cfg, dist.get_world_size())
@@ -94,8 +101,6 @@ def _loop_step(cfg: Config, device: torch.device, compiled: bool, microbatches: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from plait.checkpoint.hf import hf_config
-    from plait.data.batches import TokenData
-    from plait.optim.loss_scaling import HALF
 
     train = cfg.train
     torch.manual_seed(train.seed)
@@ -176,7 +181,6 @@ def bench_side(cfg: Config, side: str, warmup: int, steps: int, hf_dir: str) -> 
         _sync(device)
         times.append(time.perf_counter() - start)
     dist.destroy_process_group()
-    from plait.parallel.compile import compiled_graphs, graph_breaks
 
     breaks, first_break = graph_breaks()
     if breaks:
@@ -197,9 +201,6 @@ def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES
             json_out: str | None = None) -> dict:
     """Every side in a process of its own, one after the other; prints the table, returns rows."""
     from plait.checkpoint.hf import hf_config
-    from plait.launch import launch
-    from plait.predict.trace import model_flops
-    from plait.train.metrics import peak_flops
 
     flops = model_flops(cfg)
     tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -217,7 +218,6 @@ def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES
     device = next(iter(rows.values()))["device"]
     peak = peak_flops(torch.device("cuda" if "CPU" not in device else "cpu"),
                       cfg.train.peak_tflops)
-    from plait.bench.step import summarize
 
     timed = summarize({side: got["times"] for side, got in rows.items()})
     out = {}
@@ -241,7 +241,6 @@ def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES
 
 
 def _shape_of(cfg: Config) -> str:
-    from plait.config.choices import held_precision
 
     a, train = cfg.model.args(), cfg.train
     held = held_precision(train.precision, train.param_dtype, cfg.parallel.zero)

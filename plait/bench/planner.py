@@ -25,6 +25,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
 from plait.comm import LEDGER
+from plait.config.schema import load_config
+from plait.launch import launch
+from plait.train.checks import validate
+from plait.train.progress import each
+from plait.train.trainer import Trainer
 
 BASE = ["model.preset='small'", "train.global_batch=8", "data.seq_len=128"]
 MOE = ["model.preset='small-moe'", "model.moe_router='expert_choice'",
@@ -67,7 +72,6 @@ ROWS = [
 def measure_run(cfg, steps: int) -> dict | None:
     """On every rank: `steps` training steps after two warm-ups; rank 0 returns its last step's
     bytes and the median step time of the slowest rank."""
-    from plait.train.trainer import Trainer
 
     dims, mesh = start_worker(cfg)
     trainer = Trainer(cfg, dims, mesh, torch.device("cpu"))
@@ -96,7 +100,6 @@ def predicted(cfg, ranks: int, device) -> dict:
     """The plan's numbers for rank 0 of cfg on `ranks` ranks of one machine."""
     from plait.planner.hardware import Cluster
     from plait.planner.price import estimate
-    from plait.train.checks import validate
 
     plan = estimate(cfg, validate(cfg, ranks), Cluster(ranks, ranks, device))
     memory = plan.memory_bytes
@@ -110,11 +113,7 @@ def relative(pred: float, meas: float) -> float:
 
 def measured_rows(steps: int) -> list[dict]:
     """Each row of ROWS run (its own job) and planned on the calibrated CPU device."""
-    from plait.config.schema import load_config
-    from plait.launch import launch
     from plait.planner.hardware import cpu_device
-    from plait.train.checks import validate
-    from plait.train.progress import each
 
     configs = [(name, n, load_config(None, [*BASE, *overrides])) for name, n, overrides in ROWS]
     for _, n, cfg in configs:

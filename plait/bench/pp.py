@@ -36,6 +36,8 @@ from plait.config.schema import Config
 from plait.data.batches import TokenData
 from plait.model import build_model
 from plait.parallel import Options, parallelize
+from plait.parallel.pipeline.schedules import Kind
+from plait.parallel.pipeline.simulator import simulate
 from plait.parallel.pipeline.stage import split_model
 from plait.train.progress import each
 
@@ -121,8 +123,6 @@ def replayed(schedule, stage_spans: list[list[tuple]]):
     """The schedule simulated with each action's measured duration and free messages (what the
     measured bubble would be if only the compute's real costs counted: a backward dearer than
     two forwards, the last stage's head and loss, stages of unequal cost)."""
-    from plait.parallel.pipeline.schedules import Kind
-    from plait.parallel.pipeline.simulator import simulate
 
     took = {(Kind(kind), mb, chunk): end - start
             for spans in stage_spans for kind, mb, chunk, start, end in spans}

@@ -40,6 +40,9 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from plait.config.schema import load_config
+from plait.train.progress import each
+
 MEGATRON = "Narayanan et al. 2021, Table 1"
 LLAMA3 = "Llama 3 Herd, Table 4"
 TITAN = "torchtitan llama3_h100_202412"
@@ -176,7 +179,6 @@ def published_row(row: Published) -> dict:
     """One published run planned with its layout pinned (the micro-batches and schedule, where
     not published, the planner's best): predicted and published throughput and memory, and with
     `row.rank` where its layout ranks among the planner's distinct layouts that fit."""
-    from plait.config.schema import load_config
     from plait.planner.hardware import planned_precision
     from plait.planner.search import rank_plans
 
@@ -212,7 +214,6 @@ def published_row(row: Published) -> dict:
 
 def published_rows(rank: bool = True) -> list[dict]:
     """Every published run (`rank`: with the layout searches of the rows that ask for them)."""
-    from plait.train.progress import each
 
     rows = PUBLISHED if rank else [dataclasses.replace(r, rank=False) for r in PUBLISHED]
     return [published_row(r) for r in each(rows, "bench plan: published runs",

@@ -39,7 +39,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from plait import comm
-from plait.config.schema import Config, microbatches
+from plait.config.schema import Config, ModelConfig, microbatches
 from plait.data.batches import TokenData
 from plait.mesh import build_mesh
 from plait.model.plan import has_plan, plan_of
@@ -97,7 +97,6 @@ class _Runner:
 def as_plaits_llama(cfg: Config) -> Config:
     """`cfg` with its Hugging Face model (`model.hf`) replaced by plait's own Llama of the same
     shape (`hf_args`: width, layers, heads, MLP, vocabulary)."""
-    from plait.config.schema import ModelConfig
 
     shape = dataclasses.asdict(cfg.model.args())
     return dataclasses.replace(cfg, model=ModelConfig(preset="tiny", overrides=shape))

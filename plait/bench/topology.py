@@ -33,7 +33,12 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from plait.planner.calibrate import fit_alpha_beta
+from plait.comm import all_reduce
+from plait.config.schema import load_config
+from plait.mesh import node_layout
+from plait.planner.calibrate import fit_alpha_beta, load
+from plait.train.checks import validate
+from plait.train.progress import each
 
 NODES, PER_NODE = 2, 2
 RATIOS = (18, 75)  # loopback's bandwidth over the inter-node link's
@@ -69,7 +74,6 @@ def links(out: str, kinds: list[str], min_seconds: float = 0.2) -> None:
     members, every size started together on every group of the kind (a world barrier, then as
     many calls as fill about `min_seconds`, agreed by all), the slowest member's seconds per
     call; rank 0's results written to `out` as JSON {kind: [(bytes, seconds), ...]}."""
-    from plait.comm import all_reduce
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -153,8 +157,6 @@ def cluster_of(intra: dict, inter: dict):
 
 def configured(overrides: list[str]):
     """(the configuration of a layout on the cluster, its degrees) (ConfigError if refused)."""
-    from plait.config.schema import load_config
-    from plait.train.checks import validate
 
     cfg = load_config(None, [*BASE, *overrides, f"parallel.ranks_per_node={PER_NODE}"])
     return cfg, validate(cfg, NODES * PER_NODE)
@@ -172,10 +174,7 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
     tables (unless `quiet`), writes {"links": ..., "rows": [...]} to `out` (JSON) and returns
     it."""
     from plait.bench.calibrate import calibrate
-    from plait.mesh import node_layout
     from plait.nodes import EmulatedNodes
-    from plait.planner.calibrate import load
-    from plait.train.progress import each
 
     console = Console(width=170)
     if load() is None:

@@ -36,6 +36,7 @@ from plait.checkpoint.rank_state import load_full, one_process
 from plait.config.schema import Config, ModelConfig, model_section
 from plait.model.args import ModelArgs
 from plait.model.hf import HF_PLANS, architecture, hf_name, read_config
+from plait.model.llama import build_model
 
 
 def _to_half(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -95,7 +96,6 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
 def _check_shapes(sd: dict, args: ModelArgs, hf_dir: Path) -> None:
     """The imported tensors, their names already checked (`hf_llama.names_problem`), are plait's
     Llama of `args` (no layer beyond its own), each of its shape; a one-line ValueError if not."""
-    from plait.model.llama import build_model
 
     want = {f"model.{n}": tuple(p.shape)
             for n, p in build_model(args, seed=0, device="meta").named_parameters()}

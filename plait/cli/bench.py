@@ -6,6 +6,7 @@ line before any worker starts."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from plait.cli.common import check_output_path, load, recipe_path
@@ -26,6 +27,9 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
 
 def cmd_bench_gemm(args: argparse.Namespace) -> None:
     check_output_path(args.out, "--out")
+    if args.steps < 1:
+        raise ConfigError("--steps", f"need at least one timed product per shape, got "
+                          f"{args.steps}")
     if args.fp8:
         import torch
 
@@ -34,7 +38,7 @@ def cmd_bench_gemm(args: argparse.Namespace) -> None:
                               "machine has none")
     from plait.bench.gemm import run_gemm
 
-    run_gemm(args.out, args.fp8)
+    run_gemm(args.out, args.fp8, repeats=args.steps)
 
 
 def cmd_bench_step(args: argparse.Namespace) -> None:
@@ -231,7 +235,6 @@ def cmd_bench_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_topology(args: argparse.Namespace) -> None:
-    import json
 
     from plait.nodes import available
 

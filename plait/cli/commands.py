@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -14,7 +15,9 @@ import sys
 from pathlib import Path
 
 from plait.cli.common import check_output_path, in_torchrun, load
-from plait.config.schema import AXES, Config, ConfigError
+from plait.config.schema import AXES, Config, ConfigError, model_section
+from plait.mesh import TP_ACROSS, across_nodes, ranks_per_node
+from plait.planner.hardware import ENGINES, Cluster, check_options, device, planned_precision
 
 
 def default_world(cfg: Config) -> int:
@@ -112,7 +115,6 @@ def _train_as_torchrun_worker(args: argparse.Namespace, cfg: Config) -> None:
 
     cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
     dims = validate(cfg, int(os.environ["WORLD_SIZE"]))
-    from plait.mesh import TP_ACROSS, across_nodes, ranks_per_node
 
     node = ranks_per_node(cfg.parallel.ranks_per_node, dims.world_size)
     if "tp" in across_nodes(dims, node) and speaks():
@@ -219,7 +221,6 @@ def cmd_run(args: argparse.Namespace) -> None:
         raise ConfigError("--threads", f"at least 1, got {args.threads}")
     if not Path(args.script).is_file():
         raise ConfigError("script", f"{args.script} is not a file; give the path of a .py file")
-    import importlib.util
 
     for module in args.preload:
         if importlib.util.find_spec(module.split(".")[0]) is None:
@@ -272,7 +273,6 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from plait.config.checks_hf import check_hf_folder
-    from plait.planner.hardware import ENGINES, Cluster, check_options, device, planned_precision
     from plait.planner.pins import check_mesh_pins, pinned
 
     if args.calibrate:
@@ -337,7 +337,6 @@ def cmd_convert(args: argparse.Namespace) -> None:
         from plait.checkpoint import BadMeta
         from plait.checkpoint.hf import export_hf
         from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
-        from plait.config.schema import model_section
 
         try:
             saved = check_checkpoint(source)

@@ -6,10 +6,13 @@ only). Bad input exits with status 2 and one line."""
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
+
+from plait.config.schema import ConfigError
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
-    from plait.config.schema import ConfigError
     from plait.data.corpus import SHARD_TOKENS
     from plait.data.tokenize_corpus import prepare
 
@@ -32,10 +35,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
 
 def cmd_data_verify(args: argparse.Namespace) -> None:
     import random
-    import time
-    from pathlib import Path
 
-    from plait.config.schema import ConfigError
     from plait.data.corpus import CorpusError, is_prepared, read_manifest, verify_shards
 
     folder = Path(args.folder)

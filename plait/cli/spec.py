@@ -161,7 +161,8 @@ BENCH = Command("bench", "benchmarks against the PyTorch-native peers", dest="su
             "planner's shape model", "plait.cli.bench:cmd_bench_gemm", (
                 arg("--out", default="runs/bench_gemm/gemm.json", help="the sweep as JSON"),
                 arg("--fp8", action="store_true", help="also fp8 (torch._scaled_mm; GPUs with "
-                    "fp8 tensor cores)"))),
+                    "fp8 tensor cores)"),
+                steps(10, "shape, after three warm-up products"))),
     Command("plan", "the planner's predictions against runs here (bytes, state, activations, "
             "step time) and published GPU runs", "plait.cli.bench:cmd_bench_plan", (
                 arg("--which", default="all", help="measured, published or all"),

@@ -35,7 +35,7 @@ from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-
     hf_args,
     read_config,
 )
-from plait.model.materialize import Stacked
+from plait.model.materialize import SafetensorsFile, Stacked, params_on_meta
 from plait.model.plan import ModelPlan
 
 ATTENTION = "plait"  # the name of plait's entry in transformers' AttentionInterface
@@ -194,7 +194,6 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
     done: a folder with no weights (transformers initialises a fresh model whole), or one whose
     file holds a tensor under a name or shape that neither the module's nor `OLDER_NAMES`
     gives."""
-    from plait.model.materialize import SafetensorsFile, params_on_meta
 
     if not has_weights(folder):
         return None

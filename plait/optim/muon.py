@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 # torch.optim.Muon's own Newton-Schulz and learning-rate adjustment (private in torch 2.13, the
 # version plait pins): the owners compute what `torch.optim.Muon` computes, bit for bit
@@ -263,13 +264,11 @@ def _tp_part(m: Matrix, whole: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def _size(group) -> int:
-    import torch.distributed as dist
 
     return dist.get_world_size(group) if group is not None else 1
 
 
 def _rank(group) -> int:
-    import torch.distributed as dist
 
     return dist.get_rank(group) if group is not None else 0
 

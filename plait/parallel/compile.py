@@ -21,7 +21,9 @@ and shape reuses the first layer's graph (tests/dist/test_compile.py counts them
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 from torch import nn
+from torch._dynamo.utils import counters
 
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import is_checkpointed
@@ -50,7 +52,6 @@ def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
     compiling was asked for (`required`), and otherwise runs eager. A loss that can compile its
     own arithmetic (`HeadCrossEntropy`: the cross-entropy fused with the output head, which runs
     outside the blocks) is compiled too."""
-    import torch._dynamo
 
     # A block dynamo or the backend fails on runs eager (with torch's warning), not the run.
     torch._dynamo.config.suppress_errors = True
@@ -80,7 +81,6 @@ def _recomputed_eager(block: nn.Module) -> None:
 
 def graph_breaks() -> tuple[int, str | None]:
     """(graph breaks dynamo has taken in this process, the first one's reason)."""
-    from torch._dynamo.utils import counters
 
     breaks = counters["graph_break"]
     return sum(breaks.values()), next(iter(breaks), None)
@@ -88,6 +88,5 @@ def graph_breaks() -> tuple[int, str | None]:
 
 def compiled_graphs() -> int:
     """Distinct graphs dynamo has compiled in this process."""
-    from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]

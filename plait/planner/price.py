@@ -8,7 +8,7 @@ import functools
 from dataclasses import dataclass, field
 
 from plait.comm import Op
-from plait.config.schema import Config, microbatches
+from plait.config.schema import Config, ParallelConfig, microbatches
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, dp_per_node
 from plait.model import ModelArgs, build_configured
 from plait.parallel import place
@@ -98,7 +98,6 @@ def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int
             sp: bool = False, hf: str = ""):
     """One stage's placement record (what the formulas need), the chunks cut as `sizes` says;
     `sp`: sequence parallelism (which parameters' gradients are partial over tp)."""
-    from plait.config.schema import ParallelConfig
 
     virtual = len(sizes) // pp
     par = ParallelConfig(pp=pp, tp=tp, ep=ep, pp_schedule="interleaved" if virtual > 1 else "1f1b",

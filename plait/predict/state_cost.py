@@ -16,6 +16,7 @@ from plait.comm.compression import Segment, build_compression, layout, members_n
 from plait.config.choices import HALF_PRECISIONS, held_precision
 from plait.config.schema import Config, microbatches
 from plait.mesh import ParallelDims
+from plait.model.llama import BLOCK
 from plait.parallel.engines.flat import optimizer_classes
 from plait.parallel.engines.zero import flat_groups
 from plait.parallel.expert_parallel import expert_overrides
@@ -171,7 +172,6 @@ def startup_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> i
     holds, whole, in fp32 (drawn one at a time: at most 8 more bytes per element of the largest),
     then each bucket laid out (an fp32 and a parameter-dtype copy of the largest), and the
     masters of its slices."""
-    from plait.model.llama import BLOCK
 
     par = cfg.parallel
     param_b, _ = dtype_bytes(cfg)

@@ -43,7 +43,11 @@ from torch.utils.flop_counter import FlopCounterMode, shape_wrapper
 
 from plait.comm import LEDGER, Op
 from plait.comm.watchdog import RECORDER
-from plait.parallel import Parallelized
+from plait.config.schema import microbatches
+from plait.mesh import build_mesh, rows_share
+from plait.model import build_configured
+from plait.optim.loss_scaling import LossScaler
+from plait.parallel import Options, Parallelized, cross_entropy, parallelize
 from plait.predict.activation_memory import SavedActivations
 from plait.predict.routing import fake_experts, grouped_mm_flops
 
@@ -197,8 +201,6 @@ def model_flops(cfg) -> float:
     `FlopCounterMode` counts them on fake tensors -- the forward and backward of the global batch
     of `cfg` (a `plait.config.schema.Config`), without recomputation or what a layout repeats on
     several ranks. Raises `Untraceable` where the step reads values."""
-    from plait.model import build_configured
-    from plait.parallel import cross_entropy
 
     meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
     with FakeTensorMode() as mode:
@@ -251,11 +253,6 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
     and wrapped by `parallelize`, fed this rank's rows of a global batch of token windows as the
     trainer cuts them (inputs and targets views of one (rows, seq + 1) tensor; and the inputs'
     documents under `data.document_mask`: the masks' shapes, whatever their values)."""
-    from plait.config.schema import microbatches
-    from plait.mesh import build_mesh, rows_share
-    from plait.model import build_configured
-    from plait.optim.loss_scaling import LossScaler
-    from plait.parallel import Options, parallelize
 
     M = microbatches(cfg.parallel, dims)
     meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)

@@ -352,6 +352,7 @@ OTHER_BAD_INPUT = [
     (["bench", "scaling", "--nproc", "0,1"], "--nproc"),
     (["bench", "scaling", "--nproc", "two"], "--nproc"),
     (["bench", "scaling", "--steps", "0"], "--steps"),
+    (["bench", "gemm", "--steps", "0"], "--steps"),
     (["bench", "scaling", "--png", "{files}/empty_dir"], "--png"),  # a directory
     (["bench", "pp", "--png", "/proc/plait-nope/pp.png"], "--png"),  # was a mkdir traceback
     (["bench", "compression", "--png", "/proc/plait-nope/c.png"], "--png"),
