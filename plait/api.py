@@ -52,6 +52,7 @@ from plait.parallel import Options, Parallelized, cross_entropy, parallelize
 from plait.parallel.batch import Call, as_microbatches
 from plait.parallel.compile import apply_compile, compile_enabled
 from plait.parallel.wrap import WrapPolicy
+from plait.train.run import worker_device
 from plait.train.verify import Verdict, verify_step
 
 
@@ -59,7 +60,6 @@ def init(device: str = "auto", threads: int = 1, timeout_s: float = 300.0) -> to
     """Join the world the environment describes (torchrun's or `plait run`'s RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT; without them a world of one): gloo on CPU, NCCL on GPUs, `threads`
     intra-op threads per process (oversubscribed cores are ruinous). Returns this rank's device."""
-    from plait.train.run import worker_device
 
     torch.set_num_threads(threads)
     where = worker_device(device)

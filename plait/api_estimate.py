@@ -30,6 +30,9 @@ from plait.model.plan import has_plan
 from plait.parallel import Options, parallelize
 from plait.parallel.batch import as_microbatches
 from plait.parallel.wrap import WrapPolicy
+from plait.planner.gemm import PEAK_SHARE
+from plait.planner.hardware import DEVICES, Cluster
+from plait.planner.price import stage_seconds
 from plait.predict import cost
 from plait.predict.trace import fake_module, fake_world, representative, trace_step
 
@@ -95,9 +98,6 @@ def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: 
     """Each rank's step on `gpu` by the planner's time model (`plait.planner.stage_seconds`):
     its traced FLOPs at the device's achieved peak for large matmuls (`planner.gemm`; a module
     without a plan has no shapes the planner knows)."""
-    from plait.planner.gemm import PEAK_SHARE
-    from plait.planner.hardware import DEVICES, Cluster
-    from plait.planner.price import stage_seconds
 
     if has_plan(model):
         raise ValueError("gpu: the step time of a model with a plan is `plait plan`'s (its "
@@ -124,7 +124,6 @@ def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
     model state at its peak plus its activations), `step_time_s` and `comm_bytes` (the slowest
     and busiest rank's). A model with a plan also splits by tp, pp, cp and ep: that is
     `plait plan`'s search."""
-    from plait.planner.hardware import DEVICES
 
     if has_plan(model):
         raise ValueError("model: it has a plan, whose layouts (tp, pp, cp, ep) `plait plan "

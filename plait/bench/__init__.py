@@ -10,7 +10,11 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
+from plait.bench.checkpoint import bench_checkpoint
 from plait.bench.comm import SIZES, bench_comm
+from plait.bench.cp import bench_cp
+from plait.bench.memory import bench_memory
+from plait.bench.moe import bench_moe, draw_load, with_ep
 from plait.bench.pp import (
     bench_pp,
     measured_bubble,
@@ -19,6 +23,7 @@ from plait.bench.pp import (
     why_bubble,
     with_schedule,
 )
+from plait.bench.scaling import bench_scaling, draw_speedup, scaling_rows
 from plait.bench.step import with_free_dp
 from plait.config.choices import PP_SCHEDULES
 from plait.config.schema import Config, ConfigError, at_world, cp_variants, with_cp
@@ -143,7 +148,6 @@ def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> li
 def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str) -> list[dict]:
     """The recipe at each world size (bench/scaling.py); a table and the speedup picture."""
 
-    from plait.bench.scaling import bench_scaling, draw_speedup, scaling_rows
 
     # every world size was checked by the command before it imported this package (torch)
     configs = {n: at_world(cfg, n, sizes[0], weak) for n in sizes}
@@ -182,7 +186,6 @@ def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str)
 def run_checkpoint(recipes: list[tuple[str, Config, int]], repeats: int) -> list[dict]:
     """Save and load costs per rank of each (name, config, world size): bench/checkpoint.py."""
 
-    from plait.bench.checkpoint import bench_checkpoint
 
     table = Table(title=f"plait bench checkpoint: torch.distributed.checkpoint, every rank "
                         f"writing what it holds; slowest rank, median of {repeats}")
@@ -208,7 +211,6 @@ def run_checkpoint(recipes: list[tuple[str, Config, int]], repeats: int) -> list
 
 def run_memory(layouts: list[tuple[str, Config, int]]) -> list[dict]:
     """Each (name, config, world size)'s per-rank peak host memory: bench/memory.py."""
-    from plait.bench.memory import bench_memory
 
     for _, cfg, nproc in layouts:
         validate(cfg, nproc)  # every layout is checked before any worker starts
@@ -240,7 +242,6 @@ def run_memory(layouts: list[tuple[str, Config, int]]) -> list[dict]:
 def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int,
             png: str) -> list[dict]:
     """A mixture-of-experts recipe at each ep degree on `nproc` ranks: bench/moe.py."""
-    from plait.bench.moe import bench_moe, draw_load, with_ep
 
     configs = {ep: with_ep(cfg, ep) for ep in degrees}
     for c in configs.values():
@@ -274,7 +275,6 @@ def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int
 def run_cp(cfg: Config, degrees: list[int], methods: list[str], steps: int,
            warmup: int) -> list[dict]:
     """One long sequence per step on one rank, then over C ranks by each method: bench/cp.py."""
-    from plait.bench.cp import bench_cp
 
     # every variant was checked by the command before it imported this package (torch)
     variants = cp_variants(degrees, methods)

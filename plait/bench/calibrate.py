@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import comm
 from plait.bench.comm import time_call
+from plait.bench.planner import measure_run
 from plait.config.schema import load_config
 from plait.launch import launch
 from plait.planner.calibrate import (
@@ -27,6 +28,8 @@ from plait.planner.calibrate import (
     measure_cpu_flops,
     path,
 )
+from plait.planner.hardware import Cluster, Device
+from plait.planner.price import estimate
 from plait.train.checks import validate
 
 
@@ -48,9 +51,6 @@ def time_all_reduces(sizes: list[int], min_seconds: float) -> list[tuple[int, fl
 
 def calibrate(min_seconds: float = 0.2, steps: int = 5) -> dict:
     """Measure this machine and store the result; returns it."""
-    from plait.bench.planner import measure_run
-    from plait.planner.hardware import Cluster, Device
-    from plait.planner.price import estimate
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a rank's share: workers run one thread each

@@ -23,6 +23,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from plait.planner.gemm import gemm_seconds
+from plait.planner.hardware import known_device
+
 TOKENS = (1024, 4096, 16384)
 WIDTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 CPU_WIDTHS = (64, 128, 256, 512, 1024)  # a CPU core needs seconds beyond these
@@ -134,7 +137,6 @@ def run_gemm(out: str, fp8: bool = False, device: str | None = None, repeats: in
 
 
 def _error(row: dict, model) -> float:
-    from plait.planner.gemm import gemm_seconds
 
     predicted = gemm_seconds(row["m"], row["n"], row["k"], model, row["dtype"] == "fp8")
     return abs(predicted / row["seconds"] - 1)
@@ -145,7 +147,6 @@ def print_gemm(found: dict) -> None:
     products, and the shape model's median error where the planner knows the device."""
 
 
-    from plait.planner.hardware import known_device
 
     model = known_device(found["device"]) if found["device"] != "cpu" else None
     table = Table(title=f"plait bench gemm: {found['device']} (torch {found['torch']}), "

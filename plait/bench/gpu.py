@@ -54,6 +54,7 @@ from plait.parallel.compile import compiled_graphs, graph_breaks
 from plait.predict.trace import model_flops
 from plait.train.checks import validate
 from plait.train.metrics import peak_flops
+from plait.train.run import worker_device
 from plait.train.trainer import Trainer
 
 SIDES = ("plait", "plait-compiled", "plait-hf", "loop", "loop-compiled")
@@ -144,7 +145,6 @@ def _build(side: str, cfg: Config, device: torch.device, microbatches: int, hf_d
 def bench_side(cfg: Config, side: str, warmup: int, steps: int, hf_dir: str) -> dict | None:
     """One side in this process: its step times after `warmup` steps, its first step's, its peak
     memory over the timed steps, the micro-batches it needed."""
-    from plait.train.run import worker_device
 
     torch.set_num_threads(cfg.train.threads)
     device = worker_device(cfg.train.device)

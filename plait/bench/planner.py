@@ -23,10 +23,14 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from plait.bench.published import print_published, published_rows
 from plait.bench.step import start_worker
 from plait.comm import LEDGER
 from plait.config.schema import load_config
 from plait.launch import launch
+from plait.planner.calibrate import load
+from plait.planner.hardware import Cluster, cpu_device
+from plait.planner.price import estimate
 from plait.train.checks import validate
 from plait.train.progress import each
 from plait.train.trainer import Trainer
@@ -98,8 +102,6 @@ def measure_run(cfg, steps: int) -> dict | None:
 
 def predicted(cfg, ranks: int, device) -> dict:
     """The plan's numbers for rank 0 of cfg on `ranks` ranks of one machine."""
-    from plait.planner.hardware import Cluster
-    from plait.planner.price import estimate
 
     plan = estimate(cfg, validate(cfg, ranks), Cluster(ranks, ranks, device))
     memory = plan.memory_bytes
@@ -113,7 +115,6 @@ def relative(pred: float, meas: float) -> float:
 
 def measured_rows(steps: int) -> list[dict]:
     """Each row of ROWS run (its own job) and planned on the calibrated CPU device."""
-    from plait.planner.hardware import cpu_device
 
     configs = [(name, n, load_config(None, [*BASE, *overrides])) for name, n, overrides in ROWS]
     for _, n, cfg in configs:
@@ -161,7 +162,6 @@ def print_measured(rows: list[dict], device_name: str) -> None:
 def run_plan_bench(steps: int, which: str) -> dict:
     """`plait bench plan`: the measured table (needs `plait plan --calibrate` first for step
     times in this machine's seconds), the published table, or both."""
-    from plait.planner.calibrate import load
 
     out = {}
     if which in ("all", "measured"):
@@ -169,7 +169,6 @@ def run_plan_bench(steps: int, which: str) -> dict:
         calibrated = "calibrated" if load() else "NOT calibrated: run plait plan --calibrate"
         print_measured(out["measured"], f"the cpu device, {calibrated}")
     if which in ("all", "published"):
-        from plait.bench.published import print_published, published_rows
 
         out["published"] = published_rows()
         print_published(out["published"])

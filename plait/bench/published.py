@@ -41,6 +41,9 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.config.schema import load_config
+from plait.planner.hardware import DEVICES, ENGINES, Cluster, planned_precision
+from plait.planner.pins import PINNABLE
+from plait.planner.search import rank_plans
 from plait.train.progress import each
 
 MEGATRON = "Narayanan et al. 2021, Table 1"
@@ -151,7 +154,6 @@ def _published_tokens_per_s(row: Published, cfg, peak: float, flops_per_token: f
 
 
 def _cluster(row: Published):
-    from plait.planner.hardware import DEVICES, ENGINES, Cluster
 
     return Cluster(row.gpus, 8, DEVICES[row.gpu], ENGINES[engine_of(row)])
 
@@ -165,7 +167,6 @@ def engine_of(row: Published) -> str:
 def plan_command(row: Published) -> list[str]:
     """The `plait plan` arguments that price a row as `published_row` does (its layout pinned
     by overrides, its engine, device and cluster)."""
-    from plait.planner.pins import PINNABLE
 
     key = {short: long for long, short in PINNABLE.items()}
     pins = [f"{key[k]}={v!r}" if isinstance(v, str) else f"{key[k]}={str(v).lower()}"
@@ -179,8 +180,6 @@ def published_row(row: Published) -> dict:
     """One published run planned with its layout pinned (the micro-batches and schedule, where
     not published, the planner's best): predicted and published throughput and memory, and with
     `row.rank` where its layout ranks among the planner's distinct layouts that fit."""
-    from plait.planner.hardware import planned_precision
-    from plait.planner.search import rank_plans
 
     cfg = load_config(None, [*row.model, f"train.global_batch={row.batch}",
                              f"train.precision='{row.precision}'"])

@@ -10,7 +10,9 @@ from rich.table import Table
 
 from plait import forkserver
 from plait.bench.load import BUSY, OtherLoad
+from plait.bench.muon import run_muon_step
 from plait.bench.step import NO_COMM, SIDES, bench_step, summarize, with_free_dp, world_sizes
+from plait.bench.threed import TORCH_SCHEDULES, bench_3d
 from plait.bench.tp import bench_tp
 from plait.config.schema import Config, ConfigError, microbatches
 from plait.launch import launch
@@ -23,7 +25,6 @@ def run_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict
         raise ConfigError("parallel.pp", "bench step compares a Hugging Face model's DDP, ZeRO "
                           "and TP steps with torch's; set pp = 1")
     if cfg.train.optimizer == "muon":
-        from plait.bench.muon import run_muon_step
 
         return run_muon_step(nproc, cfg, steps, repeats)
     if cfg.parallel.pp > 1:
@@ -155,7 +156,6 @@ def run_tp_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[d
 
 def run_3d_step(nproc: int, cfg: Config, steps: int, repeats: int = 2) -> list[dict]:
     """plait's composition against torch's (pipelining + DTensor TP + fully_shard), N ranks."""
-    from plait.bench.threed import TORCH_SCHEDULES, bench_3d
 
     cfg = with_free_dp(cfg)
     dims = validate(cfg, nproc)

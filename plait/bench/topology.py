@@ -33,10 +33,14 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
+from plait.bench.calibrate import calibrate
 from plait.comm import all_reduce
 from plait.config.schema import load_config
 from plait.mesh import node_layout
+from plait.nodes import EmulatedNodes
 from plait.planner.calibrate import fit_alpha_beta, load
+from plait.planner.hardware import Cluster, cpu_device
+from plait.planner.price import estimate
 from plait.train.checks import validate
 from plait.train.progress import each
 
@@ -145,7 +149,6 @@ def measure_layout(nodes, overrides: list[str], work: Path, port: int, steps: in
 def cluster_of(intra: dict, inter: dict):
     """The planner's model of the emulated cluster: this machine's calibrated compute shared by
     its 4 ranks, the links as measured, one inter-node link per node."""
-    from plait.planner.hardware import Cluster, cpu_device
 
     world = NODES * PER_NODE
     device = dataclasses.replace(
@@ -163,7 +166,6 @@ def configured(overrides: list[str]):
 
 
 def predict(overrides: list[str], cluster) -> dict:
-    from plait.planner.price import estimate
 
     plan = estimate(*configured(overrides), cluster)
     return {"step_s": plan.step_time_s, "comm_s": plan.comm_s}
@@ -173,8 +175,6 @@ def run_topology(steps: int, ratios=RATIOS, quiet: bool = False, out: str = "") 
     """`plait bench topology`: calibrate, then every layout at every link rate; prints the
     tables (unless `quiet`), writes {"links": ..., "rows": [...]} to `out` (JSON) and returns
     it."""
-    from plait.bench.calibrate import calibrate
-    from plait.nodes import EmulatedNodes
 
     console = Console(width=170)
     if load() is None:

@@ -12,6 +12,8 @@ from pathlib import Path
 from plait.cli.common import check_output_path, load, recipe_path
 from plait.config.choices import COMPRESSIONS, CP_METHODS
 from plait.config.schema import ConfigError, at_world, cp_variants, load_config, with_cp
+from plait.nodes import available
+from plait.train.checks import validate
 
 
 def cmd_bench_comm(args: argparse.Namespace) -> None:
@@ -172,7 +174,6 @@ def cmd_bench_scaling(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     check_output_path(args.png, "--png")
     cfg = load(args)
-    from plait.train.checks import validate
 
     for n in sizes:  # every world size before any worker, and before the bench imports torch
         validate(at_world(cfg, n, sizes[0], args.weak), n)
@@ -215,7 +216,6 @@ def cmd_bench_cp(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need >= 1 timed steps after >= 0 warm-up steps, got "
                           f"{args.steps} after {args.warmup}")
     cfg = load(args)
-    from plait.train.checks import validate
 
     for c, m in cp_variants(degrees, methods):  # before any worker, and before torch's import
         validate(with_cp(cfg, c, m), c)
@@ -236,7 +236,6 @@ def cmd_bench_plan(args: argparse.Namespace) -> None:
 
 def cmd_bench_topology(args: argparse.Namespace) -> None:
 
-    from plait.nodes import available
 
     ratios = _counts(args.ratios, "--ratios")
     if args.steps < 1:

@@ -14,10 +14,20 @@ import socket
 import sys
 from pathlib import Path
 
+from plait.checkpoint import BadMeta, complete_checkpoints, find
+from plait.checkpoint.hf_llama import model_overrides, names_problem
 from plait.cli.common import check_output_path, in_torchrun, load
+from plait.config.checks_hf import check_hf_folder, check_safetensors
 from plait.config.schema import AXES, Config, ConfigError, model_section
+from plait.data.checks import check_data
 from plait.mesh import TP_ACROSS, across_nodes, ranks_per_node
 from plait.planner.hardware import ENGINES, Cluster, check_options, device, planned_precision
+from plait.planner.pins import check_mesh_pins, pinned
+from plait.train.checks import validate
+from plait.train.compare import MetricsFileError, compare_losses
+from plait.train.elastic import fit_world
+from plait.train.outputs import Outputs
+from plait.train.report import draw_losses, write_report
 
 
 def default_world(cfg: Config) -> int:
@@ -26,7 +36,6 @@ def default_world(cfg: Config) -> int:
 
 
 def outputs(args: argparse.Namespace):
-    from plait.train.outputs import Outputs
 
     return Outputs(args.metrics, args.tensorboard, args.trace, args.trace_steps)
 
@@ -59,7 +68,6 @@ def speaks() -> bool:
 
 def fit_to_world(cfg: Config, world: int, say: bool = True) -> Config:
     """A resume on another world size: what changes to keep the run (train/elastic.py), said."""
-    from plait.train.elastic import fit_world
 
     cfg, notes = fit_world(cfg, world)
     for note in notes if say else ():
@@ -84,7 +92,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     if nodes and not cfg.parallel.ranks_per_node:  # what the checks and --dry-run see
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     ranks_per_node=nproc))
-    from plait.train.checks import validate
 
     cfg = fit_to_world(cfg, nproc * (nodes or 1))
     dims = validate(cfg, nproc * (nodes or 1))
@@ -111,7 +118,6 @@ def _train_as_torchrun_worker(args: argparse.Namespace, cfg: Config) -> None:
         raise ConfigError("--max-restarts", "torchrun's shared store keeps a dead attempt's "
                           "keys, which hang the restart (pytorch#135712): run torchrun with "
                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
-    from plait.train.checks import validate
 
     cfg = fit_to_world(cfg, int(os.environ["WORLD_SIZE"]), speaks())
     dims = validate(cfg, int(os.environ["WORLD_SIZE"]))
@@ -236,7 +242,6 @@ def _kept(cfg: Config) -> str:
     """What a failed run left to resume from: its last complete checkpoint, if it saves any."""
     if not cfg.checkpoint.dir:
         return ""
-    from plait.checkpoint import complete_checkpoints
 
     saved = complete_checkpoints(cfg.checkpoint.dir)
     if not saved:
@@ -246,7 +251,6 @@ def _kept(cfg: Config) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from plait.train.compare import MetricsFileError, compare_losses
 
     if not args.rtol >= 0:
         raise ConfigError("--rtol", f"a relative tolerance >= 0, got {args.rtol}")
@@ -257,7 +261,6 @@ def cmd_compare(args: argparse.Namespace) -> None:
     except MetricsFileError as e:
         raise ConfigError("compare", str(e)) from None
     if args.png is not None:
-        from plait.train.report import draw_losses
 
         print(f"wrote {draw_losses([args.a, args.b], args.png)}")
     for path, extra in result.only_in.items():
@@ -272,8 +275,6 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from plait.config.checks_hf import check_hf_folder
-    from plait.planner.pins import check_mesh_pins, pinned
 
     if args.calibrate:
         from plait.bench.calibrate import calibrate_and_print
@@ -296,9 +297,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                              args.gpu_memory_gb, args.gpu_tflops), ENGINES[args.engine])
     cfg, cluster = planned_precision(cfg, cluster)
     plans = choose(cfg, cluster, fixed)
-    from plait.data.checks import check_data  # the corpus, the same for every layout
-
-    check_data(cfg.data, cfg.model.args())
+    check_data(cfg.data, cfg.model.args())  # the corpus, the same for every layout
     if args.json:
         print(as_json(plans, args.top))
     else:
@@ -310,8 +309,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from plait.train.compare import MetricsFileError
-    from plait.train.report import write_report
 
     if args.out is not None:
         check_output_path(args.out, "--out", folder=True)
@@ -326,7 +323,6 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from plait.checkpoint import find
 
     if args.to:  # plait convert --to hf OUT CKPT
         out, source = args.first, find(args.second, "")
@@ -334,7 +330,6 @@ def cmd_convert(args: argparse.Namespace) -> None:
             raise ConfigError("CKPT", f"no complete checkpoint at {args.second}; give a "
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
-        from plait.checkpoint import BadMeta
         from plait.checkpoint.hf import export_hf
         from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
 
@@ -361,8 +356,6 @@ def _convert_from_hf(hf: Path, out: str) -> None:
         raise ConfigError("HF_DIR", f"{hf} holds no config.json and *.safetensors; give a "
                           "Hugging Face Llama folder")
     check_output_path(out, "OUT_CKPT", folder=True)
-    from plait.checkpoint.hf_llama import model_overrides, names_problem
-    from plait.config.checks_hf import check_safetensors
 
     try:
         raw = json.loads((hf / "config.json").read_text())

@@ -6,6 +6,7 @@ only). Bad input exits with status 2 and one line."""
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -34,7 +35,6 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_data_verify(args: argparse.Namespace) -> None:
-    import random
 
     from plait.data.corpus import CorpusError, is_prepared, read_manifest, verify_shards
 

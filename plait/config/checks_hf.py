@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from plait.config.schema import Config, ConfigError
 from plait.mesh import ParallelDims
+from plait.model.hf_config import HF_PLANS, architecture, hf_args, read_config
 from plait.model.plan import tp_misfit
 
 
@@ -17,7 +18,6 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
     the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
     sequence). What config.json says alone is checked first, without torch (a refusal in a
     fraction of a second); then what needs transformers' reading of it."""
-    from plait.model.hf_config import HF_PLANS, architecture
 
     raw = read_hf_folder(cfg.model.hf)
     arch = architecture(raw)
@@ -55,7 +55,6 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
 def _check_planned(dims: ParallelDims, arch: str, fields: object) -> None:
     """The degrees against the family's plan (`HF_PLANS`): an axis that needs a plan, tp
     dividing what it splits (read from `fields`), ep needing experts."""
-    from plait.model.hf_config import HF_PLANS
 
     plan = HF_PLANS.get(arch)
     for axis in ("tp", "pp", "cp", "ep"):
@@ -85,7 +84,6 @@ def read_hf_folder(where: str) -> dict:
     if not (folder / "config.json").is_file():
         raise ConfigError("model.hf", f"{folder} has no config.json; give a folder that "
                           "transformers' save_pretrained wrote")
-    from plait.model.hf_config import hf_args, read_config
 
     try:
         raw = read_config(folder)
@@ -144,7 +142,6 @@ def _check_causal_lm(folder: Path, raw: dict) -> None:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    from plait.model.hf_config import architecture
 
     where = f"{folder}/config.json"
     kind = raw.get("model_type")

@@ -17,6 +17,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from plait.mesh import AXES, ParallelDims  # noqa: F401 - AXES is re-exported
 from plait.model.args import PRESETS, ModelArgs
+from plait.model.hf_config import hf_args, read_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,7 +45,6 @@ class ModelConfig:
 
     def args(self) -> ModelArgs:
         if self.hf:
-            from plait.model.hf_config import hf_args, read_config
 
             return hf_args(read_config(self.hf))
         return dataclasses.replace(PRESETS[self.preset], **self.overrides)

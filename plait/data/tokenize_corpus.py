@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plait.config.paths import creatable
 from plait.config.schema import ConfigError
@@ -340,7 +341,6 @@ class _Bar:
 
     def __enter__(self):
         if self.enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa
 
             self.bar = Progress(TextColumn("tokenizing"), BarColumn(),
                                 TextColumn("{task.percentage:>3.0f}%  {task.fields[rate]}"),

@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from plait.config.schema import ConfigError
 from plait.planner.gemm import FLASH2_SHARE  # plain numbers: no torch
 
 GB = 1e9
@@ -299,7 +300,6 @@ LINK_GBPS = (0.001, 1e5)
 
 def check_options(args) -> None:
     """`plait plan`'s cluster options, each refused in one line (`ConfigError`)."""
-    from plait.config.schema import ConfigError
 
     if args.gpus is None:
         raise ConfigError("--gpus", "required: the number of devices the job runs on")
@@ -324,7 +324,6 @@ def planned_precision(cfg, cluster: Cluster):
     """(cfg, cluster) as priced: `train.precision = "fp8"` is bf16's model state and activations
     with the linear layers' matmuls in fp8 (torchtitan's float8 training: Float8Linear keeps bf16
     weights and activations between layers), on a device that has fp8 tensor cores."""
-    from plait.config.schema import ConfigError
 
     if cfg.train.precision != "fp8":
         return cfg, cluster

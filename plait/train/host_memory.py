@@ -36,6 +36,7 @@ takes precedence.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from pathlib import Path
 
@@ -107,7 +108,6 @@ def reset_peak() -> None:
 def cached_bytes(path: str | Path) -> int:
     """Bytes of the file at `path` in the page cache now (mincore over a map of it): what any
     process has read of it since it was written, or since the cache was dropped."""
-    import mmap
 
     size = os.path.getsize(path)
     if not size:

@@ -12,6 +12,8 @@ import torch
 from plait.comm import all_reduce
 from plait.model import ModelArgs
 from plait.parallel.expert_parallel import moe_layers
+from plait.planner.calibrate import measure_cpu_flops
+from plait.planner.hardware import known_device
 
 
 def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
@@ -36,12 +38,10 @@ def peak_flops(device: torch.device, configured_tflops: float) -> float:
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cuda":
-        from plait.planner.hardware import known_device
 
         found = known_device(torch.cuda.get_device_name(device))
         if found is not None:
             return found.peak_flops
-    from plait.planner.calibrate import measure_cpu_flops
 
     return measure_cpu_flops()
 

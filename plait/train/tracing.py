@@ -23,6 +23,7 @@ import torch.distributed as dist
 from plait.comm import all_reduce
 from plait.comm.trace import TRACER, merge_traces, pipeline_spans, write_trace
 from plait.mesh import ParallelDims
+from plait.train.report import draw_timelines
 
 STEP = "step"  # the category of the span around each traced step
 
@@ -44,7 +45,6 @@ def _by_step(events: list[dict]) -> dict[int, list[dict]]:
 def finish_trace(folder: str, dims: ParallelDims, device: torch.device) -> list[Path]:
     """Every rank writes its events; after a barrier, rank 0 merges and draws. Returns the files
     rank 0 wrote (nothing on other ranks)."""
-    from plait.train.report import draw_timelines
 
     rank, out = dist.get_rank(), Path(folder)
     out.mkdir(parents=True, exist_ok=True)
