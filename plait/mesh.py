@@ -126,6 +126,7 @@ def batch_axis(axes: dict[str, Axis]) -> Axis:
         return Axis("batch", axes[split[0] if split else "dp"].group, index, size)
     if axes["dp"].group is None:
         return Axis.dry("batch", index, size)
+    # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
     import torch.distributed as dist
 
     dims = ParallelDims(**{a: dist.get_world_size(axes[a].group) for a in AXES})
@@ -141,6 +142,7 @@ def batch_axis(axes: dict[str, Axis]) -> Axis:
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     """The world as a 5-D mesh named by `AXES`. Needs an initialised default process group."""
+    # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
@@ -150,6 +152,7 @@ def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis]:
     """(shard, replicate) axes of this rank for hybrid sharding: within a dp group of size dp,
     consecutive runs of K = dims.shard ranks shard, and ranks K apart replicate. Every rank must
     call this (groups are created collectively). With K = dp the replicate axis has size 1."""
+    # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
     import torch.distributed as dist
 
     me, K = dist.get_rank(), dims.shard

@@ -49,7 +49,6 @@ def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
 
 
 def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
-
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=nproc, dp=0))
     schedules, skipped = [], []
     for name in PP_SCHEDULES:
@@ -98,6 +97,7 @@ def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
 
 def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> list[dict]:
     """Each method on the same recipe, then torch's hooks (see bench/compression.py)."""
+    # here, not at the top: torch's communication hooks only for bench compression
     from plait.bench.compression import (
         PEERS,
         bench_plait,
@@ -148,7 +148,6 @@ def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> li
 def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str) -> list[dict]:
     """The recipe at each world size (bench/scaling.py); a table and the speedup picture."""
 
-
     # every world size was checked by the command before it imported this package (torch)
     configs = {n: at_world(cfg, n, sizes[0], weak) for n in sizes}
     cores = os.cpu_count() or 1
@@ -185,7 +184,6 @@ def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str)
 
 def run_checkpoint(recipes: list[tuple[str, Config, int]], repeats: int) -> list[dict]:
     """Save and load costs per rank of each (name, config, world size): bench/checkpoint.py."""
-
 
     table = Table(title=f"plait bench checkpoint: torch.distributed.checkpoint, every rank "
                         f"writing what it holds; slowest rank, median of {repeats}")

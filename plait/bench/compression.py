@@ -117,9 +117,11 @@ def final_loss(losses: list[float]) -> float:
 
 
 def draw_curves(runs: dict[str, dict], png: str) -> None:
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))

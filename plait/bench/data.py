@@ -172,8 +172,6 @@ def run_data(cfg: Config, nproc: int, sizes_mb: list[int], workers: list[int], s
              folder: Path) -> dict:
     """The whole bench (module docstring); prints two tables, returns their rows."""
 
-
-
     validate(cfg, nproc)
     shutil.rmtree(folder, ignore_errors=True)
     vocab = cfg.model.args().vocab_size
@@ -227,8 +225,6 @@ def run_launch(overrides: list[str], sizes_gb: list[int], folder: Path) -> list[
     time from the process's start to its first step's metrics line, and the corpus bytes read
     meanwhile (the page cache's count, every process included), beside what each launch read
     before its checks sampled: every shard whole for its sha256, timed here the same way."""
-
-
 
     rows = []
     for gb in sizes_gb:

@@ -137,7 +137,6 @@ def run_gemm(out: str, fp8: bool = False, device: str | None = None, repeats: in
 
 
 def _error(row: dict, model) -> float:
-
     predicted = gemm_seconds(row["m"], row["n"], row["k"], model, row["dtype"] == "fp8")
     return abs(predicted / row["seconds"] - 1)
 
@@ -145,8 +144,6 @@ def _error(row: dict, model) -> float:
 def print_gemm(found: dict) -> None:
     """Per dtype and token count: the measured TFLOP/s at the narrowest, middle and widest
     products, and the shape model's median error where the planner knows the device."""
-
-
 
     model = known_device(found["device"]) if found["device"] != "cpu" else None
     table = Table(title=f"plait bench gemm: {found['device']} (torch {found['torch']}), "

@@ -99,8 +99,10 @@ def _plait_step(cfg: Config, device: torch.device, hf_dir: str | None):
 
 def _loop_step(cfg: Config, device: torch.device, compiled: bool, microbatches: int):
     """The loop a user writes over transformers' Llama of the run's shape."""
+    # here, not at the top: transformers only for a Hugging Face model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    # here, not at the top: safetensors only for a Hugging Face folder
     from plait.checkpoint.hf import hf_config
 
     train = cfg.train
@@ -200,6 +202,7 @@ def _device_name(device: torch.device) -> str:
 def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES,
             json_out: str | None = None) -> dict:
     """Every side in a process of its own, one after the other; prints the table, returns rows."""
+    # here, not at the top: safetensors only for a Hugging Face folder
     from plait.checkpoint.hf import hf_config
 
     flops = model_flops(cfg)
@@ -241,7 +244,6 @@ def run_gpu(cfg: Config, warmup: int, steps: int, sides: tuple[str, ...] = SIDES
 
 
 def _shape_of(cfg: Config) -> str:
-
     a, train = cfg.model.args(), cfg.train
     held = held_precision(train.precision, train.param_dtype, cfg.parallel.zero)
     return (f"dim {a.dim}, {a.n_layers} layers, {a.n_heads} heads / {a.n_kv_heads} kv, ffn "

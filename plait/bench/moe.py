@@ -57,9 +57,11 @@ def bench_moe(cfg: Config, steps: int, warmup: int) -> dict | None:
 
 def draw_load(load: dict[str, list[float]], png: str) -> None:
     """One panel per MoE layer: assignments per expert and step, and the balanced mean."""
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(load), figsize=(3.2 * len(load), 2.8), squeeze=False)

@@ -154,7 +154,6 @@ def _published_tokens_per_s(row: Published, cfg, peak: float, flops_per_token: f
 
 
 def _cluster(row: Published):
-
     return Cluster(row.gpus, 8, DEVICES[row.gpu], ENGINES[engine_of(row)])
 
 

@@ -82,9 +82,11 @@ def scaling_rows(results: list[tuple[int, Config, dict]]) -> list[dict]:
 
 
 def draw_speedup(rows: list[dict], title: str, png: str, cores: int) -> None:
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib.pyplot as plt
 
     ranks = [r["ranks"] for r in rows]

@@ -166,7 +166,6 @@ def configured(overrides: list[str]):
 
 
 def predict(overrides: list[str], cluster) -> dict:
-
     plan = estimate(*configured(overrides), cluster)
     return {"step_s": plan.step_time_s, "comm_s": plan.comm_s}
 

@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from plait.checkpoint import read_meta
+
 METADATA = ".metadata"
 
 # (module, name) -> what may be built from it. Nothing here runs code on construction: dataclasses
@@ -206,8 +208,6 @@ def check_checkpoint(checkpoint: str | Path) -> dict:
     `.metadata` as a schema (`read_metadata`), every tensor item (`check_tensor_files`), and
     plait.json with a plait train run's config; returns that config's model section. Raises
     `UnsafeCheckpoint` or `BadMeta`, each one line naming the file."""
-    from plait.checkpoint import read_meta
-
     check_tensor_files(checkpoint, read_metadata(checkpoint))
     return dict(read_meta(checkpoint, model=True)["config"]["model"])
 

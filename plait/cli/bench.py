@@ -22,6 +22,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
     if not 0 < args.min_seconds <= 60:
         raise ConfigError("--min-seconds", f"seconds per size in (0, 60], got "
                           f"{args.min_seconds:g}")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_comm
 
     run_comm(args.nproc, args.min_seconds)
@@ -33,11 +34,13 @@ def cmd_bench_gemm(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need at least one timed product per shape, got "
                           f"{args.steps}")
     if args.fp8:
+        # here, not at the top: the command line's refusals import no torch
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--fp8", "fp8 matmuls need a GPU with fp8 tensor cores; this "
                               "machine has none")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench.gemm import run_gemm
 
     run_gemm(args.out, args.fp8, repeats=args.steps)
@@ -50,6 +53,7 @@ def cmd_bench_step(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     if args.repeats < 1:
         raise ConfigError("--repeats", f"at least 1 launch per side, got {args.repeats}")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench.step_runs import run_step
 
     run_step(args.nproc, load(args), args.steps, args.repeats)
@@ -67,11 +71,13 @@ def cmd_bench_gpu(args: argparse.Namespace) -> None:
                           f"{args.steps} after {args.warmup}")
     if args.json_out:
         check_output_path(args.json_out, "--json")
+    # here, not at the top: the command line's refusals import no torch
     import torch
 
     if args.shape == "1b" and not torch.cuda.is_available():
         raise ConfigError("--shape", "the 1b shape is for a GPU and this machine has none; "
                           "use --shape tiny")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench.gpu import run_gpu, shape_config
 
     cfg = shape_config(args.shape, [f"train.compile_backend='{args.compile_backend}'",
@@ -85,6 +91,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     check_output_path(args.png, "--png")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_pp
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
@@ -101,6 +108,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> None:
         raise ConfigError("--methods", f"comma-separated names from {', '.join(COMPRESSIONS)}; "
                           f"got {args.methods!r}")
     check_output_path(args.png, "--png")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_compression
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +127,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> None:
                                                    "parallel.zero=1"]))
     configs = [(name, load_config(None, [*MEMORY_MODEL, *extra, *args.overrides]), n)
                for name, n, extra in layouts]
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_memory
 
     run_memory(configs)
@@ -144,6 +153,7 @@ def cmd_bench_data(args: argparse.Namespace) -> None:
     if args.steps < 2:
         raise ConfigError("--steps", f"at least 2 (the first is warm-up), got {args.steps}")
     cfg = load_config(None, [*DATA_MODEL, *args.overrides])
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench.data import run_data, run_launch
 
     run_data(cfg, args.nproc, sizes, workers, args.steps, Path(args.dir))
@@ -157,6 +167,7 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> None:
     for name, nproc in (("default", 4), ("3d", 8)):
         cfg = load_config(recipe_path(name), args.overrides)
         recipes.append((name, cfg, nproc))
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_checkpoint
 
     run_checkpoint(recipes, args.repeats)
@@ -177,6 +188,7 @@ def cmd_bench_scaling(args: argparse.Namespace) -> None:
 
     for n in sizes:  # every world size before any worker, and before the bench imports torch
         validate(at_world(cfg, n, sizes[0], args.weak), n)
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_scaling
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +207,7 @@ def cmd_bench_moe(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need >= 1 timed steps after >= 0 warm-up steps, got "
                           f"{args.steps} after {args.warmup}")
     check_output_path(args.png, "--png")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_moe
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
@@ -219,6 +232,7 @@ def cmd_bench_cp(args: argparse.Namespace) -> None:
 
     for c, m in cp_variants(degrees, methods):  # before any worker, and before torch's import
         validate(with_cp(cfg, c, m), c)
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench import run_cp
 
     run_cp(cfg, degrees, methods, args.steps, args.warmup)
@@ -229,13 +243,13 @@ def cmd_bench_plan(args: argparse.Namespace) -> None:
         raise ConfigError("--which", f"measured, published or all; got {args.which!r}")
     if args.steps < 1:
         raise ConfigError("--steps", f"at least 1 timed step, got {args.steps}")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench.planner import run_plan_bench
 
     run_plan_bench(args.steps, args.which)
 
 
 def cmd_bench_topology(args: argparse.Namespace) -> None:
-
 
     ratios = _counts(args.ratios, "--ratios")
     if args.steps < 1:
@@ -244,6 +258,7 @@ def cmd_bench_topology(args: argparse.Namespace) -> None:
     why = available()
     if why:
         raise ConfigError("bench topology", f"emulated nodes cannot be made here: {why}")
+    # here, not at the top: the command line's refusals import no torch
     from plait.bench.topology import run_topology
 
     found = run_topology(args.steps, ratios, quiet=args.json, out=args.out)

@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+from plait import forkserver
 from plait.checkpoint import BadMeta, complete_checkpoints, find
 from plait.checkpoint.hf_llama import model_overrides, names_problem
 from plait.cli.common import check_output_path, in_torchrun, load
@@ -36,12 +37,12 @@ def default_world(cfg: Config) -> int:
 
 
 def outputs(args: argparse.Namespace):
-
     return Outputs(args.metrics, args.tensorboard, args.trace, args.trace_steps)
 
 
 def check_inputs(cfg: Config, out=None) -> None:
     """What validate cannot see from the configuration alone: the data and the output paths."""
+    # here, not at the top: the command line's refusals import no torch
     from plait.data.mixture import check_corpus
 
     vocab_key = f"model.hf ({cfg.model.hf})" if cfg.model.hf else "model.vocab_size"
@@ -99,6 +100,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if nodes and not args.dry_run:
         _exec_torchrun(args, nproc)
     if args.dry_run:
+        # here, not at the top: the command line's refusals import no torch
         from plait.train.dry_run import print_dry_run
 
         print_dry_run(cfg, dims)
@@ -129,6 +131,7 @@ def _train_as_torchrun_worker(args: argparse.Namespace, cfg: Config) -> None:
     if not speaks():
         out = dataclasses.replace(out, metrics=None, tensorboard=None)
     check_inputs(cfg, out)
+    # here, not at the top: the command line's refusals import no torch
     from plait.train.run import run_training
 
     verdict = run_training(cfg, out, args.verify)
@@ -139,11 +142,10 @@ def _train_as_torchrun_worker(args: argparse.Namespace, cfg: Config) -> None:
 def _launch_local(args: argparse.Namespace, cfg: Config, nproc: int) -> None:
     """`--nproc N` local workers through the elastic launcher; a failure ends this process with
     status 1 and the workers' report (the first to fail as the cause)."""
-    from plait import forkserver
-
     # The workers' server imports their stack while this process imports torch for itself.
     stack = [*forkserver.TRAINING, *(forkserver.HF if cfg.model.hf else ())]
     forkserver.start(stack, cfg.train.threads)
+    # here, not at the top: the command line's refusals import no torch
     from plait.launch import ChildFailedError, launch, report
     from plait.train.run import run_training
 
@@ -219,6 +221,7 @@ def _verdict(verdict, say: bool) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    # here, not at the top: the command line's refusals import no torch
     from plait.launch import ChildFailedError, launch_script, report
 
     if args.nproc < 1:
@@ -251,7 +254,6 @@ def _kept(cfg: Config) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-
     if not args.rtol >= 0:
         raise ConfigError("--rtol", f"a relative tolerance >= 0, got {args.rtol}")
     if args.png is not None:
@@ -275,8 +277,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-
     if args.calibrate:
+        # here, not at the top: the command line's refusals import no torch
         from plait.bench.calibrate import calibrate_and_print
 
         calibrate_and_print()
@@ -289,6 +291,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         check_hf_folder(cfg.model.hf)
     fixed = pinned(cfg, args.overrides)
     check_mesh_pins(fixed, args.gpus)
+    # here, not at the top: the command line's refusals import no torch
     from plait.planner.policy import choose
     from plait.planner.show import as_json, print_plans, write_recipe
 
@@ -309,7 +312,6 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-
     if args.out is not None:
         check_output_path(args.out, "--out", folder=True)
     try:
@@ -323,13 +325,13 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-
     if args.to:  # plait convert --to hf OUT CKPT
         out, source = args.first, find(args.second, "")
         if source is None:
             raise ConfigError("CKPT", f"no complete checkpoint at {args.second}; give a "
                               "checkpoint folder (with COMPLETE) or a folder of them")
         check_output_path(out, "OUT", folder=True)
+        # here, not at the top: safetensors only for a Hugging Face folder
         from plait.checkpoint.hf import export_hf
         from plait.checkpoint.metadata import UnsafeCheckpoint, check_checkpoint
 
@@ -375,6 +377,7 @@ def _convert_from_hf(hf: Path, out: str) -> None:
     problem = names_problem(names, raw)
     if problem:
         raise ConfigError("HF_DIR", f"{hf}: {problem}; give a Hugging Face Llama folder")
+    # here, not at the top: safetensors only for a Hugging Face folder
     from plait.checkpoint.hf import import_hf  # torch, from here on
 
     try:

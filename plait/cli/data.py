@@ -14,6 +14,7 @@ from plait.config.schema import ConfigError
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> None:
+    # here, not at the top: the command line's refusals import no torch
     from plait.data.corpus import SHARD_TOKENS
     from plait.data.tokenize_corpus import prepare
 
@@ -35,7 +36,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_data_verify(args: argparse.Namespace) -> None:
-
+    # here, not at the top: the command line's refusals import no torch
     from plait.data.corpus import CorpusError, is_prepared, read_manifest, verify_shards
 
     folder = Path(args.folder)

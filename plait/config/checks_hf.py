@@ -106,6 +106,7 @@ def read_hf_folder(where: str) -> dict:
 def transformers_config(folder: Path, raw: dict) -> object:
     """The folder's config as transformers reads it, for a causal language model it knows."""
     try:
+        # here, not at the top: transformers only for a Hugging Face model
         from transformers import AutoConfig
     except ImportError:
         raise ConfigError("model.hf", "needs the transformers package: pip install "
@@ -121,6 +122,7 @@ def check_safetensors(folder: Path, key: str = "model.hf") -> set[str]:
     """Each weights file's header reads and covers the file (safetensors checks both on open):
     a truncated or corrupted one crashed the workers (`model.hf`) or `plait convert --from hf`
     (`key`, the argument that named the folder). Returns the names of the folder's tensors."""
+    # here, not at the top: safetensors only for a Hugging Face folder
     from safetensors import SafetensorError, safe_open
 
     names = set()
@@ -137,6 +139,7 @@ def check_safetensors(folder: Path, key: str = "model.hf") -> set[str]:
 def _check_causal_lm(folder: Path, raw: dict) -> None:
     """A causal language model that transformers knows, with no code of its own to run: an
     encoder (BERT's masked LM) would train with a fresh head and no causal mask, silently."""
+    # here, not at the top: transformers only for a Hugging Face model
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,

@@ -19,6 +19,7 @@ from plait.mesh import ParallelDims
 
 
 def _has_cuda() -> bool:
+    # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
     import torch  # only for train.device = "cuda": a refusal of anything else needs no torch
 
     return torch.cuda.is_available()

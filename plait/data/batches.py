@@ -127,6 +127,7 @@ class TokenData:
     def documents(self, first: int, windows: np.ndarray) -> torch.Tensor:
         """(len(windows), seq_len): each input token's document, numbered from 0 in its window
         (its first token's), from the corpus's document starts."""
+        # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
         import torch
 
         at = self.window_starts(first, windows)[:, None] + np.arange(self.seq_len)
@@ -190,6 +191,7 @@ class TokenData:
 
 def as_rows(windows: np.ndarray) -> tuple[torch.Tensor, ...]:
     """Windows of seq_len + 1 ids as (inputs, targets), each (rows, seq_len)."""
+    # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
     import torch  # here: `check_source` refuses a bad corpus before torch is imported
 
     window = torch.from_numpy(windows)

@@ -136,6 +136,7 @@ class Mixture:
         rows = as_rows(ids)
         if not self.parts[0].document_mask:
             return rows
+        # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
         import torch
 
         return (*rows, torch.from_numpy(documents))

@@ -70,6 +70,7 @@ def documents(sources: list[str], field: str, skipped: list[str] | None = None
 
 
 def _rows(path: Path, field: str) -> Iterator[str]:
+    # here, not at the top: datasets only for tables (JSON lines, Parquet, Arrow)
     import datasets  # noqa: PLC0415 (seconds to import; only tables need it)
 
     datasets.disable_progress_bars()
@@ -135,6 +136,7 @@ def _no_field(path: Path, field: str, row: dict) -> ConfigError:
 
 def resolve_tokenizer(spec: str, sources: list[str], field: str) -> TokenizerSpec:
     """`spec` as a TokenizerSpec; `bpe:N` trains one on the sources (tokenizers' BPE trainer)."""
+    # here, not at the top: tokenizers only for a tokenizer that needs them
     from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
 
     if spec == "bytes":
@@ -158,6 +160,7 @@ def resolve_tokenizer(spec: str, sources: list[str], field: str) -> TokenizerSpe
 
 
 def _train_bpe(spec: str, sources: list[str], field: str):
+    # here, not at the top: tokenizers only for a tokenizer that needs them
     from tokenizers import Tokenizer as HfTokenizer  # noqa: PLC0415
     from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
 

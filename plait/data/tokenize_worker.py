@@ -14,6 +14,7 @@ _TOKENIZER: list = []  # this worker's, set once by `start` (empty: bytes)
 def start(tokenizer_json: str | None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # encode_batch on this worker's thread alone
     if tokenizer_json is not None:
+        # here, not at the top: tokenizers only for a tokenizer that needs them
         from tokenizers import Tokenizer
 
         _TOKENIZER.append(Tokenizer.from_str(tokenizer_json))

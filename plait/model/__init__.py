@@ -22,9 +22,11 @@ def build_configured(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
     """The model a configuration names, whole: plait's Llama of `args`, or the Hugging Face
     folder `hf` (`plait/model/hf.py`; on `meta`: shapes alone), initialised from `seed`."""
     if hf:
+        # here, not at the top: plait.model's package and shapes are read by the torch-free checks
         from plait.model.hf import load_hf
 
         return load_hf(hf, seed, device)
+    # here, not at the top: plait.model's package and shapes are read by the torch-free checks
     from plait.model.llama import build_model
 
     return build_model(args, seed, device)
@@ -35,10 +37,12 @@ def build_sharded(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
     rank materializes its parts from: `parallelize` does, after cutting it), for a model no rank
     holds whole (`plait.model.materialize`). A Hugging Face folder whose weights cannot be read
     by slices (`load_hf_sharded`) is built whole, with no source."""
+    # here, not at the top: plait.model's package and shapes are read by the torch-free checks
     from plait.model.llama import build_model
     from plait.model.materialize import NamedInit
 
     if hf:
+        # here, not at the top: plait.model's package and shapes are read by the torch-free checks
         from plait.model.hf import load_hf_sharded
 
         return load_hf_sharded(hf, device) or (build_configured(args, seed, device, hf), None)

@@ -49,6 +49,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     transformers' own SDPA function. q (b, heads, s, d), k and v (b, kv_heads, s, d), rotated;
     returns (b, s, heads, d). The mask is plait's `Documents` under `data.document_mask` (the
     layers pass it through untouched): the kernel's, or the SDPA mask it makes."""
+    # here, not at the top: transformers only for a Hugging Face model
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     core = getattr(module, "core", None)
@@ -88,6 +89,7 @@ class HFCausalLM(nn.Module):
         from transformers import AttentionInterface
 
         AttentionInterface.register(ATTENTION, attention)
+        # here, not at the top: transformers only for a Hugging Face model
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # plait's entry takes SDPA's masks
@@ -133,6 +135,7 @@ class HFCausalLM(nn.Module):
         h = HFCausalLM.embed(self, input_ids)
         extra = HFCausalLM.block_args(self, h, input_ids.shape[1], documents)
         if attention_mask is not None:
+            # here, not at the top: transformers only for a Hugging Face model
             from transformers.masking_utils import create_causal_mask
 
             # Shaped by the whole sequence (h holds a shard of it under sequence parallelism).
@@ -147,6 +150,7 @@ class HFCausalLM(nn.Module):
 
 
 def _with_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor):
+    # here, not at the top: transformers only for a Hugging Face model
     from transformers.modeling_outputs import CausalLMOutput
 
     loss = model.loss_function(logits=logits, labels=labels,
@@ -240,6 +244,7 @@ def file_key(key: str, present) -> str | Stacked:
 def transformers_model(folder: str | Path, seed: int = 0,
                        device: torch.device | str = "cpu", weights: bool = True) -> nn.Module:
     """The `*ForCausalLM` of `folder` as transformers builds it, unwrapped (`load_hf`)."""
+    # here, not at the top: transformers only for a Hugging Face model
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 

@@ -101,6 +101,7 @@ class NamedInit(Source):
         self.seed, self.n_layers, self.device = seed, n_layers, torch.device(device)
 
     def rows(self, name, shape, lo, hi):
+        # here, not at the top: plait.model's package and shapes are read by the torch-free checks
         from plait.model.llama import init_rows
 
         return init_rows(self.seed, self.n_layers, name, shape, lo, hi)
@@ -119,6 +120,7 @@ class SafetensorsFile(Source):
     `rename` maps plait's parameter names to the file's (a name, or `Stacked`)."""
 
     def __init__(self, folder: str | Path, rename, device: torch.device | str = "cpu"):
+        # here, not at the top: safetensors only for a Hugging Face folder
         from safetensors import safe_open
 
         self.rename, self.device = rename, torch.device(device)

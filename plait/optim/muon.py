@@ -264,12 +264,10 @@ def _tp_part(m: Matrix, whole: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def _size(group) -> int:
-
     return dist.get_world_size(group) if group is not None else 1
 
 
 def _rank(group) -> int:
-
     return dist.get_rank(group) if group is not None else 0
 
 

@@ -59,6 +59,7 @@ class MetricsWriter:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a" if append else "w")  # noqa: SIM115 - held for the run
         if tensorboard_dir:
+            # here, not at the top: tensorboard only with --tensorboard
             from torch.utils.tensorboard import SummaryWriter
 
             self._board = SummaryWriter(tensorboard_dir)

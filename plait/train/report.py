@@ -23,9 +23,11 @@ MiB = 2**20
 
 
 def _pyplot():
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # here, not at the top: matplotlib only where a picture is drawn
     import matplotlib.pyplot as plt
 
     return plt
