@@ -16,6 +16,7 @@ FLOPs and collectives are the run's. Model-state bytes are the engines' formulas
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ from plait.parallel.wrap import WrapPolicy
 from plait.planner.gemm import PEAK_SHARE
 from plait.planner.hardware import DEVICES, Cluster
 from plait.planner.price import stage_seconds
+from plait.planner.search import data_parallel_choices, hybrid_needs_zero, order
 from plait.predict import cost
 from plait.predict.trace import fake_module, fake_world, representative, trace_step
 
@@ -116,14 +118,16 @@ def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
          loss_fn: Callable | None = None, wrap: WrapPolicy | None = None,
          checkpoint: WrapPolicy | None = None, precision: str = "fp32",
          gpus_per_node: int = 8) -> list[dict]:
-    """`plait plan` for a module from Python (`plait.plan`): every data-parallel layout
-    of `model` on `gpus` devices of kind `gpu` (ZeRO 0-3, gradient accumulation over 1, 2, 4 or
-    8 micro-batches where each rank's rows split so, hybrid sharding over nodes under ZeRO-3),
-    each `estimate`d, the ones that fit the device first, fastest first. Each row: `parallel`
-    (a `ParallelConfig` to hand to `plait.prepare`), `fits`, `memory_bytes` (the fullest rank's
-    model state at its peak plus its activations), `step_time_s` and `comm_bytes` (the slowest
-    and busiest rank's). A model with a plan also splits by tp, pp, cp and ep: that is
-    `plait plan`'s search."""
+    """`plait plan` for a module from Python (`plait.plan`): the data-parallel layouts that
+    `plait plan`'s search tries on a mesh of `gpus` replicas (`search.data_parallel_choices`:
+    ZeRO 0-3, micro-batches of 1, 2, 4, 8 and of one row where each rank's rows split so, hybrid
+    sharding within a node where the replicas span nodes), each `estimate`d on devices of kind
+    `gpu`, ranked as `plait plan` ranks (`search.order`: those that fit the device first, then
+    the fastest, the lower ZeRO stage, the leaner). Each row: `parallel` (a `ParallelConfig`
+    to hand to `plait.prepare`), `fits`, `memory_bytes` (the fullest rank's model state at its
+    peak plus its activations), `step_time_s` and `comm_bytes` (the slowest and busiest
+    rank's). A model with a plan also splits by tp, pp, cp and ep: that is `plait plan`'s
+    search of every mesh."""
 
     if has_plan(model):
         raise ValueError("model: it has a plan, whose layouts (tp, pp, cp, ep) `plait plan "
@@ -138,11 +142,11 @@ def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
     if rows < 1:
         raise ValueError(f"example_batch: {_rows(example_batch)} rows cannot split over "
                          f"{gpus} gpus; give at least one row per gpu")
-    candidates = [ParallelConfig(zero=zero, microbatches=m)
-                  for zero in range(4) for m in (1, 2, 4, 8) if rows % m == 0]
-    if gpus > gpus_per_node and gpus % gpus_per_node == 0:
-        candidates += [ParallelConfig(zero=3, dp_shard=gpus_per_node, microbatches=m)
-                       for m in (1, 2, 4, 8) if rows % m == 0]
+    choice = data_parallel_choices(rows, gpus, 1, 1, gpus_per_node)
+    candidates = [ParallelConfig(zero=zero, microbatches=m, dp_shard=shard)
+                  for zero, m, shard in itertools.product(*choice.values())
+                  if rows % m == 0 and hybrid_needs_zero(zero, shard)
+                  and (not shard or gpus % shard == 0)]
     memory = DEVICES[gpu].memory_bytes
     out = []
     for parallel in candidates:
@@ -153,7 +157,8 @@ def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
         out.append({"parallel": parallel, "fits": held <= memory, "memory_bytes": held,
                     "step_time_s": max(r["step_time_s"] for r in ranks),
                     "comm_bytes": max(r["comm_bytes"] for r in ranks)})
-    return sorted(out, key=lambda r: (not r["fits"], r["step_time_s"], r["memory_bytes"]))
+    return sorted(out, key=lambda r: order(r["fits"], r["step_time_s"], r["parallel"].zero,
+                                           r["memory_bytes"]))
 
 
 def _rows(batch) -> int:

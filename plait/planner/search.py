@@ -52,24 +52,41 @@ def meshes(cfg: Config, cluster: Cluster, fixed: dict):
                         yield tp, pp, cp, ep, rest // (cp * ep)
 
 
+def data_parallel_choices(rows: int, dp: int, pp: int, tp: int, gpus_per_node: int) -> dict:
+    """The data-parallel part of the layouts tried on a mesh of `dp` replicas of `rows` rows
+    each: every ZeRO stage, micro-batches of 1, 2, 4 and 8 per stage and of one row, and hybrid
+    sharding within a node where dp spans nodes (with a ZeRO stage: `hybrid_needs_zero`).
+    `plait plan` tries them on every mesh, `plait.plan` (a module from Python) on its one."""
+    G = gpus_per_node
+    return {"zero": [0, 1, 2, 3],
+            "microbatches": sorted({pp * k for k in (1, 2, 4, 8)} | {rows}),
+            "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else [])}
+
+
+def hybrid_needs_zero(zero: int, dp_shard: int) -> bool:
+    """Whether a layout's hybrid sharding (`dp_shard`) has the ZeRO stage it shards by."""
+    return not dp_shard or zero > 0
+
+
+def order(fits: bool, step_time_s: float, zero: int, memory_bytes: float) -> tuple:
+    """How plans rank, in `plait plan` and `plait.plan` alike: those that fit first, then the
+    fastest, then the lower ZeRO stage, then the leaner."""
+    return not fits, step_time_s, zero, memory_bytes
+
+
 def candidates(cfg: Config, cluster: Cluster, fixed: dict):
     """Every layout check_layout accepts on cluster.gpus ranks; `fixed` pins degrees. Left out
     unless pinned, as dominated: GPipe (1F1B's bubble with more activations in flight) and tp
     without sequence parallelism (the same bytes, more activations). Activation checkpointing
     varies last, from none to full, so `rank_plans` can stop at the first mode that fits."""
-    G = cluster.gpus_per_node
     for tp, pp, cp, ep, dp in meshes(cfg, cluster, fixed):
         rows = cfg.train.global_batch // (dp * ep) or 1
         choice = {
-            "tp": [tp], "pp": [pp], "cp": [cp], "ep": [ep], "zero": [0, 1, 2, 3],
+            "tp": [tp], "pp": [pp], "cp": [cp], "ep": [ep],
             "cp_method": ["ring", "ulysses"] if cp > 1 else ["ring"],
             "pp_schedule": ["1f1b", "interleaved", "zb1"] if pp > 1 else ["1f1b"],
             "sequence_parallel": [tp > 1],
-            # and one row per micro-batch.
-            "microbatches": sorted({pp * k for k in (1, 2, 4, 8)}
-                                   | {rows}),
-            # Hybrid sharding: shard within a node, replicate across nodes.
-            "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else []),
+            **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node),
             "offload": ["none"],  # `rank_plans` searches it where nothing fits without
             "activation_checkpointing": ["none", "selective", "full"],
         }
@@ -77,7 +94,7 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
         keys = list(choice)
         for values in itertools.product(*(choice[k] for k in keys)):
             d = dict(zip(keys, values, strict=True))
-            if d["dp_shard"] and not d["zero"]:
+            if not hybrid_needs_zero(d["zero"], d["dp_shard"]):
                 continue
             c = with_degrees(cfg, **d, dp=0)
             try:
@@ -118,8 +135,7 @@ NEAR = 0.02
 
 
 def _rank(p: PricedLayout) -> tuple:
-    """Fitting first, then fastest, then the lower ZeRO stage, then the leaner."""
-    return not p.fits, -p.tokens_per_s, p.degrees["zero"], p.peak_memory_bytes
+    return order(p.fits, p.step_time_s, p.degrees["zero"], p.peak_memory_bytes)
 
 
 def _simplest_first(plans: list[PricedLayout]) -> list[PricedLayout]:
