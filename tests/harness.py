@@ -2,12 +2,13 @@
 
     results = run_world(fn, 4, *args)   # fn(*args) on ranks 0..3; returns their results by rank
 
-Workers are forked (no re-import of torch, and `fn` may be a closure), each with 1 intra-op
-thread. The parent holds the rendezvous store on a free loopback port, so worlds never collide;
-it opens the store only after forking, because a child forked while the store's server thread
-runs can inherit a lock that thread holds, and hang.
-If any rank raises, the others are killed and the failing rank's traceback is raised here; a world
-that outlives `timeout` is killed too. No worker outlives the call.
+Workers are forked (no re-import of torch, and `fn` may be a closure), each with 1 intra-op thread,
+and inherit what this process has cached: the standard library's file list, the corpus of most
+tests, is listed here once (`plait.data.corpus.stdlib_files`), not by every rank. The parent holds
+the rendezvous store on a free loopback port, so worlds never collide; it opens the store only after
+forking, because a child forked while the store's server thread runs can inherit a lock that thread
+holds, and hang. If any rank raises, the others are killed and the failing rank's traceback is
+raised here; a world that outlives `timeout` is killed too. No worker outlives the call.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from plait.data.corpus import stdlib_files
 
 
 class WorldFailed(AssertionError):
@@ -51,6 +54,7 @@ def _worker(fn, rank, world_size, port, results, args, kwargs):
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
+    stdlib_files()  # cached: the forked ranks read the corpus's file list from memory
     ctx = mp.get_context("fork")
     results, port = ctx.Queue(), ctx.Value("i", 0)
     procs = [

@@ -3,18 +3,16 @@ continues on another (resharding), equal to the uninterrupted run within reducti
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.distributed as dist
 from harness import run_world
 from training import assert_params_close, held_params, tiny_config
 
-from plait.train.checks import validate
 from plait.checkpoint import complete_checkpoints, read_meta
 from plait.checkpoint.rank_state import load_full
 from plait.mesh import build_mesh
+from plait.train.checks import validate
 from plait.train.trainer import Trainer
 
 STEPS, STOP = 8, 4
@@ -103,6 +101,18 @@ RESHARD = {
 }
 
 
+def _straight_and_resumed(tmp_path, n_a, a, n_b, b) -> tuple[list, list]:
+    """The uninterrupted run on layout `a`, saving after step 4 on its way (the checkpoint a stop
+    there writes: a save changes nothing of the run, `test_resume_is_bit_exact`), and the run
+    resumed from that checkpoint on layout `b`; the losses of each."""
+    straight = run_world(_run, n_a, a, str(tmp_path / "straight"), f"checkpoint.every={STOP}",
+                         timeout=240)[0]
+    start = tmp_path / "straight" / f"step-{STOP:08d}"
+    resumed = run_world(_run, n_b, b, str(tmp_path / "run"), f"checkpoint.resume={start}",
+                        timeout=240)[0]
+    return straight, resumed
+
+
 @pytest.mark.parametrize("name", list(RESHARD))
 def test_resharded_resume_continues_the_run(name, tmp_path):
     """Saved after 4 steps on one layout, continued for 4 on another: the losses and the final
@@ -110,9 +120,7 @@ def test_resharded_resume_continues_the_run(name, tmp_path):
     (`training.assert_params_close`, as the composition matrix: a layout changes only the order
     of sums)."""
     (n_a, a), (n_b, b) = RESHARD[name]
-    straight = run_world(_run, n_a, a, str(tmp_path / "straight"), timeout=240)[0]
-    run_world(_run, n_a, a, str(tmp_path / "run"), f"train.stop_after={STOP}")
-    resumed = run_world(_run, n_b, b, str(tmp_path / "run"), timeout=240)[0]
+    straight, resumed = _straight_and_resumed(tmp_path, n_a, a, n_b, b)
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[STOP:]),
                                rtol=1e-5, atol=0)
     want = load_full(tmp_path / "straight" / f"step-{STEPS:08d}")
@@ -129,12 +137,10 @@ def test_a_muon_checkpoint_of_zero3_resumes_at_tp2(tmp_path):
     MUON_ROWS say why they are wider than AdamW's)."""
     muon = "train.optimizer='muon'"
     a, b = ["parallel.zero=3", muon], ["parallel.tp=2", muon]
-    straight = run_world(_run, 2, a, str(tmp_path / "straight"), timeout=240)[0]
-    run_world(_run, 2, a, str(tmp_path / "run"), f"train.stop_after={STOP}")
-    resumed = run_world(_run, 2, b, str(tmp_path / "run"), timeout=240)[0]
+    straight, resumed = _straight_and_resumed(tmp_path, 2, a, 2, b)
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(straight[STOP:]),
                                rtol=1e-4, atol=0)
-    saved = load_full(tmp_path / "run" / f"step-{STOP:08d}", prefix="optim.")
+    saved = load_full(tmp_path / "straight" / f"step-{STOP:08d}", prefix="optim.")
     assert "momentum_buffer.layers.0.attention.wq.weight" in saved
     assert "exp_avg.tok_embeddings.weight" in saved
     assert not any(k.startswith("exp_avg.layers.0.attention.") for k in saved)
