@@ -41,12 +41,12 @@ from plait.data.corpus import (
     stdlib_files,
 )
 from plait.data.tokenize_corpus import prepare
-from plait.launch import launch
-from plait.train.checks import validate
-from plait.train.host_memory import (
+from plait.host_memory import (
     anonymous_bytes,
     cached_bytes,
 )
+from plait.launch import launch
+from plait.train.checks import validate
 from plait.train.trainer import Trainer
 
 

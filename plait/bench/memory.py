@@ -7,7 +7,7 @@ trainer imports are the baseline.
 
 Through the first step every block of 1 MiB or more has a mapping of its own, given back when
 freed, so that peak is what was alive at once; from the second step on the heap serves them and
-keeps what was freed for reuse (`train/host_memory.py`): the later peak adds what it kept.
+keeps what was freed for reuse (`plait/host_memory.py`): the later peak adds what it kept.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
 from plait.config.schema import Config
-from plait.model import count_params
-from plait.model.llama import build_model
-from plait.predict import cost
-from plait.train.host_memory import (
+from plait.host_memory import (
     peak_resident_bytes,
     reset_peak,
     resident_bytes,
 )
+from plait.model import count_params
+from plait.model.llama import build_model
+from plait.predict import cost
 from plait.train.trainer import Trainer
 
 STEPS = 3

@@ -19,10 +19,10 @@ from plait.bench.load import OtherLoad
 from plait.bench.step import start_worker, summarize, with_free_dp
 from plait.comm import all_gather
 from plait.config.schema import Config, ConfigError
+from plait.host_memory import malloc_threshold
 from plait.launch import launch
 from plait.optim.muon import SHIPPED, MatrixExchange, _zeropower_via_newtonschulz
 from plait.train.checks import validate
-from plait.train.host_memory import malloc_threshold
 from plait.train.trainer import Trainer
 
 

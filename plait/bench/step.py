@@ -10,7 +10,7 @@ in the run's `train.precision`: the peers under autocast, fully_shard with a
 
 Per world size (1, 2, 4, ... up to N; the same global batch each time, i.e. strong scaling) each
 side runs in processes of its own, as its users run it (torch's never sets plait's glibc
-threshold, `train/host_memory.py`), the sides taking turns over `--repeats` launches: plait's
+threshold, `plait/host_memory.py`), the sides taking turns over `--repeats` launches: plait's
 step with, for plain DDP, plait with communication skipped (every micro-batch under `no_sync`,
 no all-reduce), taking turns within its processes; then torch's. Reported, from the medians of
 all their steps, with each side's spread and the machine's other load (`load.py`):
@@ -41,12 +41,12 @@ from torch.nn.parallel import DistributedDataParallel
 from plait import comm
 from plait.config.schema import Config, ModelConfig, microbatches
 from plait.data.batches import TokenData
+from plait.host_memory import STEADY_THRESHOLD, malloc_threshold, release_freed_memory
 from plait.mesh import build_mesh
 from plait.model.plan import has_plan, plan_of
 from plait.optim.loss_scaling import HALF
 from plait.parallel import BucketedDataParallel
 from plait.train.checks import validate
-from plait.train.host_memory import STEADY_THRESHOLD, malloc_threshold, release_freed_memory
 from plait.train.trainer import Trainer, build_configured_model
 
 

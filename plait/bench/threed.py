@@ -39,10 +39,10 @@ from torch.distributed.tensor.parallel import (
 from plait.bench.step import plait_step, start_worker, step_times
 from plait.config.schema import Config, microbatches
 from plait.data.batches import TokenData
+from plait.host_memory import malloc_threshold
 from plait.model import build_model
 from plait.parallel.pipeline.stage import split_model
 from plait.parallel.tensor_parallel import block_splits
-from plait.train.host_memory import malloc_threshold
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                    "interleaved": ScheduleInterleaved1F1B}

@@ -29,13 +29,13 @@ from torch.distributed.tensor.parallel import (
 from plait.bench.step import start_worker, step_times
 from plait.config.schema import Config
 from plait.data.batches import TokenData
+from plait.host_memory import malloc_threshold
 from plait.mesh import Axis
 from plait.model import build_model
 from plait.model.hf import transformers_model
 from plait.parallel import apply_tp
 from plait.parallel.tensor_parallel import block_splits
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
-from plait.train.host_memory import malloc_threshold
 from plait.train.trainer import build_configured_model
 
 

@@ -35,6 +35,7 @@ from plait.comm import all_reduce, broadcast
 from plait.comm.trace import TRACER
 from plait.config.choices import held_precision
 from plait.config.schema import ParallelConfig
+from plait.host_memory import give_back_freed
 from plait.mesh import AXES, Axis, batch_axis
 from plait.model.documents import Documents
 from plait.model.materialize import Filler, Source, is_meta, materialize
@@ -295,6 +296,7 @@ def _fill(chunks: nn.ModuleDict, record: PlacementRecord, source: Source | None,
     if zero == 3:
         return Filler(source, record)
     materialize(chunks, record, source)
+    give_back_freed()  # the draws' blocks, freed between the tensors kept
     return None
 
 

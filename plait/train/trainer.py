@@ -25,6 +25,7 @@ from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
 from plait.config.schema import Config, microbatches
 from plait.data.mixture import MIXTURE, mixture_history, open_data
+from plait.host_memory import STEADY_THRESHOLD, release_freed_memory
 from plait.mesh import ParallelDims, rows_share
 from plait.model import build_configured, build_sharded, count_params
 from plait.optim.build import build_for, lr_at, set_lr
@@ -36,7 +37,6 @@ from plait.predict.activation_memory import SavedActivations
 from plait.predict.trace import Untraceable, model_flops
 from plait.train.checkpointing import Checkpointer
 from plait.train.faults import maybe_fail
-from plait.train.host_memory import STEADY_THRESHOLD, release_freed_memory
 from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, peak_flops
 from plait.train.outputs import Outputs
 from plait.train.progress import Progress
@@ -158,7 +158,7 @@ class Trainer:
         if not self._steady:
             # What lives for the run (optimizer state, ZeRO's reused buffers, DDP's gradient
             # buckets) was made in its own mappings; from now on what a step makes and frees
-            # is served from the heap, for reuse (`train/host_memory.py`).
+            # is served from the heap, for reuse (`plait/host_memory.py`).
             release_freed_memory(STEADY_THRESHOLD)
             self._steady = True
         result = {"loss": loss_sum, "lr": lr, "activation_bytes": self.activations.peak,

@@ -492,7 +492,7 @@ def test_bench_step_compares_with_torch_ddp_at_each_world_size(capsys):
     assert [r["ranks"] for r in rows] == [1, 2]
     assert [set(r["malloc_threshold"]) for r in rows] == \
         [{"plait", "torch"}, {"plait", "torch", "no_comm"}]
-    # The baseline is plait's step, allocator included (train/host_memory.py); torch keeps glibc's.
+    # The baseline is plait's step, allocator included (plait/host_memory.py); torch keeps glibc's.
     assert rows[1]["malloc_threshold"]["no_comm"] == rows[1]["malloc_threshold"]["plait"] != \
         rows[1]["malloc_threshold"]["torch"]
     assert rows[1]["exposed"] is not None and rows[1]["no_comm"] > 0
@@ -519,11 +519,11 @@ def test_bench_step_with_muon_compares_its_owners_with_everyone_orthogonalizing(
 
 def test_bench_step_runs_each_side_in_processes_of_its_own():
     """plait's trainer sets glibc's mmap threshold for its whole process (1 MiB, then glibc's 32
-    MiB ceiling after the first step: train/host_memory.py); torch's fully_shard, launched
+    MiB ceiling after the first step: plait/host_memory.py); torch's fully_shard, launched
     apart, keeps glibc's own, as a user of torch alone has it."""
     from plait.bench.step_runs import run_step
     from plait.config.schema import load_config
-    from plait.train.host_memory import STEADY_THRESHOLD
+    from plait.host_memory import STEADY_THRESHOLD
 
     cfg = load_config(None, ["parallel.zero=3", *TINY])
     rows = run_step(2, cfg, steps=1, repeats=1)

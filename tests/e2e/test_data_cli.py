@@ -103,7 +103,7 @@ def test_a_50_gb_corpus_launches_and_trains_reading_a_bounded_part_of_it(tmp_pat
     (mincore: fresh files have none, and reading a hole caches it), so every process is seen."""
     from plait.bench.data import sparse_corpus
     from plait.data.corpus import BLOCK_BYTES, SAMPLE_BLOCKS
-    from plait.train.host_memory import cached_bytes
+    from plait.host_memory import cached_bytes
 
     probe = tmp_path / "probe.bin"
     with open(probe, "wb") as f:

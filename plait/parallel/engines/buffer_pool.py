@@ -5,7 +5,7 @@ gradient staging is made and let go as often. On a CPU every fresh buffer is mem
 malloc: either fresh pages from the kernel (above the mmap threshold: zeroed and faulted in at
 every gather, 1.6 times fully_shard's step on the default recipe, measured), or heap that the
 blocks freed in between leave resident (below it: a rank's peak grew by 2.3 times the whole fp32
-model over three steps, `plait/train/host_memory.py`). So the buffers are made once and handed
+model over three steps, `plait/host_memory.py`). So the buffers are made once and handed
 from unit to unit.
 
 A tensor's storage stays the same object while its memory comes and goes (`attach`, `detach`):

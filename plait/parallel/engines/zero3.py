@@ -41,6 +41,7 @@ from torch import nn
 
 from plait.comm import Pending, all_gather
 from plait.comm.compression import Compression
+from plait.host_memory import give_back_freed
 from plait.mesh import Axis
 from plait.model.materialize import swap_parameters
 from plait.model.plan import has_plan, plan_of
@@ -236,9 +237,11 @@ class Zero3DataParallel(ShardedEngine):
         self.units = []
         for c, chunk in enumerate(chunks.values()):
             modules = unit_modules(chunk, wrap)
-            self.units += [Unit(m, params, names, c, shard, self.overrides, flat_args, fill,
-                                matrices, groups)
-                           for m, params in zip(modules, unit_params(modules), strict=True)]
+            for m, params in zip(modules, unit_params(modules), strict=True):
+                self.units.append(Unit(m, params, names, c, shard, self.overrides, flat_args,
+                                       fill, matrices, groups))
+                if fill is not None:  # what drawing its slices freed goes back to the kernel
+                    give_back_freed()
         # A model built on `meta`: its parameters become views of the flat buffers.
         swap_parameters(chunks, {k: v for f in self.flats for k, v in f.replaced.items()})
         # A unit built from whole parameters starts gathered, and is freed just below.
