@@ -41,10 +41,10 @@ from torch import nn
 from plait import checkpoint as ckpt
 from plait.checkpoint import rank_state
 from plait.checkpoint.layout import SaveBoxes
-from plait.comm import LEDGER, all_reduce, broadcast
+from plait.comm import LEDGER, all_reduce, barrier, broadcast
 from plait.config.checks_layout import validate_parallel
 from plait.config.schema import ParallelConfig
-from plait.mesh import build_mesh, rows_share
+from plait.mesh import build_mesh, rows_share, world_axis
 from plait.optim.loss_scaling import HALF, LossScaler
 from plait.optim.muon import MatrixExchange
 from plait.optim.whole_matrices import Factory, WholeMatrices
@@ -97,6 +97,7 @@ class Prepared:
         self.rows_rank, self.rows = rows_share(parallelized.axes)
         self.loss_fn, self.reference = loss_fn, reference
         self.own_loss = own_loss  # no loss_fn given: in the batch form, the model's own loss
+        self.world = world_axis()  # every rank: a checkpoint's barriers, --verify's verdict
         self._steps = 0
 
     @property
@@ -198,7 +199,7 @@ class Prepared:
                                "of the model to compare with")
         local = self._split(*self.local(inputs, targets))
         return verify_step(self.parallelized, self.reference, local, inputs, targets,
-                           self.loss_fn, self.global_mean, tolerance)
+                           self.loss_fn, self.global_mean, tolerance, self.world)
 
     def global_mean(self, value: float) -> float:
         """Mean over the ranks that split the batch of a per-rank mean (summed over pp first:
@@ -254,18 +255,18 @@ class Prepared:
             raise NotImplementedError("checkpoints of Prepared.optimizer's whole matrices are not "
                                       "written yet: save the model alone with full_state_dict()")
         path = ckpt.step_path(root, step)
-        if dist.get_rank() == 0:
+        if self.world.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
+        barrier(self.world.group)
         state = rank_state.training_state(self.parallelized, optimizer, step)
         dcp.save(state, checkpoint_id=str(path), planner=SaveBoxes())
-        if dist.get_rank() == 0:
-            info = {"step": step, "world_size": dist.get_world_size(),
+        if self.world.rank == 0:
+            info = {"step": step, "world_size": self.world.size,
                     "contents": ["model", "optim", "train"],
                     "config": {"parallel": dataclasses.asdict(self.config)}}
             ckpt.finish(path, info)
-        dist.barrier()
+        barrier(self.world.group)
         return path
 
     def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> int:
@@ -331,7 +332,7 @@ def prepare(
     model.to(where)
     with torch.no_grad():  # every rank starts from rank 0's weights and buffers
         for t in [*model.parameters(), *model.buffers()]:
-            broadcast(t.data, src=0, group=dist.group.WORLD)
+            broadcast(t.data, src=0, group=world_axis().group)
     reference = copy.deepcopy(model) if verify else None
     M = parallel.microbatches or dims.pp
     mode = "full" if checkpoint else "none"

@@ -12,7 +12,7 @@ state among themselves (`dp_shard`), and the dp / K such groups replicate it (`d
 
 A transform receives an `Axis`: the one group it communicates on, with this rank's index and the
 axis size. `Axis.dry` describes a coordinate without a process group, so the same transforms can
-run on a `meta` model in one process (`plait train --dry-run`).
+run on a `meta` model in one process (`plait train --dry-run`). `world_axis` is every rank.
 """
 
 from __future__ import annotations
@@ -101,6 +101,17 @@ class Axis:
     @classmethod
     def dry(cls, name: str, rank: int, size: int) -> Axis:
         return cls(name, None, rank, size)
+
+
+def world_axis() -> Axis:
+    """Every rank of the job as one axis, "world": plait's mesh spans the whole job, so its group
+    is the default one. The one place plait reads that process-group global; what spans every
+    rank (a checkpoint's barriers, a trace's, the broadcast of the step's FLOP count) is handed
+    this axis."""
+    # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
+    import torch.distributed as dist
+
+    return Axis("world", dist.group.WORLD, dist.get_rank(), dist.get_world_size())
 
 
 BATCH_AXES = ("dp", "cp", "ep")  # the data-like axes: each rank a different part of the batch

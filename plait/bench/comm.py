@@ -14,11 +14,15 @@ import time
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait import comm
+from plait.bench.text import size_text
 from plait.comm.allreduce import AllReduceAlgorithm, all_reduce_by
 from plait.comm.collectives import Op, bus_bytes
+from plait.launch import launch
 from plait.train.progress import each
 
 SIZES = [2**10, 2**14, 2**18, 2**20, 2**22, 2**24]  # bytes: 1 KiB to 16 MiB
@@ -98,3 +102,16 @@ def bench_comm(sizes: list[int], min_seconds: float) -> list[dict] | None:
             })
     dist.destroy_process_group()
     return rows if rank == 0 else None
+
+
+def run_comm(nproc: int, min_seconds: float = 0.2) -> list[dict]:
+    rows = launch(nproc, bench_comm, SIZES, min_seconds)[0]
+    table = Table(title=f"plait bench comm: {nproc} ranks, gloo on loopback "
+                        "(nccl-tests definitions: algbw = S/t, busbw = algbw x bus factor)")
+    for col in ("collective", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)"):
+        table.add_column(col, justify="left" if col == "collective" else "right")
+    for r in rows:
+        table.add_row(r["collective"], size_text(r["bytes"]), f"{r['time_us']:,.0f}",
+                      f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}")
+    Console(width=120).print(table)
+    return rows

@@ -21,15 +21,21 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from plait.bench.step import start_worker
+from plait.bench.step import start_worker, with_free_dp
+from plait.bench.text import size_text
 from plait.config.schema import Config, microbatches
 from plait.data.batches import TokenData
+from plait.launch import launch
 from plait.model import build_model
 from plait.optim.build import build_optimizer, lr_at, set_lr
+from plait.train.checks import validate
+from plait.train.progress import each
 from plait.train.trainer import Trainer
 
 PEERS = ("torch fp16_compress_hook", "torch powerSGD_hook")
@@ -136,5 +142,45 @@ def draw_curves(runs: dict[str, dict], png: str) -> None:
     plt.close(fig)
 
 
+def run_compression(nproc: int, cfg: Config, methods: list[str], png: str) -> list[dict]:
+    """Each method on the same recipe, then torch's hooks: the workers above."""
+    cfg = with_free_dp(cfg)
+    for method in methods:
+        validate(with_method(cfg, method), nproc)
+    runs = {}
+    for name in each([*methods, *PEERS], "bench compression: training with"):
+        if name in PEERS:
+            runs[name] = launch(nproc, bench_torch_hook, cfg, name, threads=cfg.train.threads)[0]
+        else:
+            runs[name] = launch(nproc, bench_plait, with_method(cfg, name),
+                                threads=cfg.train.threads)[0]
+    base = runs.get("none")
+    args, par = cfg.model.args(), cfg.parallel
+    table = Table(title=(
+        f"plait bench compression: {nproc} ranks, model dim {args.dim} x {args.n_layers} layers, "
+        f"{cfg.train.steps} steps of {cfg.train.global_batch} x {cfg.data.seq_len} tokens; topk "
+        f"ratio {par.compression_ratio}, PowerSGD rank {par.compression_rank}, start "
+        f"{par.compression_start}; train loss: mean of the last 10 steps"))
+    for col in ("method", "train loss", "val loss", "val gap", "bytes/step", "bytes ratio",
+                "step (ms)"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    rows = []
+    for name, run in runs.items():
+        row = {"method": name, "train_loss": final_loss(run["losses"]),
+               "val_loss": run["val_loss"], "bytes": run["bytes"], "step_s": run["step_s"]}
+        row["val_gap"] = run["val_loss"] / base["val_loss"] - 1 if base else None
+        row["bytes_ratio"] = run["bytes"] / base["bytes"] if base and run["bytes"] else None
+        rows.append(row)
+        table.add_row(name, f"{row['train_loss']:.4f}", f"{row['val_loss']:.4f}",
+                      f"{row['val_gap']:+.1%}" if row["val_gap"] is not None else "-",
+                      size_text(int(run["bytes"])) if run["bytes"] is not None else "-",
+                      f"{row['bytes_ratio']:.3f}" if row["bytes_ratio"] is not None else "-",
+                      f"{run['step_s'] * 1e3:,.1f}")
+    Console(width=140).print(table)
+    draw_curves(runs, png)
+    Console().print(f"loss curves: {png}")
+    return rows
+
+
 __all__ = ["PEERS", "bench_plait", "bench_torch_hook", "draw_curves", "final_loss",
-           "with_method"]
+           "run_compression", "with_method"]

@@ -17,18 +17,23 @@ import gc
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
+from plait.bench.text import size_text
 from plait.config.schema import Config
 from plait.host_memory import (
     peak_resident_bytes,
     reset_peak,
     resident_bytes,
 )
+from plait.launch import launch
 from plait.model import count_params
 from plait.model.llama import build_model
 from plait.predict import cost
+from plait.train.checks import validate
 from plait.train.trainer import Trainer
 
 STEPS = 3
@@ -66,3 +71,33 @@ def bench_memory(cfg: Config, steps: int = STEPS) -> list[dict] | None:
     dist.all_gather_object(rows, row)
     dist.destroy_process_group()
     return rows if rank == 0 else None
+
+
+def run_memory(layouts: list[tuple[str, Config, int]]) -> list[dict]:
+    """Each (name, config, world size)'s per-rank peak host memory (`bench_memory` above)."""
+
+    for _, cfg, nproc in layouts:
+        validate(cfg, nproc)  # every layout is checked before any worker starts
+    out = []
+    for name, cfg, nproc in layouts:
+        rows = launch(nproc, bench_memory, cfg, threads=cfg.train.threads)[0]
+        worst = max(rows, key=lambda r: r["steady"])
+        out.append({"layout": name, "ranks": nproc, **worst})
+    first = out[0]
+    args = layouts[0][1].model.args()
+    table = Table(title=(
+        f"plait bench memory: dim {args.dim} x {args.n_layers} layers, "
+        f"{first['whole_fp32'] / 4 / 1e6:,.0f}M parameters ({size_text(first['whole_fp32'])} in "
+        "fp32, what every rank built before #30); peak resident memory over the baseline, "
+        "the rank that grew most"))
+    for col in ("layout", "ranks", "baseline", "building", "formula", "through step 1",
+                "formula", f"through step {first['steps']}", "held after the steps",
+                "peak / whole fp32"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in out:
+        table.add_row(r["layout"], str(r["ranks"]), size_text(r["baseline"]), size_text(r["built"]),
+                      size_text(r["startup_formula"]), size_text(r["stepped"]),
+                      size_text(r["step_formula"]), size_text(r["steady"]), size_text(r["held"]),
+                      f"{r['steady'] / r['whole_fp32']:.2f}")
+    Console(width=150).print(table)
+    return out

@@ -14,11 +14,17 @@ import time
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import start_worker
+from plait.bench.text import size_text
 from plait.comm import LEDGER, Op
 from plait.config.schema import Config
+from plait.launch import launch
+from plait.train.checks import validate
+from plait.train.progress import each
 from plait.train.trainer import Trainer
 
 
@@ -77,3 +83,36 @@ def draw_load(load: dict[str, list[float]], png: str) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def run_moe(nproc: int, cfg: Config, degrees: list[int], steps: int, warmup: int,
+            png: str) -> list[dict]:
+    """A mixture-of-experts recipe at each ep degree on `nproc` ranks (`bench_moe` above)."""
+
+    configs = {ep: with_ep(cfg, ep) for ep in degrees}
+    for c in configs.values():
+        validate(c, nproc)  # every degree is checked before any worker starts
+    rows = []
+    for ep in each(degrees, "bench moe: ep"):
+        rows.append({"ep": ep, "dp": nproc // ep, **launch(nproc, bench_moe, configs[ep], steps,
+                                                           warmup)[0]})
+    args = cfg.model.args()
+    loop = next((r["step_s"] for r in rows if r["ep"] == 1), None)
+    table = Table(title=(
+        f"plait bench moe: {args.moe_experts} experts, top-{args.moe_top_k}, {args.moe_router}, "
+        f"dim {args.dim} x {args.n_layers} layers, global batch {cfg.train.global_batch} x "
+        f"{cfg.data.seq_len} tokens, {nproc} ranks; median of {steps} steps after {warmup}"))
+    for col in ("ep", "dp", "step (ms)", "vs ep 1 (loop)", "all-to-all (ms)", "share of step",
+                "all-to-all / step, rank 0", "dropped", "busiest / mean"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["ep"]), str(r["dp"]), f"{r['step_s'] * 1e3:,.1f}",
+                      f"{r['step_s'] / loop:.2f}" if loop else "-",
+                      f"{r['all_to_all_s'] * 1e3:,.1f}",
+                      f"{r['all_to_all_s'] / r['step_s']:.1%}",
+                      size_text(r["all_to_all_bytes"]) if r["all_to_all_bytes"] else "-",
+                      f"{r['dropped']:.1%}", f"{r['max_load']:.2f}")
+    Console(width=150).print(table)
+    draw_load(rows[0]["load"], png)
+    print(f"expert load histogram: {png}")
+    return rows

@@ -21,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -32,14 +34,18 @@ from torch.distributed.pipelining import (
 from plait import comm
 from plait.bench.step import start_worker
 from plait.comm.trace import TRACER, pipeline_spans
-from plait.config.schema import Config
+from plait.config.choices import PP_SCHEDULES
+from plait.config.schema import Config, ConfigError
 from plait.data.batches import TokenData
+from plait.launch import launch
 from plait.model import build_model
 from plait.parallel import Options, parallelize
-from plait.parallel.pipeline.schedules import Kind
-from plait.parallel.pipeline.simulator import simulate
+from plait.parallel.pipeline.schedules import Kind, build_schedule
+from plait.parallel.pipeline.simulator import simulate, textbook_bubble
 from plait.parallel.pipeline.stage import split_model
+from plait.train.checks import validate
 from plait.train.progress import each
+from plait.train.report import draw_timelines
 
 TORCH_PEERS = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                "interleaved": ScheduleInterleaved1F1B}
@@ -160,3 +166,50 @@ def measured_bubble(stage_spans: list[list[tuple]]) -> float:
     end = max(s[4] for spans in stage_spans for s in spans)
     busy = [sum(s[4] - s[3] for s in spans) for spans in stage_spans]
     return max(1 - b / (end - begin) for b in busy)
+
+
+def run_pp(nproc: int, cfg: Config, steps: int, png: str) -> list[dict]:
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=nproc, dp=0))
+    schedules, skipped = [], []
+    for name in PP_SCHEDULES:
+        try:
+            validate(with_schedule(cfg, name), nproc)
+            schedules.append(name)
+        except ConfigError as e:
+            if name != "interleaved":
+                raise
+            skipped.append(f"{name}: {e}")
+    if not schedules:
+        raise ConfigError("parallel.pp", "no schedule fits this model and batch")
+    per_rank = launch(nproc, bench_pp, cfg, schedules, steps, threads=cfg.train.threads)
+    M = cfg.parallel.microbatches or nproc
+    table = Table(title=f"plait bench pp: {nproc} stages, {M} micro-batches, median of {steps} "
+                        "steps (bubbles: idle share of the step, worst stage)")
+    for col in ("schedule", "simulated bubble", "formula", "replayed", "measured bubble",
+                "peak in-flight", "plait (ms)", "torch (ms)", "plait / torch"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    rows, timelines, why = [], {}, []
+    for name in schedules:
+        sim = build_schedule(name, nproc, M, cfg.parallel.pp_virtual)
+        timeline = simulate(sim)
+        spans = [r[name]["spans"] for r in per_rank]
+        timelines[name] = spans
+        plait_s, torch_s = per_rank[0][name]["plait"], per_rank[0][name]["torch"]
+        row = {"schedule": name, "simulated": timeline.bubble, "formula": textbook_bubble(sim),
+               "replayed": replayed(sim, spans).bubble, "measured": measured_bubble(spans),
+               "peak": max(timeline.peak_in_flight), "plait": plait_s, "torch": torch_s}
+        rows.append(row)
+        why.append(why_bubble(name, row["formula"], row["replayed"], row["measured"],
+                              stage_costs(spans)))
+        table.add_row(name, f"{row['simulated']:.3f}", f"{row['formula']:.3f}",
+                      f"{row['replayed']:.3f}", f"{row['measured']:.3f}", str(row["peak"]),
+                      f"{plait_s * 1e3:,.1f}", f"{torch_s * 1e3:,.1f}" if torch_s else "-",
+                      f"{plait_s / torch_s:.3f}" if torch_s else "-")
+    Console(width=130).print(table)
+    for line in why:
+        Console(width=130).print(line, soft_wrap=True)
+    for note in skipped:
+        Console().print(f"skipped {note}")
+    draw_timelines(timelines, png)
+    Console().print(f"timelines: {png}")
+    return rows

@@ -16,17 +16,22 @@ same batches in turns with plait, so both scale on the same machine state.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from plait.bench.step import plait_step, start_worker, time_in_turns, torch_runner
 from plait.comm import LEDGER
-from plait.config.schema import Config, microbatches
+from plait.config.schema import Config, at_world, microbatches
 from plait.data.batches import TokenData
+from plait.launch import launch
 from plait.model import build_model
+from plait.train.progress import each
 
 
 def has_torch_peer(cfg: Config) -> bool:
@@ -104,3 +109,40 @@ def draw_speedup(rows: list[dict], title: str, png: str, cores: int) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def run_scaling(sizes: list[int], cfg: Config, steps: int, weak: bool, png: str) -> list[dict]:
+    """The recipe at each world size (`bench_scaling` above); a table and the speedup picture."""
+
+    # every world size was checked by the command before it imported this module (torch)
+    configs = {n: at_world(cfg, n, sizes[0], weak) for n in sizes}
+    cores = os.cpu_count() or 1
+    if sizes[-1] > cores:
+        Console(stderr=True).print(
+            f"[yellow]warning:[/] {sizes[-1]} ranks on {cores} cores: from {cores + 1} ranks on, "
+            "ranks share cores, so those rows measure contention for the cores, not scaling")
+    results = []
+    for n in each(sizes, "bench scaling: ranks"):
+        c = configs[n]
+        results.append((n, c, launch(n, bench_scaling, c, steps, threads=c.train.threads)[0]))
+    rows = scaling_rows(results)
+    args, kind = cfg.model.args(), "weak" if weak else "strong"
+    batch = (f"{cfg.train.global_batch // sizes[0]} rows per rank" if weak
+             else f"global batch {cfg.train.global_batch}")
+    title = (f"plait bench scaling ({kind}): model dim {args.dim} x {args.n_layers} layers, "
+             f"{batch} x {cfg.data.seq_len} tokens; median of {steps} steps; {cores} cores")
+    table = Table(title=title)
+    for col in ("ranks", "batch", "plait tok/s", "speedup", "efficiency", "exposed comm",
+                "torch tok/s", "torch speedup", "torch efficiency", "plait / torch"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        p, t = r["plait"], r.get("torch")
+        peer = ([f"{t['tokens_per_s']:,.0f}", f"{t['speedup']:.2f}", f"{t['efficiency']:.0%}",
+                 f"{p['step_s'] / t['step_s']:.3f}"] if t else ["-"] * 4)
+        table.add_row(str(r["ranks"]), str(r["global_batch"]), f"{p['tokens_per_s']:,.0f}",
+                      f"{p['speedup']:.2f}", f"{p['efficiency']:.0%}", f"{r['exposed']:.1%}",
+                      *peer)
+    Console(width=140).print(table)
+    draw_speedup(rows, f"{kind} scaling, {cores} cores", png, cores)
+    Console().print(f"speedup: {png}")
+    return rows

@@ -45,7 +45,7 @@ from plait.host_memory import STEADY_THRESHOLD, malloc_threshold, release_freed_
 from plait.mesh import build_mesh
 from plait.model.plan import has_plan, plan_of
 from plait.optim.loss_scaling import HALF
-from plait.parallel import BucketedDataParallel
+from plait.parallel.engines.ddp import BucketedDataParallel
 from plait.train.checks import validate
 from plait.train.trainer import Trainer, build_configured_model
 

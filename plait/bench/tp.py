@@ -33,8 +33,7 @@ from plait.host_memory import malloc_threshold
 from plait.mesh import Axis
 from plait.model import build_model
 from plait.model.hf import transformers_model
-from plait.parallel import apply_tp
-from plait.parallel.tensor_parallel import block_splits
+from plait.parallel.tensor_parallel import apply_tp, block_splits
 from plait.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from plait.train.trainer import build_configured_model
 

@@ -23,7 +23,7 @@ def cmd_bench_comm(args: argparse.Namespace) -> None:
         raise ConfigError("--min-seconds", f"seconds per size in (0, 60], got "
                           f"{args.min_seconds:g}")
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_comm
+    from plait.bench.comm import run_comm
 
     run_comm(args.nproc, args.min_seconds)
 
@@ -92,7 +92,7 @@ def cmd_bench_pp(args: argparse.Namespace) -> None:
         raise ConfigError("--steps", f"need at least one timed step, got {args.steps}")
     check_output_path(args.png, "--png")
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_pp
+    from plait.bench.pp import run_pp
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_pp(args.nproc, load(args), args.steps, args.png)
@@ -109,7 +109,7 @@ def cmd_bench_compression(args: argparse.Namespace) -> None:
                           f"got {args.methods!r}")
     check_output_path(args.png, "--png")
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_compression
+    from plait.bench.compression import run_compression
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_compression(args.nproc, load(args), methods, args.png)
@@ -128,7 +128,7 @@ def cmd_bench_memory(args: argparse.Namespace) -> None:
     configs = [(name, load_config(None, [*MEMORY_MODEL, *extra, *args.overrides]), n)
                for name, n, extra in layouts]
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_memory
+    from plait.bench.memory import run_memory
 
     run_memory(configs)
 
@@ -168,7 +168,7 @@ def cmd_bench_checkpoint(args: argparse.Namespace) -> None:
         cfg = load_config(recipe_path(name), args.overrides)
         recipes.append((name, cfg, nproc))
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_checkpoint
+    from plait.bench.checkpoint import run_checkpoint
 
     run_checkpoint(recipes, args.repeats)
 
@@ -189,7 +189,7 @@ def cmd_bench_scaling(args: argparse.Namespace) -> None:
     for n in sizes:  # every world size before any worker, and before the bench imports torch
         validate(at_world(cfg, n, sizes[0], args.weak), n)
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_scaling
+    from plait.bench.scaling import run_scaling
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_scaling(sizes, cfg, args.steps, args.weak, args.png)
@@ -208,7 +208,7 @@ def cmd_bench_moe(args: argparse.Namespace) -> None:
                           f"{args.steps} after {args.warmup}")
     check_output_path(args.png, "--png")
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_moe
+    from plait.bench.moe import run_moe
 
     Path(args.png).parent.mkdir(parents=True, exist_ok=True)
     run_moe(args.nproc, load(args), degrees, args.steps, args.warmup, args.png)
@@ -233,7 +233,7 @@ def cmd_bench_cp(args: argparse.Namespace) -> None:
     for c, m in cp_variants(degrees, methods):  # before any worker, and before torch's import
         validate(with_cp(cfg, c, m), c)
     # here, not at the top: the command line's refusals import no torch
-    from plait.bench import run_cp
+    from plait.bench.cp import run_cp
 
     run_cp(cfg, degrees, methods, args.steps, args.warmup)
 

@@ -264,6 +264,13 @@ def reduce_scatter(
     )
 
 
+def barrier(group: ProcessGroup) -> None:
+    """Every rank of `group` reaches this point before any goes on. No tensor moves: the ledger
+    counts nothing."""
+    if dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
 @_eager
 def broadcast(
     tensor: torch.Tensor, src: int, group: ProcessGroup, async_op: bool = False

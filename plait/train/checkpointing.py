@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from plait.checkpoint import finish, meta, step_path
 from plait.checkpoint.layout import Boxes, SaveBoxes
 from plait.checkpoint.rank_state import training_state
+from plait.comm import barrier
 from plait.config.schema import Config
 from plait.train.faults import maybe_fail
 
@@ -120,7 +121,7 @@ class Checkpointer:
         if self.is_rank0:
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(path, ignore_errors=True)  # an unfinished earlier attempt
-        dist.barrier(group=self.group)
+        barrier(self.group)
         state = training_state(parallelized, optimizer, step)
         info = {**meta(self.cfg, step, dist.get_world_size()), **self.extra}
         planner = SaveBoxes(functools.partial(maybe_fail, "save", step))

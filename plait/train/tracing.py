@@ -17,12 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from plait.comm import all_reduce
+from plait.comm import barrier
 from plait.comm.trace import TRACER, merge_traces, pipeline_spans, write_trace
-from plait.mesh import ParallelDims
+from plait.mesh import Axis, ParallelDims
 from plait.train.report import draw_timelines
 
 STEP = "step"  # the category of the span around each traced step
@@ -42,14 +39,14 @@ def _by_step(events: list[dict]) -> dict[int, list[dict]]:
             for s in steps}
 
 
-def finish_trace(folder: str, dims: ParallelDims, device: torch.device) -> list[Path]:
+def finish_trace(folder: str, dims: ParallelDims, world: Axis) -> list[Path]:
     """Every rank writes its events; after a barrier, rank 0 merges and draws. Returns the files
     rank 0 wrote (nothing on other ranks)."""
 
-    rank, out = dist.get_rank(), Path(folder)
+    rank, out = world.rank, Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     write_trace(out / f"rank{rank}.json", TRACER.take(), rank, dims.coords(rank))
-    all_reduce(torch.zeros(1, device=device), dist.group.WORLD)  # every file is written
+    barrier(world.group)  # every file is written
     if rank:
         return []
     paths = [out / f"rank{r}.json" for r in range(dims.world_size)]

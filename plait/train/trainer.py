@@ -26,7 +26,7 @@ from plait.comm.trace import TRACER
 from plait.config.schema import Config, microbatches
 from plait.data.mixture import MIXTURE, mixture_history, open_data
 from plait.host_memory import STEADY_THRESHOLD, release_freed_memory
-from plait.mesh import ParallelDims, rows_share
+from plait.mesh import ParallelDims, rows_share, world_axis
 from plait.model import build_configured, build_sharded, count_params
 from plait.optim.build import build_for, lr_at, set_lr
 from plait.optim.loss_scaling import HALF, LossScaler
@@ -120,7 +120,8 @@ class Trainer:
         # instrumented (a `model.hf` mixture logs no `moe` entry).
         routed = dataclasses.replace(args, moe_experts=0) if cfg.model.hf else args
         self.moe = RouterMetrics(routed, self.model, self.pp_group, device)
-        self.is_logger = dist.get_rank() == 0
+        self.world = world_axis()  # every rank: the step's FLOP count, --verify, the trace
+        self.is_logger = self.world.rank == 0
         self.checkpoints = Checkpointer(cfg, {MIXTURE: history} if history else None)
         self.start_step = 0  # optimizer steps already done (a resumed run's checkpoint's)
         if self.resumed_from is not None:
@@ -220,7 +221,7 @@ class Trainer:
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                           "MFU uses 6N + attention's FLOPs per token instead", file=sys.stderr)
         t = torch.tensor([peak, flops], dtype=torch.float64, device=self.device)
-        broadcast(t, src=0, group=dist.group.WORLD)
+        broadcast(t, src=0, group=self.world.group)
         return t[0].item(), t[1].item()
 
     def verify(self) -> Verdict:
@@ -237,7 +238,7 @@ class Trainer:
             return verify_step(self.parallelized, self.reference.train(),
                                self._microbatches(*local), inputs.to(self.device),
                                targets.to(self.device), cross_entropy, self._global_mean,
-                               2e-2 if cfg.precision in HALF else 1e-4,
+                               2e-2 if cfg.precision in HALF else 1e-4, self.world,
                                documents[0].to(self.device) if documents else None)
 
     def fit(self, outputs: Outputs | None = None) -> Summary:
@@ -279,7 +280,7 @@ class Trainer:
         progress.close()
         writer.close()
         if outputs.trace:
-            finish_trace(outputs.trace, self.dims, self.device)
+            finish_trace(outputs.trace, self.dims, self.world)
         # The first step pays one-off costs (allocations, warm caches): leave it out of rates.
         steady = statistics.median(times[1:] or times)
         summary.tokens_per_s = self.tokens_per_step / steady

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from plait.comm import all_reduce
+from plait.mesh import Axis
 from plait.model.documents import Documents
 from plait.parallel.dropout import dropout_off
 
@@ -77,7 +78,7 @@ def group_of(name: str) -> str:
 def verify_step(parallelized, reference: nn.Module, local: list[tuple[torch.Tensor, torch.Tensor]],
                 inputs: torch.Tensor, targets: torch.Tensor,
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                global_mean: Callable[[float], float], tolerance: float,
+                global_mean: Callable[[float], float], tolerance: float, world: Axis,
                 documents: torch.Tensor | None = None) -> Verdict:
     """One step of `parallelized` on this rank's micro-batches `local` and one of `reference`
     (the whole model, same weights) on the global batch (`inputs`, `targets`, and the inputs'
@@ -115,10 +116,9 @@ def verify_step(parallelized, reference: nn.Module, local: list[tuple[torch.Tens
     for name, g in grads.items():
         k = groups.index(group_of(name))
         scale[k] = max(scale[k], g.double().abs().max().item())
-    world = torch.distributed.group.WORLD
     device = next(parallelized.module.parameters()).device
     both = torch.cat([diff, scale]).to(device)
-    all_reduce(both, world, op=ReduceOp.MAX)
+    all_reduce(both, world.group, op=ReduceOp.MAX)
     both = both.cpu()
     return Verdict(loss, ref_loss.item(),
                    {g: (both[i].item(), both[len(groups) + i].item())

@@ -11,7 +11,7 @@ from torch import nn
 from plait.comm import LEDGER, Op
 from plait.comm.allreduce import AllReduceAlgorithm, NodeGroups, all_reduce_by
 from plait.model import PRESETS, build_model
-from plait.parallel import BucketedDataParallel
+from plait.parallel.engines.ddp import BucketedDataParallel
 
 
 def _batches(rank, n, steps=5, rows=8, seq=16):
@@ -180,7 +180,7 @@ def test_allreduce_algorithm_traffic(n):
 
 @pytest.mark.parametrize("engine", ["bucketed", "naive"])
 def test_replicas_start_from_the_first_ranks_weights(engine):
-    from plait.parallel import NaiveDataParallel
+    from plait.parallel.engines.ddp import NaiveDataParallel
 
     def body():
         model = build_model(PRESETS["tiny"], seed=dist.get_rank())  # deliberately different

@@ -19,7 +19,7 @@ from torch import nn
 
 from plait.mesh import Axis
 from plait.model.plan import ModelPlan
-from plait.parallel import apply_tp
+from plait.parallel.tensor_parallel import apply_tp
 
 DIM, HIDDEN = 8, 16
 

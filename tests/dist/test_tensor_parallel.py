@@ -18,7 +18,7 @@ from training import STEPS, assert_params_close, tiny_config, train_here
 from plait.comm import LEDGER, Op
 from plait.mesh import Axis
 from plait.model import build_model, model_args
-from plait.parallel import apply_tp
+from plait.parallel.tensor_parallel import apply_tp
 from plait.model.llama_plan import LLAMA
 from plait.parallel.tensor_parallel import _verify, split_dims
 from plait.parallel.vocab_parallel import linear_cross_entropy, vocab_parallel_cross_entropy

@@ -54,3 +54,28 @@ def test_imports_keep_the_layers_of_the_design_and_make_no_cycle():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "3 kept, 0 broken" in proc.stdout
+
+
+# torch.distributed's calls that move data or wait for other ranks.
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single", "send",
+               "recv", "isend", "irecv", "barrier", "monitored_barrier", "reduce", "gather",
+               "scatter", "all_gather_object", "broadcast_object_list", "gather_object",
+               "scatter_object_list", "batch_isend_irecv"}
+
+
+def test_collectives_go_through_comm_on_a_group_they_are_given():
+    """docs/design.md: every collective is called in comm (where the ledger counts it) with an
+    explicit group; the group over every rank comes from one place, `mesh.world_axis`. The
+    benches, which time torch's own collectives against plait's, are outside the rule."""
+    direct, world = [], []
+    for path, node in _defs(ast.Attribute):
+        where = f"{path}:{node.lineno}"
+        inside = path.parts[1] in ("comm", "bench")
+        if node.attr in COLLECTIVES and ast.unparse(node.value) in ("dist", "torch.distributed") \
+                and not inside:
+            direct.append(f"{where} {ast.unparse(node)}")
+        if node.attr == "WORLD" and str(path) != "plait/mesh.py" and not inside:
+            world.append(f"{where} {ast.unparse(node)}")
+    assert direct == []
+    assert world == []
