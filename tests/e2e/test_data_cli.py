@@ -65,7 +65,7 @@ def test_a_resume_on_another_world_size_mid_epoch_continues_the_same_batches(tmp
     33): steps 0-2 on 1 rank, then steps 3-7 on 4 ranks (the second epoch starts inside them)
     give the losses of 8 steps on 1 rank, to float32's reduction order (rtol 1e-5, `plait
     compare`'s default)."""
-    source = ROOT / "plait" / "parallel" / "__init__.py"  # one text file: one document
+    source = ROOT / "plait" / "parallel" / "compose.py"  # one text file: one document
     common = [f"data.source={source}", "data.max_bytes=4900", *SMALL, "train.steps=8"]
     a, b, ck = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "ck"
     assert plait_here("train", "--nproc", "1", "--metrics", a, *common).returncode == 0
