@@ -34,7 +34,7 @@ from plait.parallel.wrap import WrapPolicy
 from plait.planner.gemm import PEAK_SHARE
 from plait.planner.hardware import DEVICES, Cluster
 from plait.planner.price import stage_seconds
-from plait.planner.search import data_parallel_choices, hybrid_needs_zero, order
+from plait.planner.search import data_parallel_choices, hybrid_needs_zero, ranked
 from plait.predict import cost
 from plait.predict.trace import fake_module, fake_world, representative, trace_step
 
@@ -122,8 +122,9 @@ def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
     `plait plan`'s search tries on a mesh of `gpus` replicas (`search.data_parallel_choices`:
     ZeRO 0-3, micro-batches of 1, 2, 4, 8 and of one row where each rank's rows split so, hybrid
     sharding within a node where the replicas span nodes), each `estimate`d on devices of kind
-    `gpu`, ranked as `plait plan` ranks (`search.order`: those that fit the device first, then
-    the fastest, the lower ZeRO stage, the leaner). Each row: `parallel` (a `ParallelConfig`
+    `gpu`, ranked as `plait plan` ranks (`search.ranked`: those that fit the device first, then
+    the fastest, the lower ZeRO stage, the leaner; first, the lowest stage within 2% of the
+    fastest). Each row: `parallel` (a `ParallelConfig`
     to hand to `plait.prepare`), `fits`, `memory_bytes` (the fullest rank's model state at its
     peak plus its activations), `step_time_s` and `comm_bytes` (the slowest and busiest
     rank's). A model with a plan also splits by tp, pp, cp and ep: that is `plait plan`'s
@@ -157,8 +158,8 @@ def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,
         out.append({"parallel": parallel, "fits": held <= memory, "memory_bytes": held,
                     "step_time_s": max(r["step_time_s"] for r in ranks),
                     "comm_bytes": max(r["comm_bytes"] for r in ranks)})
-    return sorted(out, key=lambda r: order(r["fits"], r["step_time_s"], r["parallel"].zero,
-                                           r["memory_bytes"]))
+    return ranked(out, lambda r: (r["fits"], r["step_time_s"], r["parallel"].zero,
+                                  r["memory_bytes"]))
 
 
 def _rows(batch) -> int:

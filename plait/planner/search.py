@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
+from typing import Any
 
 from plait.config.checks_layout import check_layout
 from plait.config.schema import Config, ConfigError
@@ -113,7 +115,8 @@ def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]
         plans = rank_plans(cfg, cluster, {**fixed, "offload": "none"})
         if not any(p.fits for p in plans):
             plans = sorted(plans + rank_plans(cfg, cluster, {**fixed, "offload": "optimizer"})
-                           + rank_plans(cfg, cluster, {**fixed, "offload": "params"}), key=_rank)
+                           + rank_plans(cfg, cluster, {**fixed, "offload": "params"}),
+                           key=lambda p: order(*_terms(p)))
         return plans
     plans, fitted = [], set()
     for c, dims in candidates(cfg, cluster, fixed):
@@ -126,25 +129,28 @@ def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]
             fitted.add(layout)
         plan.warnings = warnings(plan, c, dims, cluster)
         plans.append(plan)
-    return _simplest_first(sorted(plans, key=_rank))
+    return ranked(plans, _terms)
 
 
-# A faster plan within this share of the fastest's time is not worth a higher ZeRO stage: the
-# time model does not price every cost of more collectives (each launch, and its copies).
+# A faster plan within this share of the fastest's throughput is not worth a higher ZeRO stage:
+# the time model does not price every cost of more collectives (each launch, and its copies).
 NEAR = 0.02
 
 
-def _rank(p: PricedLayout) -> tuple:
-    return order(p.fits, p.step_time_s, p.degrees["zero"], p.peak_memory_bytes)
+def _terms(p: PricedLayout) -> tuple[bool, float, int, float]:
+    return p.fits, p.step_time_s, p.degrees["zero"], p.peak_memory_bytes
 
 
-def _simplest_first(plans: list[PricedLayout]) -> list[PricedLayout]:
-    """The ranked plans with, first, the lowest ZeRO stage (then the leanest) of those that fit
-    within NEAR of the fastest."""
-    if not plans or not plans[0].fits:
+def ranked(plans: list, terms: Callable[[Any], tuple[bool, float, int, float]]) -> list:
+    """`plans` as `plait plan` and `plait.plan` list them: in `order` of their `terms` (fits,
+    step time, ZeRO stage, memory), with, first, the lowest ZeRO stage (then the leanest) of
+    those that fit within NEAR of the fastest's throughput."""
+    plans = sorted(plans, key=lambda p: order(*terms(p)))
+    if not plans or not terms(plans[0])[0]:
         return plans
-    near = [p for p in plans if p.fits and p.tokens_per_s >= plans[0].tokens_per_s * (1 - NEAR)]
-    first = min(near, key=lambda p: (p.degrees["zero"], p.peak_memory_bytes))
+    slowest = terms(plans[0])[1] / (1 - NEAR)
+    near = [p for p in plans if terms(p)[0] and terms(p)[1] <= slowest]
+    first = min(near, key=lambda p: terms(p)[2:])
     return [first, *(p for p in plans if p is not first)]
 
 

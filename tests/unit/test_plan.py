@@ -15,7 +15,7 @@ from plait.model import build_model
 from plait.planner.hardware import DEVICES, Cluster, Device
 from plait.planner.policy import PIPELINE_SAVES, choose, leanest
 from plait.planner.price import estimate, with_degrees
-from plait.planner.search import rank_plans
+from plait.planner.search import rank_plans, ranked
 from plait.predict.cost import all_to_all_bytes
 from plait.train.checks import validate
 from plait.train.dry_run import describe_rank
@@ -469,3 +469,16 @@ def test_the_plan_says_tensor_parallelism_is_not_overlapped():
     assert f"communication not hidden: {tp.comm_s:.3g} s" in said
     dp = rank_plans(cfg, cluster, {**FAST, "tp": 1, "pp": 1, "cp": 1, "zero": 0})[0]
     assert "does not overlap" not in "; ".join(reasons(dp, cluster))
+
+
+def test_plans_rank_fits_then_speed_with_the_simplest_near_the_fastest_first():
+    """`search.ranked`, `plait plan`'s order and `plait.plan`'s: what fits, fastest first; but a
+    lower ZeRO stage within 2% of the fastest's throughput leads (more collectives cost what the
+    time model does not price); nothing fits: the order alone."""
+    rows = {"zero3": (True, 1.00, 3, 10), "ddp": (True, 1.01, 0, 50),
+            "slow": (True, 1.05, 0, 5), "big": (False, 0.5, 0, 1)}
+    assert ranked(list(rows), rows.get) == ["ddp", "zero3", "slow", "big"]
+    rows["ddp"] = (True, 1.03, 0, 50)  # 3% slower: speed wins
+    assert ranked(list(rows), rows.get) == ["zero3", "ddp", "slow", "big"]
+    none = {k: (False, *v[1:]) for k, v in rows.items()}
+    assert ranked(list(none), none.get) == ["big", "zero3", "ddp", "slow"]
