@@ -52,6 +52,7 @@ from plait.parallel import Options, Parallelized, cross_entropy, parallelize
 from plait.parallel.batch import Call, as_microbatches
 from plait.parallel.compile import apply_compile, compile_enabled
 from plait.parallel.wrap import WrapPolicy
+from plait.predict.activation_memory import SavedActivations
 from plait.train.run import worker_device
 from plait.train.verify import Verdict, verify_step
 
@@ -201,6 +202,13 @@ class Prepared:
         return verify_step(self.parallelized, self.reference, local, inputs, targets,
                            self.loss_fn, self.global_mean, tolerance, self.world)
 
+    def activations(self) -> SavedActivations:
+        """A count of what autograd saves for backward on this rank, for the steps run inside
+        it: `with job.activations() as saved: job.step(...)`, then `saved.peak`, the most bytes
+        held at once (what `plait.estimate` predicts as `activation_bytes`; parameters, and
+        views of them, are not counted). Its hooks cost time, so nothing counts unless asked."""
+        return SavedActivations(self.parallelized.module)
+
     def global_mean(self, value: float) -> float:
         """Mean over the ranks that split the batch of a per-rank mean (summed over pp first:
         the loss exists on the last stage)."""
@@ -270,8 +278,13 @@ class Prepared:
         return path
 
     def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> int:
-        """Read a checkpoint made on any layout; returns its step."""
-        return rank_state.load(path, self.parallelized, optimizer)
+        """Read a checkpoint made on any layout: `path` is one (what `save` returned) or the
+        folder `save` wrote into, whose newest complete checkpoint is read; returns its step."""
+        found = ckpt.find(str(path), "")
+        if found is None:
+            raise FileNotFoundError(f"{path}: no complete checkpoint there (a step folder with "
+                                    f"{ckpt.MARKER}, or a folder of them, as `save` writes)")
+        return rank_state.load(found, self.parallelized, optimizer)
 
 
 def _check_arguments(model: nn.Module, precision: str, param_dtype: str,

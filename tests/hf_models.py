@@ -39,6 +39,15 @@ def families():
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
                  dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # no random dropout
+        # Two families transformers computes with their own eager attention (no SDPA): Gemma2's
+        # scores soft-capped, alternating sliding windows (longer than the tests' sequences);
+        # BLOOM's ALiBi biases, no position limit in its config.
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                   {**SHAPE, "num_hidden_layers": 2, "head_dim": 8, "sliding_window": 64,
+                    "query_pre_attn_scalar": 8}),
+        "bloom": (tf.BloomConfig, tf.BloomForCausalLM,
+                  dict(vocab_size=256, hidden_size=32, n_layer=2, n_head=4,
+                       hidden_dropout=0.0, attention_dropout=0.0)),
     }
 
 
@@ -64,8 +73,8 @@ def train_reference(folder: Path, cfg, steps: int = 4) -> dict:
     batches plait's trainer draws: losses, and parameters by transformers' names."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                 attn_implementation="sdpa").train()
+    # transformers' own choice of attention: SDPA where the family has it, else eager.
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
     params = list(model.parameters())
     optimizer = build_optimizer([p for p in params if p.dim() >= 2],
                                 [p for p in params if p.dim() < 2], cfg.train)

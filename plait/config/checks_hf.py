@@ -31,6 +31,12 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
         arch = arch or config.model_type
         _check_planned(dims, arch, config)
     plan = HF_PLANS.get(arch)
+    if plan is not None and cfg.parallel.wrap:
+        raise ConfigError("parallel.wrap", f"{arch}'s plait plan makes its ZeRO-3 units (one "
+                          "block each); wrap chooses them for a family without a plan: leave "
+                          "it empty")
+    if plan is None and cfg.parallel.wrap and not cfg.parallel.wrap.isdigit():
+        _check_wrap_classes(arch, config.model_type, cfg.parallel.wrap)
     if plan is None and cfg.data.document_mask:
         raise ConfigError("data.document_mask", f"{arch} has no plait plan (planned: "
                           f"{', '.join(HF_PLANS)}), and its attention takes no document mask "
@@ -50,6 +56,24 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding "
                           f"window ({window}), which plait does not apply; use seq_len <= "
                           f"{window}")
+
+
+def _check_wrap_classes(arch: str, model_type: str, wrap: str) -> None:
+    """`parallel.wrap`'s class names against the family's modeling module, where transformers
+    keeps it under its model type's name (else the worker says it, building the model)."""
+    # here, not at the top: transformers' modeling modules import torch, only for this key
+    import importlib
+
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return
+    missing = [n.strip() for n in wrap.split(",") if not isinstance(getattr(module, n.strip(),
+                                                                            None), type)]
+    if missing:
+        layers = getattr(getattr(module, arch, None), "_no_split_modules", None) or []
+        raise ConfigError("parallel.wrap", f"{arch} has no module class {', '.join(missing)}"
+                          + (f"; its decoder layer is {', '.join(layers)}" if layers else ""))
 
 
 def _check_planned(dims: ParallelDims, arch: str, fields: object) -> None:

@@ -51,6 +51,10 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     _check_context(cfg, dims, args)
     _check_moe(cfg, dims, args)
     _check_parallel(cfg.parallel, cfg.train.precision)
+    if cfg.parallel.wrap and not cfg.model.hf:
+        raise ConfigError("parallel.wrap", "plait's Llama is cut into ZeRO-3 units by its plan "
+                          "(one block each); wrap chooses them for a model without a plan: "
+                          "leave it empty")
     _check_nodes(cfg.parallel, dims)
     _check_compression(cfg.parallel, dims)
     check_train(cfg.train, dims)
@@ -143,6 +147,11 @@ def _check_hybrid(par: ParallelConfig, dims: ParallelDims) -> ParallelDims:
 def _check_parallel(par: ParallelConfig, precision: str) -> None:
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"a ZeRO stage is 0, 1, 2 or 3, got {par.zero}")
+    names = [n.strip() for n in par.wrap.split(",")] if par.wrap else []
+    if names and not (par.wrap.isdigit() and int(par.wrap) > 0) \
+            and not all(n.isidentifier() for n in names):
+        raise ConfigError("parallel.wrap", f"module class names separated by commas (e.g. "
+                          f"'GPT2Block') or a positive parameter count, got {par.wrap!r}")
     if par.reduce_dtype not in ("fp32", *HALF_PRECISIONS):
         raise ConfigError("parallel.reduce_dtype",
                           f"'fp32', 'bf16' or 'fp16', got '{par.reduce_dtype}'")

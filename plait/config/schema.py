@@ -64,6 +64,9 @@ class ParallelConfig:
     sequence_parallel: bool = False  # with tp > 1: norms and residual on sequence shards
     zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2, 3 (FSDP)
     dp_shard: int = 0  # under ZeRO: shard over groups of this many dp ranks (HSDP); 0 = all of dp
+    wrap: str = ""  # ZeRO-3's units of a model with no plan: class names ("GPT2Block,Other") or
+    # a parameter count (each module holding that many); "": a transformers family's own
+    # `_no_split_modules` (one unit per decoder layer), else the whole model one unit
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after use (False: keep it whole
     # from its first use in a step to its gradient reduction, one gather per step)
     reduce_dtype: str = "fp32"  # ZeRO gradient reductions: "fp32", or train.precision's half dtype

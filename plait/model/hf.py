@@ -166,6 +166,15 @@ class PlainCausalLM(nn.Module):
         super().__init__()
         self.hf, self.args = hf, hf.config
 
+    @property
+    def unit_classes(self) -> tuple[type[nn.Module], ...]:
+        """ZeRO-3's units by default (`parallel.wrap` empty): the classes transformers names in
+        `_no_split_modules` (a family's decoder layer, as accelerate's FSDP auto-wrap reads it),
+        of those present."""
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        return tuple(dict.fromkeys(type(m) for m in self.hf.modules()
+                                   if type(m).__name__ in names))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None):
         """(b, s) token ids -> logits; with `labels`, transformers' output (its own loss)."""
@@ -183,7 +192,8 @@ def hf_name(name: str, planned: bool) -> str:
 
 def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu",
             weights: bool = True) -> nn.Module:
-    """The model in `folder` as transformers builds it (float32, SDPA attention), weights from
+    """The model in `folder` as transformers builds it (float32, SDPA attention where the family
+    has it: `attention_of`), weights from
     its safetensors or, with none, initialised by transformers from `seed` (on `meta`: shapes
     alone; `weights=False`: the modules only, as `load_hf_sharded` builds them); wrapped for
     plait: `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
@@ -241,6 +251,17 @@ def file_key(key: str, present) -> str | Stacked:
     return key
 
 
+def attention_of(config) -> str:
+    """The attention transformers computes the family with: SDPA where its class supports it
+    (every planned family; plait's own entry wraps it, `HFCausalLM`), else the family's eager
+    attention (Gemma2's soft-capped scores, BLOOM's ALiBi: transformers refuses SDPA for them)."""
+    # here, not at the top: transformers only for a Hugging Face model
+    from transformers import AutoModelForCausalLM
+
+    family = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(family, "_supports_sdpa", True) else "eager"
+
+
 def transformers_model(folder: str | Path, seed: int = 0,
                        device: torch.device | str = "cpu", weights: bool = True) -> nn.Module:
     """The `*ForCausalLM` of `folder` as transformers builds it, unwrapped (`load_hf`)."""
@@ -250,7 +271,7 @@ def transformers_model(folder: str | Path, seed: int = 0,
 
     logging.disable_progress_bar()  # one bar per worker per load is noise
     config = AutoConfig.from_pretrained(folder)
-    kwargs = dict(dtype=torch.float32, attn_implementation="sdpa")
+    kwargs = dict(dtype=torch.float32, attn_implementation=attention_of(config))
     if torch.device(device).type == "meta":  # shapes alone (--dry-run): nothing read or drawn
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config, **kwargs)

@@ -68,6 +68,9 @@ def architecture(config: dict) -> str:
     return names[0] if names else ""
 
 
+NO_POSITION_LIMIT = 2**31 - 1  # a model whose positions are relative biases (ALiBi)
+
+
 def hf_args(config: dict) -> ModelArgs:
     """The shape of a transformers model as plait's `ModelArgs`, what the checks and formulas
     (FLOPs per token, activation and state bytes) read: width, layers, heads, vocabulary,
@@ -88,7 +91,10 @@ def hf_args(config: dict) -> ModelArgs:
         dim=dim, n_layers=field("num_hidden_layers", "n_layer"), n_heads=heads,
         n_kv_heads=field("num_key_value_heads", default=heads),
         vocab_size=field("vocab_size"),
-        max_seq_len=field("max_position_embeddings", "n_positions"),
+        # ALiBi's families (BLOOM) bias the scores by distance and name no length: no limit.
+        max_seq_len=field("max_position_embeddings", "n_positions", default=NO_POSITION_LIMIT
+                          if config.get("model_type") == "bloom" or config.get("alibi")
+                          else None),
         intermediate_size=field("intermediate_size", "n_inner", default=4 * dim),
         norm_eps=float(field("rms_norm_eps", "layer_norm_epsilon", default=1e-5)),
         rope_theta=float(rope or 10000.0),

@@ -43,6 +43,7 @@ from plait.optim.muon_routes import muon_matrices
 from plait.parallel.activation_checkpoint import apply_activation_checkpointing
 from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.dropout import seed_ranks
+from plait.parallel.embedding_grad import sum_embedding_grads_in_fp32
 from plait.parallel.engines import build_data_parallel
 from plait.parallel.engines.ddp import SyncedReplicas
 from plait.parallel.engines.zero3 import first_unit_spans, unit_names
@@ -53,7 +54,7 @@ from plait.parallel.pipeline.executor import Activation
 from plait.parallel.placement import OptimizerClasses, PlacementRecord, ZeroUnit
 from plait.parallel.tensor_parallel import apply_tp
 from plait.parallel.vocab_parallel import HeadCrossEntropy
-from plait.parallel.wrap import WrapPolicy
+from plait.parallel.wrap import WrapPolicy, policy_of
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,8 @@ class Options:
     activation_checkpointing: str = "none"
     loss_fn: Callable[..., torch.Tensor] | None = None  # (outputs, targets) -> mean loss;
     # None: cross-entropy over (b, s, V) logits
-    wrap: WrapPolicy = WrapPolicy()  # ZeRO-3's units of a model with no plan
+    wrap: WrapPolicy = WrapPolicy()  # ZeRO-3's units of a model with no plan (else
+    # `parallel.wrap`, else the model's `unit_classes`)
     checkpoint: WrapPolicy = WrapPolicy()  # what activation checkpointing = "full" recomputes
     source: Source | None = None  # the weights of a model built on `meta`
     scaler: LossScaler | None = None  # fp16's; default: dynamic from 2^16
@@ -250,11 +252,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
     `plait.model.materialize`). The parameters `options.whole` names go to flat buffers of their
     own, for `optim.muon.MatrixExchange`; flat buffers never mix two of `options.groups`
     (`Parallelized.engine.param_groups()`)."""
+    wrap = unit_policy(model, cfg, options.wrap)
     axes = {a: Axis.of(mesh, a) for a in AXES}
     axes["batch"] = batch_axis(axes)
     chunks, schedule, record = place(model, axes, cfg, options.microbatches,
                                      options.activation_checkpointing, options.checkpoint,
-                                     options.wrap, options.whole, options.groups)
+                                     wrap, options.whole, options.groups)
     # Gradients that are partial sums must be summed: over dp x cp x ep by the data-parallel
     # engine, over tp (the norm gains under sequence parallelism, routers) by tensor
     # parallelism's hooks.
@@ -262,11 +265,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
     if unsynced:
         raise RuntimeError(f"no transform sums the gradients over {sorted(unsynced)}")
     fill = _fill(chunks, record, options.source, cfg.zero)
+    sum_embedding_grads_in_fp32(chunks)  # where they are held in half on the CPU
     half = HALF.get(options.precision)
     held = HALF.get(held_precision(options.precision, options.param_dtype, cfg.zero))
     # The matrices the engine keeps apart: those an optimizer of this run steps whole.
     matrices = record.optimizer.matrices if options.whole else frozenset()
-    engine = build_data_parallel(chunks, mesh, cfg, held, axes, record, options.wrap, fill,
+    engine = build_data_parallel(chunks, mesh, cfg, held, axes, record, wrap, fill,
                                  matrices)
     record.check({n: tuple(p.shape) for n, p in chunks.named_parameters()})
     seed_ranks(axes, cfg.sequence_parallel)  # dropout's masks (`dropout.py`)
@@ -337,6 +341,15 @@ def _executors(model: nn.Module, chunks: nn.ModuleDict, schedule, axes: dict[str
     return train, evaluate
 
 
+def unit_policy(model: nn.Module, cfg: ParallelConfig, wrap: WrapPolicy | None) -> WrapPolicy:
+    """ZeRO-3's units of a model with no plan: the caller's policy (`Options.wrap`), else
+    `parallel.wrap`'s, else the model's own (`wrap.policy_of`)."""
+    if cfg.wrap and has_plan(model):
+        raise ValueError("parallel.wrap: this model's plan makes its ZeRO-3 units (one block "
+                         "each); wrap chooses them for a model without a plan: leave it empty")
+    return wrap or policy_of(model, cfg.wrap)
+
+
 def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,
           activation_checkpointing: str = "none", checkpoint: WrapPolicy | None = None,
           wrap: WrapPolicy | None = None,
@@ -351,6 +364,7 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
     test `whole` names (else Muon's, which they read when `train.optimizer` is Muon) and the
     parameters' `groups` (`Options`)."""
     record = PlacementRecord({a: axes[a].rank for a in AXES}, {a: axes[a].size for a in AXES})
+    wrap = unit_policy(model, cfg, wrap)  # before the model is cut
     if axes["ep"].size > 1 and not has_experts(model):
         raise ValueError(f"parallel.ep={axes['ep'].size}: {type(model).__name__} has no "
                          "mixture-of-experts layer its plan names (plan.moe); use ep = 1")

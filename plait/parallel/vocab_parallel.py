@@ -21,6 +21,7 @@ from plait.comm import all_reduce
 from plait.comm.autograd import reduce_from_tp, reduce_scatter_to_sp
 from plait.mesh import Axis
 from plait.model.feed_forward import matmul_dtype
+from plait.parallel.embedding_grad import embedding
 
 
 def vocab_range(vocab_size: int, group: ProcessGroup) -> tuple[int, int]:
@@ -44,7 +45,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
-        partial = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)  # (b, s, h)
+        partial = embedding(local, self.weight).masked_fill(outside[..., None], 0.0)  # (b, s, h)
         if self.sequence_parallel:
             return reduce_scatter_to_sp(partial, self.group)  # (b, s / T, h)
         return reduce_from_tp(partial, self.group)

@@ -31,6 +31,25 @@ class WrapPolicy:
         return bool(self.classes) or self.min_params > 0
 
 
+def policy_of(model: nn.Module, text: str = "") -> WrapPolicy:
+    """`parallel.wrap` for `model`: class names (matched against the classes of its modules) or a
+    parameter count; "" the model's own `unit_classes` (a transformers family's decoder layer,
+    `plait.model.hf.PlainCausalLM`), or none."""
+    if not text:
+        return WrapPolicy(classes=tuple(getattr(model, "unit_classes", ())))
+    if text.isdigit():
+        return WrapPolicy(min_params=int(text))
+    names = [n.strip() for n in text.split(",")]
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in classes]
+    if missing:
+        held = sorted({type(m).__name__ for m in model.modules()
+                       if next(m.parameters(recurse=False), None) is not None})
+        raise ValueError(f"parallel.wrap: no module of class {', '.join(missing)} in this "
+                         f"model; its classes with parameters: {', '.join(held)}")
+    return WrapPolicy(classes=tuple(classes[n] for n in names))
+
+
 def wrapped_modules(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     """The modules `policy` chooses in `root`, in registration order (for the models this is
     meant for, the order they run in), none inside another."""

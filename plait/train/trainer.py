@@ -23,6 +23,7 @@ from plait.checkpoint import find
 from plait.checkpoint.rank_state import load
 from plait.comm import LEDGER, all_reduce, broadcast
 from plait.comm.trace import TRACER
+from plait.config.choices import held_precision
 from plait.config.schema import Config, microbatches
 from plait.data.mixture import MIXTURE, mixture_history, open_data
 from plait.host_memory import STEADY_THRESHOLD, release_freed_memory
@@ -41,7 +42,7 @@ from plait.train.metrics import MetricsWriter, RouterMetrics, flops_per_token, p
 from plait.train.outputs import Outputs
 from plait.train.progress import Progress
 from plait.train.tracing import STEP, finish_trace, traced_steps
-from plait.train.verify import Verdict, verify_step
+from plait.train.verify import Verdict, held_as_the_layout, verify_step
 
 
 def build_configured_model(cfg: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -81,8 +82,11 @@ class Trainer:
         self._steady = device.type != "cpu" or not release_freed_memory()
         # On `meta`: each rank materializes only what it holds, once the model is cut.
         model, source = build_sharded(args, cfg.train.seed, device, cfg.model.hf)
-        # --verify: the whole model, for one step of a single process to compare with.
-        self.reference = build_configured_model(cfg, device) if verify else None
+        # --verify: the whole model, for one step of a single process to compare with, its
+        # parameters held as the layout holds its own.
+        held = held_precision(cfg.train.precision, cfg.train.param_dtype, cfg.parallel.zero)
+        self.reference = held_as_the_layout(build_configured_model(cfg, device), held) \
+            if verify else None
         n_params = count_params(model)  # the whole model's, before any split
         torch.manual_seed(cfg.train.seed)  # dropout's masks follow from it (parallel/dropout.py)
         self.microbatches = microbatches(cfg.parallel, dims)

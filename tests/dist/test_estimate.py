@@ -24,7 +24,6 @@ from torch import nn
 import plait
 from plait.comm import LEDGER
 from plait.predict.trace import StepFlops
-from plait.predict.activation_memory import SavedActivations
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 VOCAB, SEQ, WIDTH, BATCH = 64, 16, 32, 8
@@ -99,9 +98,8 @@ def _measured(name: str, parallel: plait.ParallelConfig, policy: str, precision:
                         **_policies(name, policy))
     optimizer = torch.optim.AdamW(job.parameters(), lr=1e-3)
     job.step(batch, optimizer)  # warm: the optimizer's state exists
-    counter = SavedActivations(job.parallelized.module)
     LEDGER.reset()
-    with counter:
+    with job.activations() as counter:  # the public count of what the step saved
         job.step(batch, optimizer)
     ledger = ({op.value: n for op, n in LEDGER.calls.items()}, float(LEDGER.bytes))
     # FLOPs in a step of their own, by torch's FlopCounterMode with its formulas (plait's
@@ -167,14 +165,20 @@ def test_estimate_leaves_the_model_as_it_was():
 def test_plan_layouts_prices_every_data_parallel_layout_of_a_module():
     """`plait.plan`: each data-parallel layout the batch allows, priced by `estimate`
     (the row is its fullest rank's state peak plus activations, its slowest rank's step), the
-    ones that fit first, fastest first; ZeRO-3 holds less than DDP, accumulation keeps less."""
+    ones that fit first, fastest first (the lowest ZeRO stage within 2% leading); ZeRO-3 holds
+    less than DDP, accumulation keeps less."""
     model, batch, _ = _case("transformer")
     units = _policies("transformer", "units")  # ZeRO-3 gathers a block at a time
     rows = plait.plan(model, batch, gpus=2, gpu="a100", **units)
     layouts = {(r["parallel"].zero, r["parallel"].microbatches) for r in rows}
     assert layouts == {(z, m) for z in range(4) for m in (1, 2, 4)}  # 4 rows per rank
     assert all(r["fits"] for r in rows)
-    assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
+    # Ranked as `plait plan` ranks: the fastest first, except that the lowest ZeRO stage (then
+    # the leanest) within 2% of the fastest's throughput leads.
+    assert [r["step_time_s"] for r in rows[1:]] == sorted(r["step_time_s"] for r in rows[1:])
+    fastest = min(r["step_time_s"] for r in rows)
+    near = [r for r in rows if r["step_time_s"] <= fastest / 0.98]
+    assert rows[0] is min(near, key=lambda r: (r["parallel"].zero, r["memory_bytes"]))
     by = {(r["parallel"].zero, r["parallel"].microbatches): r for r in rows}
     assert by[3, 1]["memory_bytes"] < by[0, 1]["memory_bytes"]
     assert by[0, 4]["memory_bytes"] < by[0, 1]["memory_bytes"]

@@ -47,7 +47,10 @@ ROWS = [
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),
     ("mixtral-tp2", "mixtral", 2, ["parallel.tp=2"]),
     ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
+    ("gemma2-zero3-eager-attention", "gemma2", 2, ["parallel.zero=3"]),
+    ("bloom-dp2-alibi", "bloom", 2, []),
 ]
+NO_PLAN = {"gpt2", "gemma2", "bloom"}
 # Document masking (`data.document_mask`) on a corpus of short documents, against transformers'
 # packed sequences (its mask made from the positions, which restart at each document).
 DOCUMENT_ROWS = [
@@ -135,7 +138,7 @@ def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
     model state and activations as predicted."""
     results = run_world(run_steps, ranks, cfg, STEPS, timeout=240)
     dims = validate(cfg, ranks)
-    planned = family != "gpt2"
+    planned = family not in NO_PLAN
     seen, measured, traced = set(), {}, {}
     for r in results:
         # What `plait train --dry-run` says of this rank from one process, on `meta`.

@@ -183,7 +183,9 @@ def test_a_degree_that_needs_a_plan_is_refused_naming_the_module():
 
 def _accumulated_checkpointed_resumed(tmp):
     """ZeRO-3 with 2 micro-batches and every ConvBlock recomputed in the backward: 2 steps,
-    a sharded checkpoint, then a new job on another layout (ZeRO-1) loads it and trains 2 more."""
+    a sharded checkpoint, then a new job on another layout (ZeRO-1) loads it (from the folder
+    `save` wrote into: the newest complete checkpoint, not a later unfinished one) and trains 2
+    more."""
     plait.init()
     first = plait.prepare(_model(False), F.cross_entropy,
                           plait.ParallelConfig(zero=3, microbatches=2),
@@ -197,7 +199,11 @@ def _accumulated_checkpointed_resumed(tmp):
     second = plait.prepare(digits.DigitsNet(width=8).eval(), F.cross_entropy,
                            plait.ParallelConfig(zero=1))
     optimizer = torch.optim.AdamW(second.parameters(), lr=LR)
-    assert second.load(f"{tmp}/step-00000002", optimizer) == 2
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint there"):
+        second.load(f"{tmp}/elsewhere", optimizer)
+    if torch.distributed.get_rank() == 0:
+        Path(tmp, "step-00000003").mkdir()  # a save that did not finish
+    assert second.load(tmp, optimizer) == 2
     losses += [second.step(*second.local(x, y), optimizer, grad_clip=1.0) for x, y in batches[2:]]
     return losses, second.full_state_dict()
 

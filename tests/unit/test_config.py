@@ -111,6 +111,8 @@ BAD_INPUT = [
      "train.micro_batch"),  # replaced: the message names parallel.microbatches
     (["parallel.microbatches=3"], "parallel.microbatches"),
     (["parallel.dp_shard=3"], "parallel.dp_shard"),
+    (["parallel.wrap='Block, 2x'"], "parallel.wrap"),  # neither class names nor a count
+    (["parallel.wrap=TransformerBlock", "parallel.zero=3"], "parallel.wrap"),  # Llama: its plan
     (["parallel.dp_shard=2"], "parallel.dp_shard"),  # hybrid sharding without ZeRO
     (["train.activation_checkpointing=some"], "train.activation_checkpointing"),
     (["train.device=tpu"], "train.device"),

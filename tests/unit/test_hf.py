@@ -115,6 +115,27 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
                                    rtol=0, atol=0)
 
 
+def test_zero3_units_of_a_family_without_a_plan_are_its_decoder_layers(hf_folders):
+    """A transformers family plait has no plan for gets ZeRO-3 units by the classes it names in
+    `_no_split_modules` (GPT-2's `GPT2Block`: one unit per layer, not the whole model gathered
+    at once); `parallel.wrap` chooses others by class name or size, and names a class the model
+    lacks with the ones it has."""
+    from plait.model.hf import load_hf
+    from plait.parallel.engines.zero3 import unit_modules
+    from plait.parallel.wrap import policy_of
+
+    model = load_hf(hf_folders["gpt2"], device="meta")
+    assert [c.__name__ for c in model.unit_classes] == ["GPT2Block"]
+    units = unit_modules(model, policy_of(model))
+    assert [type(u[0]).__name__ for u in units] == ["PlainCausalLM", "GPT2Block", "GPT2Block"]
+    mlps = unit_modules(model, policy_of(model, "GPT2MLP, GPT2Attention"))
+    assert [type(u[0]).__name__ for u in mlps[1:]] == ["GPT2Attention", "GPT2MLP"] * 2
+    assert policy_of(model, "1000").min_params == 1000
+    with pytest.raises(ValueError, match=r"^parallel.wrap: no module of class LlamaDecoderLayer "
+                                         r"in this model; its classes with parameters: Conv1D, "):
+        policy_of(model, "LlamaDecoderLayer")
+
+
 def _refusal(*overrides, nproc=4):
     from plait.config.schema import ConfigError
     from plait.train.checks import validate
@@ -131,6 +152,11 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     assert _refusal(f"model.hf='{gpt2}'", "parallel.zero=1", "parallel.dp=2",
                     "train.activation_checkpointing=full", nproc=2).startswith(
         "train.activation_checkpointing: GPT2LMHeadModel has no plait plan naming its blocks")
+    assert _refusal(f"model.hf='{gpt2}'", "parallel.zero=3", "parallel.wrap=GPT2Layer") == \
+        "parallel.wrap: GPT2LMHeadModel has no module class GPT2Layer; its decoder layer is " \
+        "GPT2Block"
+    assert _refusal(f"model.hf='{llama}'", "parallel.zero=3", "parallel.wrap=Block").startswith(
+        "parallel.wrap: LlamaForCausalLM's plait plan makes its ZeRO-3 units")
     assert _refusal(f"model.hf='{gpt2}'", "data.document_mask=true").startswith(
         "data.document_mask: GPT2LMHeadModel has no plait plan (planned: ")
     assert _refusal(f"model.hf='{tmp_path}'") == \

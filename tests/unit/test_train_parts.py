@@ -8,6 +8,7 @@ from plait.data.batches import ByteTokenizer, TokenData
 from plait.model import PRESETS, build_model, count_params
 from plait.optim.build import lr_at, peak_lr
 from plait.train.metrics import flops_per_token
+from plait.train.verify import Verdict
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,45 @@ def test_the_tracer_records_only_while_on_and_hands_events_over_once():
     assert list(traced_steps(10, 2)) == [1, 2] and list(traced_steps(1, 3)) == [0]
     assert list(traced_steps(3, 5)) == [1, 2]
     assert set(_by_step(events)) == {1}
+
+
+def test_verify_judges_a_near_zero_gradient_against_the_models_scale():
+    """A group whose largest gradient is rounding (OPT's key bias under ZeRO-3 bf16: 1.28e-7,
+    difference 1.26e-7, once "relative 0.99, FAILED") is judged against `tolerance` of the
+    model's largest gradient; a real difference in a small group still fails, as does one in a
+    big group."""
+    groups = {"layers.*.fc.weight": (1e-3, 1.0), "layers.*.k_proj.bias": (1.26e-7, 1.28e-7)}
+    assert Verdict(2.0, 2.0, groups, 2e-2).failures() == []
+    small = {**groups, "layers.*.norm.bias": (1e-3, 2e-3)}  # half its own largest gradient
+    assert Verdict(2.0, 2.0, small, 2e-2).failures() == ["layers.*.norm.bias"]
+    big = {**groups, "layers.*.fc.weight": (0.1, 1.0)}
+    assert Verdict(2.0, 2.0, big, 2e-2).failures() == ["layers.*.fc.weight"]
+    assert "6.30e-06" in Verdict(2.0, 2.0, groups, 2e-2).table()  # 1.26e-7 / (0.02 x 1.0)
+
+
+def test_a_half_embeddings_gradient_on_the_cpu_is_summed_in_fp32():
+    """`parallel/embedding_grad.py`: 8,192 tokens over 8 rows of a bf16 table; the weight's
+    gradient is the fp32 sum of the rows' gradients rounded once to bf16 (torch's CPU kernel
+    rounds at every addition: 6% off here). The lookup itself is `F.embedding`'s, and an
+    `nn.Embedding` swapped to it gives the same forward, and the same gradient in fp32."""
+    from torch import nn
+
+    from plait.parallel.embedding_grad import embedding, sum_embedding_grads_in_fp32
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 8, (4, 2048), generator=gen)
+    grad = torch.randn(4, 2048, 16, generator=gen).bfloat16()
+    weight = torch.randn(32, 16, generator=gen).bfloat16().requires_grad_()
+    out = embedding(tokens, weight)
+    assert torch.equal(out, torch.nn.functional.embedding(tokens, weight))
+    out.backward(grad)
+    exact = torch.zeros(32, 16).index_add_(0, tokens.reshape(-1), grad.reshape(-1, 16).float())
+    assert torch.equal(weight.grad, exact.bfloat16())
+    table = nn.Embedding(32, 16, padding_idx=3)
+    sum_embedding_grads_in_fp32(table)
+    plain = nn.Embedding(32, 16, padding_idx=3)
+    plain.load_state_dict(table.state_dict())
+    table(tokens).backward(grad.float())
+    plain(tokens).backward(grad.float())
+    torch.testing.assert_close(table.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-6)
+    assert table.weight.grad[3].abs().sum() == 0  # the padding row takes no gradient
