@@ -22,8 +22,10 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
     raw = read_hf_folder(cfg.model.hf)
     arch = architecture(raw)
     fields = {"num_key_value_heads": raw.get("num_attention_heads"), **raw}
-    early = arch in HF_PLANS and all(type(fields.get(k)) is int  # as written, whole numbers
-                                     for k in HF_PLANS[arch].tp_divides)
+    # A family with no plan needs none of its fields; a planned one, those tp divides, as
+    # written (whole numbers).
+    early = bool(arch) and (arch not in HF_PLANS or all(type(fields.get(k)) is int
+                                                        for k in HF_PLANS[arch].tp_divides))
     if early:
         _check_planned(dims, arch, SimpleNamespace(**fields))
     config = transformers_config(Path(cfg.model.hf), raw)
