@@ -67,6 +67,8 @@ class ParallelConfig:
     wrap: str = ""  # ZeRO-3's units of a model with no plan: class names ("GPT2Block,Other") or
     # a parameter count (each module holding that many); "": a transformers family's own
     # `_no_split_modules` (one unit per decoder layer), else the whole model one unit
+    unused_parameters: bool = False  # a parameter no gradient reaches in a step: zero gradient
+    # (DDP's find_unused_parameters) instead of an error naming it
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after use (False: keep it whole
     # from its first use in a step to its gradient reduction, one gather per step)
     reduce_dtype: str = "fp32"  # ZeRO gradient reductions: "fp32", or train.precision's half dtype

@@ -229,6 +229,47 @@ def _unused():
 def test_a_parameter_without_a_gradient_is_named():
     for said in run_world(_unused, 2):
         assert said.startswith("parameters got no gradient this step: spare.weight, spare.bias")
+        assert "parallel.unused_parameters = true" in said  # the option, named in the error
+
+
+def _with_spare() -> torch.nn.Module:
+    model = _model(False)
+    model.spare = torch.nn.Linear(2, 2)  # in no forward
+    return model
+
+
+def _unused_zeroed(zero: int):
+    plait.init()
+    wrap = plait.WrapPolicy(classes=(digits.ConvBlock,)) if zero == 3 else None
+    job = plait.prepare(_with_spare(), F.cross_entropy,
+                        plait.ParallelConfig(zero=zero, unused_parameters=True), wrap=wrap)
+    optimizer = torch.optim.AdamW(job.parameters(), lr=LR)
+    losses = [job.step(*job.local(x, y), optimizer, grad_clip=1.0) for x, y in _batches()]
+    return losses, job.full_state_dict()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_unused_parameters_get_a_zero_gradient_under_every_engine(zero):
+    """`parallel.unused_parameters`: a module in no forward takes a zero gradient (DDP's
+    find_unused_parameters; FSDP's flat parameters reduce zeros), reduced with the others in
+    bucket or unit order; the run equals one process whose unused gradients are set to zero
+    (AdamW then only decays them), to the tolerance of `_assert_same`."""
+    model = _with_spare()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        for p in model.spare.parameters():
+            p.grad = torch.zeros_like(p)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    want = losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert not torch.equal(want[1]["spare.weight"], _with_spare().spare.weight)  # it decayed
+    for got in run_world(_unused_zeroed, 2, zero):
+        _assert_same(got, want, f"zero {zero}, unused_parameters")
 
 
 def _fp16_plait():

@@ -36,6 +36,16 @@ def build_data_parallel(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelCon
                         held: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
                         wrap: WrapPolicy | None = None, fill: Filler | None = None,
                         matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
+    """`_engine`, with `parallel.unused_parameters` set on it (`SyncedReplicas.zero_unused`)."""
+    engine = _engine(chunks, mesh, cfg, held, axes, record, wrap, fill, matrices)
+    engine.zero_unused = cfg.unused_parameters
+    return engine
+
+
+def _engine(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
+                        held: torch.dtype | None, axes: dict[str, Axis], record: PlacementRecord,
+                        wrap: WrapPolicy | None = None, fill: Filler | None = None,
+                        matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
     hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
     experts over dp, reducing gradients with the `parallel.compression` method. With a `held`

@@ -91,8 +91,28 @@ def _check_all_have_grads(module: nn.Module, also_present: set[str] = frozenset(
     if missing:
         raise RuntimeError(
             f"parameters got no gradient this step: {', '.join(missing)}; every parameter must "
-            "take part in the loss (or set requires_grad=False on the unused ones)"
+            "take part in the loss (or set requires_grad=False on the unused ones, or "
+            "parallel.unused_parameters = true: their gradient is then zero)"
         )
+
+
+def _zero_grads(module: nn.Module) -> None:
+    """A zero gradient for each parameter of `module` that got none (`unused_parameters`)."""
+    for p in module.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def fill_unused(buckets: list, hooks: dict) -> None:
+    """Each bucket position no gradient reached this step gets one, zero unless micro-batches
+    before the last left one in the parameter, through its own hook (`hooks[(index,
+    position)]`), bucket by bucket in index order: the order every rank launches them in."""
+    for index, bucket in enumerate(buckets):
+        for position, p in enumerate(bucket.params):
+            if position not in bucket.ready:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                hooks[index, position](p)
 
 
 def launch_ready(buckets: list, start: int, launch: Callable) -> int:
@@ -113,6 +133,10 @@ class SyncedReplicas(nn.Module):
     engine that keeps whole replicas (DDP); the sharded engines override them."""
 
     _sync = True
+    # parallel.unused_parameters: a parameter no gradient reached in a step gets a zero one
+    # (DDP's find_unused_parameters; FSDP's flat parameters reduce zeros for them), else the
+    # step stops naming it. Every rank's step must still run its modules in the same order.
+    zero_unused = False
     compression: Compression | None = None
     # The ranks over which the engine partitions the replicas' storage (ZeRO: its sharding
     # group), whose gradient pieces are disjoint parts of one whole; None for whole replicas.
@@ -209,6 +233,8 @@ class NaiveDataParallel(SyncedReplicas):
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Average the gradients over the group; call once after the step's last backward."""
+        if self.zero_unused:
+            _zero_grads(self.module)
         _check_all_have_grads(self.module)
         if self.size == 1:
             return
@@ -267,10 +293,12 @@ class BucketedDataParallel(SyncedReplicas):
         self._grad_views = [b.views(b.grad) for b in self.buckets]  # by bucket index
         self._next = 0  # buckets are launched in index order, the same on every rank
         self._in_flight: list[tuple[FlatParam, Pending]] = []
+        self._hooks: dict[tuple[int, int], Callable] = {}  # (bucket, position) -> its hook
         if self.size > 1 or self.masters:
             for bucket in self.buckets:
                 for position, p in enumerate(bucket.params):
-                    p.register_post_accumulate_grad_hook(self._hook(bucket, position))
+                    hook = self._hooks[bucket.index, position] = self._hook(bucket, position)
+                    p.register_post_accumulate_grad_hook(hook)
 
     def _hook(self, bucket: FlatParam, position: int):
         def on_gradient(p: nn.Parameter) -> None:
@@ -310,6 +338,10 @@ class BucketedDataParallel(SyncedReplicas):
     def finish_gradients(self) -> None:
         """Wait for every bucket's all-reduce and hand the averaged gradients to the parameters.
         Call once after the step's last backward (outside `no_sync`)."""
+        if self.zero_unused and self._hooks:
+            fill_unused(self.buckets, self._hooks)
+        elif self.zero_unused:
+            _zero_grads(self.module)
         if self.masters:
             self._hand_to_masters()
             return

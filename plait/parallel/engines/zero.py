@@ -43,6 +43,7 @@ from plait.parallel.engines.ddp import (
     SyncedReplicas,
     _broadcast_replicas,
     _check_all_have_grads,
+    fill_unused,
     launch_ready,
     sync_classes,
 )
@@ -233,9 +234,11 @@ class ZeroDataParallel(ShardedEngine):
             for members, decay, matrix, name in flat_groups(cls, bucket_mb, matrices, groups)
         ]
         self._next = 0
-        for bucket in self.buckets:
+        self._hooks = {}  # (bucket, position) -> its hook
+        for index, bucket in enumerate(self.buckets):
             for position, p in enumerate(bucket.params):
-                p.register_post_accumulate_grad_hook(self._hook(bucket, position))
+                hook = self._hooks[index, position] = self._hook(bucket, position)
+                p.register_post_accumulate_grad_hook(hook)
 
     @property
     def flats(self) -> list[FlatParam]:
@@ -262,6 +265,8 @@ class ZeroDataParallel(ShardedEngine):
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Wait for every bucket's reduce-scatter; the owned slices get their averaged gradient."""
+        if self.zero_unused:
+            fill_unused(self.buckets, self._hooks)
         _check_all_have_grads(self.module, {b.names[i] for b in self.buckets for i in b.ready})
         if self._next != len(self.buckets):
             raise RuntimeError("gradients arrived outside the last backward; call "

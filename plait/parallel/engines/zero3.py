@@ -377,6 +377,8 @@ class Zero3DataParallel(ShardedEngine):
     @torch.no_grad()
     def finish_gradients(self) -> None:
         """Wait for the last reduce-scatter; the slices get their averaged gradients."""
+        if self.zero_unused and self._sync:
+            self._fill_unused()
         late = [n for u in self.units if not u.reduced for f in u.flats
                 for i, n in enumerate(f.names) if i not in f.ready]
         if late:
@@ -388,6 +390,34 @@ class Zero3DataParallel(ShardedEngine):
         for unit in self.units:
             unit.reduced = unit.ran = False
         self._step_done()
+
+    def _fill_unused(self) -> None:
+        """Each unit not reduced yet gets a gradient for every position none reached: zero, or
+        what micro-batches before the last left in the parameter; then its reduce-scatter, unit
+        by unit in order (every rank's backward reduced the same units before)."""
+        for unit in self.units:
+            if unit.reduced:
+                continue
+            if all(f.grad is None for f in unit.flats):
+                for f in unit.flats:
+                    f.grad = self._staging(f)
+            for flat in unit.flats:
+                for position, p in enumerate(flat.params):
+                    if position in flat.ready:
+                        continue
+                    view = flat.view(flat.grad, position)
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        torch.div(p.grad, self.dp_size, out=view)
+                        p.grad = None
+                    flat.ready.add(position)
+            self._note_peak()
+            self._launch_group(unit.flats)
+            unit.reduced = True
+            for f in unit.flats:
+                f.ready.clear()
+            self._free(unit)
 
     def finish_step(self) -> None:
         """Nothing to gather (the next forward gathers each unit from its updated slice); under
