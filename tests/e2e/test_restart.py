@@ -115,17 +115,18 @@ def test_a_full_disk_during_a_save_is_said_and_the_partial_checkpoint_removed(sm
     assert f"no complete checkpoint in {small_disk / 'ck'}" in proc.stderr
 
 
-def _is_one_short_report(stderr: str, first: int | None) -> None:
+def _is_one_short_report(stderr: str, first: int | None, cause: str = "Traceback") -> None:
     """A failed job's report (`launch.report`): at most 15 lines in all, the first rank to fail
-    named, no traceback on the screen, and the file that holds every rank's whole traceback
-    (was 80-105 lines of tracebacks: torch's agent's log of the failure, then its summary)."""
+    named, no traceback on the screen, and the file that holds every rank's whole failure
+    record, `cause` among them (was 80-105 lines of tracebacks: torch's agent's log of the
+    failure, then its summary)."""
     lines = stderr.splitlines()
     assert len(lines) <= 15 and "Traceback" not in stderr, stderr
     failed = next(line for line in lines if line.startswith("plait: the job failed: rank"))
     if first is not None:
         assert failed.startswith(f"plait: the job failed: rank {first} first"), stderr
     log = lines[-1].removeprefix("plait: every rank's traceback: ")
-    assert "Traceback" in open(log).read()
+    assert cause in open(log).read()
     os.unlink(log)
 
 
@@ -133,9 +134,11 @@ def _is_one_short_report(stderr: str, first: int | None) -> None:
 def test_a_worker_killed_during_a_save_is_named_in_a_short_report(tmp_path):
     """Rank 1 SIGKILLed while it writes the checkpoint of step 4, no restarts: rank 0 then fails
     on the closed connection. The report names rank 1 first and the checkpoint of step 2, which
-    was complete, as what was kept."""
+    was complete, as what was kept; its file holds rank 1's record, its SIGKILL. Whether it also
+    holds rank 0's traceback is a race (torch's agent may stop rank 0 before its collective
+    fails: seen once in a fresh clone's run), so that is not asserted."""
     proc = plait("train", "--nproc", "2", *RUN, f"checkpoint.dir={tmp_path / 'ck'}",
                  env={**os.environ, ENV: "save:1:4"})
     assert proc.returncode == 1
-    _is_one_short_report(proc.stderr, first=1)
+    _is_one_short_report(proc.stderr, first=1, cause="SIGKILL")
     assert f"the last complete checkpoint: {tmp_path / 'ck' / 'step-00000002'}" in proc.stderr
