@@ -343,9 +343,10 @@ def prepare(
     dims = validate_parallel(parallel, dist.get_world_size(), precision)
     where = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(where)
+    world = world_axis().group
     with torch.no_grad():  # every rank starts from rank 0's weights and buffers
         for t in [*model.parameters(), *model.buffers()]:
-            broadcast(t.data, src=0, group=world_axis().group)
+            broadcast(t.data, src=0, group=world)
     reference = copy.deepcopy(model) if verify else None
     M = parallel.microbatches or dims.pp
     mode = "full" if checkpoint else "none"

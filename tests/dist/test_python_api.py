@@ -84,10 +84,12 @@ def _both_ddp():
     return _plait_run(plait.ParallelConfig(), None, True), _torch_ddp_run()
 
 
-def _one_process(optimizers_of=lambda model: [torch.optim.AdamW(model.parameters(), lr=LR)]):
+def _one_process(optimizers_of=lambda model: [torch.optim.AdamW(model.parameters(), lr=LR)],
+                 build=lambda: _model(False), after_backward=lambda model: None):
     """One process on the global batches, clipped as the jobs are: losses and parameters.
-    `optimizers_of(model)`: the optimizers that step it (AdamW by default)."""
-    model = _model(False)
+    `optimizers_of(model)`: the optimizers that step it (AdamW by default); `build()` the model;
+    `after_backward(model)` runs before the clipping."""
+    model = build()
     optimizers = optimizers_of(model)
     losses = []
     for x, y in _batches():
@@ -95,6 +97,7 @@ def _one_process(optimizers_of=lambda model: [torch.optim.AdamW(model.parameters
             o.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        after_backward(model)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for o in optimizers:
             o.step()
@@ -254,19 +257,11 @@ def test_unused_parameters_get_a_zero_gradient_under_every_engine(zero):
     find_unused_parameters; FSDP's flat parameters reduce zeros), reduced with the others in
     bucket or unit order; the run equals one process whose unused gradients are set to zero
     (AdamW then only decays them), to the tolerance of `_assert_same`."""
-    model = _with_spare()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in _batches():
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+    def zero_spare(model):
         for p in model.spare.parameters():
             p.grad = torch.zeros_like(p)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    want = losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    want = _one_process(build=_with_spare, after_backward=zero_spare)
     assert not torch.equal(want[1]["spare.weight"], _with_spare().spare.weight)  # it decayed
     for got in run_world(_unused_zeroed, 2, zero):
         _assert_same(got, want, f"zero {zero}, unused_parameters")
