@@ -1,6 +1,6 @@
 """`python -m plait ...`, which is also how torchrun starts plait: `torchrun ... -m plait train`."""
 
-from plait.cli import main
+from plait.cli import console
 
 if __name__ == "__main__":
-    main()
+    console()

@@ -22,6 +22,7 @@ gloo connections use the loopback interface (GLOO_SOCKET_IFNAME=lo).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import runpy
@@ -117,13 +118,15 @@ def launch_script(nproc: int, script: str, args: Sequence[str] = (), threads: in
            preload=("plait.api", *preload))
 
 
-def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
+def launch(nproc: int, entrypoint: Callable | str, *args, threads: int = 1,
            max_restarts: int = 0, preload: Sequence[str] = ()) -> list:
     """Run `entrypoint(*args)` on `nproc` local workers over loopback; their return values by rank.
 
-    `entrypoint` must be a module-level function (it is pickled by name for the workers),
-    decorated with `torch.distributed.elastic.multiprocessing.errors.record` so that a failure
-    reaches the launcher with its traceback. With `max_restarts`, the agent restarts all the
+    `entrypoint` must be a module-level function (it is pickled by name for the workers), or its
+    name, "module:function", which this process then never imports (the training stack is 2 s of
+    imports a launcher does not need), decorated with
+    `torch.distributed.elastic.multiprocessing.errors.record` so that a failure reaches the
+    launcher with its traceback. With `max_restarts`, the agent restarts all the
     workers (up to that many times) when one fails; the error is raised after the last.
     `preload`: more modules the workers will import, imported once by the forkserver (the
     entrypoint's own module always is)."""
@@ -135,7 +138,8 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
     # once (a fresh interpreter, started before any worker, so no lock of the launcher's threads
     # is inherited): each spawned worker would import them again, ~3 s of CPU each. Already
     # running when the caller started it early (`plait.forkserver`).
-    forkserver.start([entrypoint.__module__, *preload], threads)
+    module = entrypoint.partition(":")[0] if isinstance(entrypoint, str) else entrypoint.__module__
+    forkserver.start([module, *preload], threads)
     # The agent keeps per-run logs and error files in a folder; ours is removed afterwards (the
     # failed worker's traceback is read into the exception before).
     with tempfile.TemporaryDirectory(prefix="plait-launch-") as logs:
@@ -151,9 +155,13 @@ def launch(nproc: int, entrypoint: Callable, *args, threads: int = 1,
     return [results[r] for r in sorted(results)]
 
 
-def _worker(entrypoint: Callable, *args):
-    """A worker: its pid beside its error file (for `_Ends`), the entrypoint, and a mark that it
-    returned (so that its end is not taken for a silent death)."""
+def _worker(entrypoint: Callable | str, *args):
+    """A worker: its pid beside its error file (for `_Ends`), the entrypoint (imported by the
+    forkserver where it is named), and a mark that it returned (so that its end is not taken
+    for a silent death)."""
+    if isinstance(entrypoint, str):
+        module, _, name = entrypoint.partition(":")
+        entrypoint = getattr(importlib.import_module(module), name)
     here = Path(os.environ["TORCHELASTIC_ERROR_FILE"]).parent
     here.mkdir(parents=True, exist_ok=True)
     (here / "pid.tmp").write_text(str(os.getpid()))

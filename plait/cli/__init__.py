@@ -12,7 +12,9 @@ fix, before any worker starts.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
 
 from plait.cli.commands import speaks
@@ -36,6 +38,24 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_commands(sub, _Parser, COMMANDS)
     return parser
+
+
+def console() -> None:
+    """The `plait` command (and `python -m plait`): `main`, the exit handlers, and an end with
+    `main`'s status without the interpreter's teardown of torch's modules, which takes ~1 s after
+    a job has finished and would keep whoever reads its output waiting. Nothing of plait's is
+    left to flush by then: the commands close their files, and the exit handlers run here."""
+    try:
+        main()
+        status = 0
+    except SystemExit as e:  # sys.exit(N), or a message (printed, status 1, as Python does)
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,10 +147,9 @@ def _launch_local(args: argparse.Namespace, cfg: Config, nproc: int) -> None:
     forkserver.start(stack, cfg.train.threads)
     # here, not at the top: the command line's refusals import no torch
     from plait.launch import ChildFailedError, launch, report
-    from plait.train.run import run_training
 
-    try:
-        results = launch(nproc, run_training, cfg, outputs(args), args.verify,
+    try:  # the trainer by name: this process never imports it
+        results = launch(nproc, "plait.train.run:run_training", cfg, outputs(args), args.verify,
                          threads=cfg.train.threads, max_restarts=args.max_restarts,
                          preload=stack)
     except ChildFailedError as e:

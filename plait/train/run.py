@@ -51,7 +51,7 @@ def run_training(cfg: Config, outputs: Outputs | None = None, verify: bool = Fal
     """Train on the world the environment describes; rank 0 shows progress and the summary. A
     collective that does not complete within parallel.timeout_s ends the job with a message
     naming the ranks that did not arrive. `verify`: instead, one step against one process
-    (`train/verify.py`); returns the verdict, the same on every rank."""
+    (`train/verify.py`); returns the verdict, the same on every rank (else None)."""
     trainer_class = importlib.import_module(forkserver.TRAINER).Trainer  # the forkserver's import
     torch.set_num_threads(cfg.train.threads)
     device = worker_device(cfg.train.device)
@@ -82,4 +82,6 @@ def run_training(cfg: Config, outputs: Outputs | None = None, verify: bool = Fal
         if watch is not None:
             watch[1].stop()
     dist.destroy_process_group()
-    return summary
+    # nothing more returned: the summary was printed, and the launcher would import the trainer
+    # (2 s) to unpickle it
+    return None

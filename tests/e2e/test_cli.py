@@ -14,6 +14,7 @@ import time
 import pytest
 import workers
 
+from plait import forkserver
 from plait.launch import ChildFailedError, launch
 
 TINY = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=200000", "train.eval_batches=1",
@@ -387,6 +388,33 @@ def test_the_workers_server_starts_before_the_launcher_imports_torch():
     assert imported == "False"
     assert {"plait.train.run", "plait.train.trainer", "plait.launch"} <= \
         set(ast.literal_eval(preload))
+
+
+def test_the_launcher_names_the_trainer_and_never_imports_it():
+    """The workers' server imports the training stack; the launcher, which only waits on them,
+    names their entrypoint and never imports it (2 s of CPU beside the workers on 2 cores)."""
+    probe = ("import sys, plait.launch\n"
+             "def launch(nproc, entrypoint, *args, **kwargs):\n"
+             "    print(entrypoint, 'plait.train.run' in sys.modules, 'torch._dynamo' in "
+             "sys.modules)\n"
+             "    sys.exit(0)\n"
+             "plait.launch.launch = launch\n"
+             "from plait import cli\n"
+             "cli.main(sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-c", probe, "train", "--nproc", "2", *TINY],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["plait.train.run:run_training", "False", "False"]
+
+
+def test_only_the_workers_server_ends_without_the_interpreters_teardown():
+    """The server skips the interpreter's teardown at its end (`plait/forkserver.py`), told so
+    by its parent's pid in the environment while it starts. No later child of that parent may
+    inherit it: a process that imports the module afterwards ends with its own status."""
+    forkserver.start([], 1)  # in this process, as plait_here's runs start it
+    assert forkserver.SERVER not in os.environ
+    code = "import sys, plait.forkserver; sys.exit(3)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 3
 
 
 def test_a_failing_worker_brings_the_job_down_with_its_traceback():
