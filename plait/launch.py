@@ -122,12 +122,12 @@ def launch(nproc: int, entrypoint: Callable | str, *args, threads: int = 1,
            max_restarts: int = 0, preload: Sequence[str] = ()) -> list:
     """Run `entrypoint(*args)` on `nproc` local workers over loopback; their return values by rank.
 
-    `entrypoint` must be a module-level function (it is pickled by name for the workers), or its
-    name, "module:function", which this process then never imports (the training stack is 2 s of
-    imports a launcher does not need), decorated with
-    `torch.distributed.elastic.multiprocessing.errors.record` so that a failure reaches the
-    launcher with its traceback. With `max_restarts`, the agent restarts all the
-    workers (up to that many times) when one fails; the error is raised after the last.
+    `entrypoint` must be a module-level function (it is pickled by name for the workers)
+    decorated with `torch.distributed.elastic.multiprocessing.errors.record`, so that a failure
+    reaches the launcher with its traceback; or its name, "module:function", which this process
+    then never imports (the training stack is 2 s of imports a launcher does not need). With
+    `max_restarts`, the agent restarts all the workers (up to that many times) when one fails;
+    the error is raised after the last.
     `preload`: more modules the workers will import, imported once by the forkserver (the
     entrypoint's own module always is)."""
     # The agent's INFO/WARNING chatter (rendezvous, OMP defaults) is noise for a local run, and

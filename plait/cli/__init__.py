@@ -16,6 +16,7 @@ import atexit
 import importlib
 import os
 import sys
+import time
 
 from plait.cli.commands import speaks
 from plait.cli.spec import COMMANDS, add_commands
@@ -24,6 +25,8 @@ from plait.config.schema import ConfigError
 # The package: the commands' options (spec.py), what they read (common.py), the commands
 # (commands.py: train, run, plan, compare, report, convert; bench.py; data.py). A handler is
 # imported when its command runs, so that a refusal imports no more than it needs.
+
+REFUSAL_GRACE_S = 5.0  # how long a silent worker waits, refusing, for rank 0 to say why
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,4 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         if speaks():
             print(f"plait: error: {e}", file=sys.stderr)
+        else:  # one of torchrun's other workers, which refuses alike and says nothing: rank 0
+            # must end first, its line said, or torchrun stops it when this one ends
+            time.sleep(REFUSAL_GRACE_S)
         sys.exit(2)
