@@ -100,12 +100,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """softmax(q k^T / sqrt(head_dim) + causal mask) v over whole sequences: q (b, s, heads, d),
     k and v (b, s, kv_heads, d), each key/value head shared by heads / kv_heads query heads
     -> (b, s, heads, d). `mask` (b, 1, s, s), added to the scores (0 where a query sees a key,
-    -inf elsewhere), replaces the causal one (document masking)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    -inf elsewhere), replaces the causal one (document masking). The kernel reads each key/value
+    head for its group of query heads (`enable_gqa`): k and v are kept for backward at their own
+    head count, not repeated to every query head."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-        is_causal=mask is None,
+        is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2],
     )  # (b, heads, s, head_dim)
     return out.transpose(1, 2)
 

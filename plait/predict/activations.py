@@ -8,10 +8,11 @@ S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
     none       per norm its input and x / rms(x) (A / S each) and its output as the matmuls
                read it (A; under sequence parallelism its shard, A / S, which the
                column-parallel linears gather again in backward:
-               `parallel/sequence_parallel.py`); q, k, v (k and v repeated to every query
-               head) and the attention output (4 A / T); w1 x and w3 x (2 F / T: the gate is
-               made again in backward, `model/feed_forward.py`); per token an rsqrt per norm
-               (2 r s / S) and the attention's log-sum-exp per head (r s heads / T)
+               `parallel/sequence_parallel.py`); q and the attention output (2 A / T), k
+               and v at their own head count (2 A kv_heads / heads / T: the kernel's
+               grouped-query form); w1 x and w3 x (2 F / T: the gate is made again in
+               backward, `model/feed_forward.py`); per token an rsqrt per norm (2 r s / S) and
+               the attention's log-sum-exp per head (r s heads / T)
     selective  the matmuls' inputs and outputs: block input and mid-block residual (A / S
                each), the norm outputs the matmuls read (A each; A / S under SP), q, k, v at
                their own head counts and the attention output (/ T), w1 x and w3 x (2 F / T)
@@ -111,10 +112,13 @@ def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
         kept = (2 * b.stream * Fraction(A, S) + norm_outs
                 + b.matmul * Fraction(A * (2 + 2 * kv) + 2 * Ff, T))
     else:
-        # q, k, v, output: ring attention keeps k and v at their own head counts, not repeated
-        # to every head; Ulysses's output comes back through an all-to-all into a tensor of its
-        # own, beside the one attention keeps.
-        attention = 4 if C == 1 else 2 + 2 * kv if cfg.parallel.cp_method == "ring" else 5
+        # q, k, v, output: k and v at their own head counts (the kernel's grouped-query form,
+        # ring attention's blocks alike). Ulysses's output comes back through an all-to-all into
+        # a tensor of its own, beside the one attention keeps; with fewer key/value heads on a
+        # rank than cp ranks it repeats them to every query head before its all-to-all.
+        attention = 2 + 2 * kv
+        if C > 1 and cfg.parallel.cp_method == "ulysses":
+            attention = 5 if args.n_kv_heads // T % C else 3 + 2 * kv
         kept = (2 * b.norm_local * Fraction(A, S) + norm_outs
                 + b.matmul * Fraction(attention * A + 2 * Ff, T)
                 + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * args.n_heads, T))

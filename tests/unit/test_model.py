@@ -37,3 +37,32 @@ def test_forward_shapes_and_causality():
     out = model(changed)
     torch.testing.assert_close(out[:, :10], logits[:, :10])  # the past does not see the future
     assert not torch.allclose(out[:, 10:], logits[:, 10:])
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "document-mask"])
+def test_grouped_query_attention_keeps_keys_and_values_at_their_own_head_count(masked):
+    """8 query heads over 2 key/value heads: the output and every gradient equal attention over
+    k and v repeated to every query head (fp32; k's and v's gradients summed over each group in
+    another order: 1e-5, where values and gradients are of order 1-10), while what autograd keeps
+    holds k and v at 2 heads, not 8 (before, the repeated copies: 3 of their 4 heads' bytes
+    more, per layer and micro-batch)."""
+    from plait.model.llama import causal_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, 8, 32, requires_grad=True)
+    k, v = (torch.randn(2, 16, 2, 32, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(2, 1, 16, 16).masked_fill(
+        ~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf")) if masked else None
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t,
+                                                  lambda t: t):
+        out = causal_attention(q, k, v, mask)
+    assert (2, 2, 16, 32) in kept and (2, 8, 16, 32) in kept  # k, v (b, kv_heads, s, d); q
+    assert sum(s == (2, 8, 16, 32) for s in kept) == 2  # q and the output: nothing repeated
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    wide = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = causal_attention(wide[0], wide[1].repeat_interleave(4, 2),
+                           wide[2].repeat_interleave(4, 2), mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), wide), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
