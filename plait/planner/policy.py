@@ -4,11 +4,14 @@ from the leanest layouts (`leanest`) rather than from the whole search."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from plait.config.checks_layout import check_layout
 from plait.config.schema import Config, ConfigError
 from plait.planner.hardware import Cluster
+from plait.planner.pins import PINNABLE
 from plait.planner.price import HEADROOM, PricedLayout, estimate, with_degrees
-from plait.planner.search import meshes, rank_plans
+from plait.planner.search import meshes, rank_plans, refusals
 from plait.planner.show import layout_text
 
 # A layout's degrees: pinned all, the layout is the user's, priced even when it does not fit.
@@ -36,11 +39,22 @@ def choose(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:
     plans = rank_plans(cfg, cluster, fixed)
     if not plans:
         pins = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none pinned"
-        try:  # the settings as given, unpinned degrees at their defaults: why, where it says
-            check_layout(cfg, cluster.gpus)
-            why = ""
-        except ConfigError as e:
-            why = f" ({e})"
+        why = refusals(cfg, cluster, fixed)
+        if why:
+            # The reason that refused the most layouts, of those about a pinned or unsearched
+            # key first: a searched value that does not fit (4 micro-batches of 2 sequences)
+            # is the search's to try, not the cause.
+            own = Counter({r: n for r, n in why.items()
+                           if PINNABLE.get(r.split(":")[0]) in fixed.keys() | {None}})
+            (reason, n), tried = (own or why).most_common(1)[0], why.total()
+            share = "every layout tried" if n == tried else f"{n} of the {tried} layouts tried"
+            why = f" ({share}: {reason})"
+        else:
+            try:  # none tried: the settings as given, unpinned degrees at their defaults
+                check_layout(cfg, cluster.gpus)
+                why = ""
+            except ConfigError as e:
+                why = f" ({e})"
         raise ConfigError("plan", f"no layout of model '{model}' is valid on {cluster.gpus} GPUs "
                           f"with these settings ({pins}){why}; change --gpus or the pinned "
                           "degrees")

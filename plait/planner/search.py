@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -81,12 +82,27 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
     unless pinned, as dominated: GPipe (1F1B's bubble with more activations in flight) and tp
     without sequence parallelism (the same bytes, more activations). Activation checkpointing
     varies last, from none to full, so `rank_plans` can stop at the first mode that fits."""
+    for c, dims in _tried(cfg, cluster, fixed):
+        if not isinstance(dims, ConfigError):
+            yield c, dims
+
+
+def refusals(cfg: Config, cluster: Cluster, fixed: dict) -> Counter:
+    """Why check_layout refused the layouts `candidates` tried: each reason, how many times."""
+    return Counter(str(d) for _, d in _tried(cfg, cluster, fixed) if isinstance(d, ConfigError))
+
+
+def _tried(cfg: Config, cluster: Cluster, fixed: dict):
+    """Every layout `candidates` tries, with its dims or the ConfigError that refused it. Pinned
+    virtual stages (`pp_virtual` > 1) are the interleaved schedule's: the others ignore them."""
+    schedules = ["interleaved"] if fixed.get("pp_virtual", 1) > 1 else [
+        "1f1b", "interleaved", "zb1"]
     for tp, pp, cp, ep, dp in meshes(cfg, cluster, fixed):
         rows = cfg.train.global_batch // (dp * ep) or 1
         choice = {
             "tp": [tp], "pp": [pp], "cp": [cp], "ep": [ep],
             "cp_method": ["ring", "ulysses"] if cp > 1 else ["ring"],
-            "pp_schedule": ["1f1b", "interleaved", "zb1"] if pp > 1 else ["1f1b"],
+            "pp_schedule": schedules if pp > 1 else ["1f1b"],
             "sequence_parallel": [tp > 1],
             **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node),
             "offload": ["none"],  # `rank_plans` searches it where nothing fits without
@@ -101,8 +117,8 @@ def candidates(cfg: Config, cluster: Cluster, fixed: dict):
             c = with_degrees(cfg, **d, dp=0)
             try:
                 yield c, check_layout(c, cluster.gpus)
-            except ConfigError:
-                continue
+            except ConfigError as e:
+                yield c, e
 
 
 def rank_plans(cfg: Config, cluster: Cluster, fixed: dict) -> list[PricedLayout]:
@@ -189,9 +205,14 @@ def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster)
                    "the compute; use at least 4 x pp micro-batches, an interleaved schedule or "
                    "fewer stages")
     if d["pp"] == 1 and d["microbatches"] > 1:
-        if estimate(with_degrees(cfg, microbatches=1), dims, cluster).fits:
+        # Said only where one micro-batch is the better plan: it fits, and it is not slower
+        # (where its time is no less, e.g. ZeRO-3's gathers hidden behind more passes, the
+        # accumulation is the planner's own choice, not an anti-pattern).
+        one = estimate(with_degrees(cfg, microbatches=1), dims, cluster)
+        if one.fits and one.step_time_s <= p.step_time_s:
             out.append(f"gradient accumulation ({d['microbatches']} micro-batches) although the "
-                       "batch fits in one: it only adds passes")
+                       f"batch fits in one: it only adds passes ({one.step_time_s:.3g} s a "
+                       f"step in one against {p.step_time_s:.3g} s)")
     threads = cfg.train.threads
     if d["offload"] != "none" and dev.host_thread_gbps * threads < dev.host_gbps / cluster.per_node:
         out.append(f"offload's CPU update runs on train.threads={threads} thread(s) per rank "

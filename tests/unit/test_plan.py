@@ -15,7 +15,7 @@ from plait.model import build_model
 from plait.planner.hardware import DEVICES, Cluster, Device
 from plait.planner.policy import PIPELINE_SAVES, choose, leanest
 from plait.planner.price import estimate, with_degrees
-from plait.planner.search import rank_plans, ranked
+from plait.planner.search import rank_plans, ranked, warnings
 from plait.predict.cost import all_to_all_bytes
 from plait.train.checks import validate
 from plait.train.dry_run import describe_rank
@@ -101,6 +101,18 @@ def test_a_pinned_dp_is_kept_and_an_invalid_pin_says_why():
     with pytest.raises(ConfigError, match=r"parallel.pp: 16 pipeline chunks need >= 16 layers"):
         choose(deep, Cluster(8, 8, TOY), pinned(deep, ["parallel.pp=2", "parallel.pp_virtual=8",
                                                       "parallel.pp_schedule=interleaved"]))
+    # Virtual stages pinned without a schedule are the interleaved schedule's: the search used to
+    # offer 1F1B and ZB1 plans, which ignore them, and dropped the pin without a word. The
+    # reason named is the pin's, not a searched value's (4 micro-batches of 2 sequences).
+    deeper = tiny_config("model.n_layers=4", "parallel.pp=2", "parallel.pp_virtual=8")
+    with pytest.raises(ConfigError, match=r"of the \d+ layouts tried: parallel.pp: 16 pipeline "
+                       r"chunks need >= 16 layers"):
+        choose(deeper, Cluster(8, 8, TOY), pinned(deeper, ["parallel.pp=2",
+                                                          "parallel.pp_virtual=8"]))
+    two = tiny_config("model.n_layers=4", "parallel.pp=2", "parallel.pp_virtual=2")
+    plans = rank_plans(two, Cluster(8, 8, TOY), pinned(two, ["parallel.pp=2",
+                                                             "parallel.pp_virtual=2"]))
+    assert plans and {p.degrees["pp_schedule"] for p in plans} == {"interleaved"}
 
 
 def _warned(cfg, gpus, per_node, fixed, text):
@@ -130,6 +142,17 @@ def test_each_anti_pattern_is_flagged():
                                      "pp_schedule": "interleaved"}, "pipeline bubble")
     assert _warned(cfg, 2, 8, {**base, "tp": 1, "pp": 1, "microbatches": 2},
                    "gradient accumulation")
+    # ... only where one micro-batch is not slower: a plan whose accumulation is faster (the
+    # search's own choice) does not carry the warning against itself.
+    accumulating = with_degrees(cfg, microbatches=2, zero=0, activation_checkpointing="none",
+                                dp_shard=0)
+    dims = validate(accumulating, 2)
+    plan = estimate(accumulating, dims, Cluster(2, 8, TOY))
+    one = estimate(with_degrees(accumulating, microbatches=1), dims, Cluster(2, 8, TOY))
+    for step_s, said in [(one.step_time_s, True), (0.9 * one.step_time_s, False)]:
+        said_now = any("gradient accumulation" in w for w in warnings(
+            dataclasses.replace(plan, step_time_s=step_s), accumulating, dims, Cluster(2, 8, TOY)))
+        assert said_now == said, step_s
     # Samples are counted per data-parallel rank: 8 sequences on 16 GPUs (tp2 x pp2 x dp4) give
     # each replica's 2 stages 2 micro-batches; 4 on 8 GPUs (pp4 x dp2) leave 4 stages 2.
     ok = tiny_config("model.n_layers=4", "train.global_batch=8")
