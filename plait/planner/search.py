@@ -206,8 +206,8 @@ def warnings(p: PricedLayout, cfg: Config, dims: ParallelDims, cluster: Cluster)
                    "fewer stages")
     if d["pp"] == 1 and d["microbatches"] > 1:
         # Said only where one micro-batch is the better plan: it fits, and it is not slower
-        # (where its time is no less, e.g. ZeRO-3's gathers hidden behind more passes, the
-        # accumulation is the planner's own choice, not an anti-pattern).
+        # (where it is slower, the accumulation is what the time model chose, not an
+        # anti-pattern, and a plan must not carry a warning against itself).
         one = estimate(with_degrees(cfg, microbatches=1), dims, cluster)
         if one.fits and one.step_time_s <= p.step_time_s:
             out.append(f"gradient accumulation ({d['microbatches']} micro-batches) although the "
