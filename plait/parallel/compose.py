@@ -46,7 +46,7 @@ from plait.parallel.dropout import seed_ranks
 from plait.parallel.embedding_grad import sum_embedding_grads_in_fp32
 from plait.parallel.engines import build_data_parallel
 from plait.parallel.engines.ddp import SyncedReplicas
-from plait.parallel.engines.zero3 import first_unit_spans, unit_names
+from plait.parallel.engines.units import first_unit_spans, unit_names
 from plait.parallel.expert_parallel import apply_ep, has_experts, moe_layers
 from plait.parallel.grads import by_device_and_dtype, scale_grads_
 from plait.parallel.pipeline import PipelineExecutor, StageModules, apply_pp, forward_only

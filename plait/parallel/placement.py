@@ -78,9 +78,9 @@ class ParamPlacement:
 
 @dataclass(frozen=True)
 class ZeroUnit:
-    """One of ZeRO-3's units as the engine cuts it (`zero3.unit_names`: a plan's block, or a wrap
+    """One of ZeRO-3's units as the engine cuts it (`units.unit_names`: a plan's block, or a wrap
     policy's module): its parameters by name, its pipeline chunk (counted from 0 on this stage),
-    and whether it spans the chunk (`zero3.first_unit_spans`: gathered while the chunk's other
+    and whether it spans the chunk (`units.first_unit_spans`: gathered while the chunk's other
     units run)."""
 
     names: tuple[str, ...]

@@ -121,7 +121,7 @@ def test_zero3_units_of_a_family_without_a_plan_are_its_decoder_layers(hf_folder
     at once); `parallel.wrap` chooses others by class name or size, and names a class the model
     lacks with the ones it has."""
     from plait.model.hf import load_hf
-    from plait.parallel.engines.zero3 import unit_modules
+    from plait.parallel.engines.units import unit_modules
     from plait.parallel.wrap import policy_of
 
     model = load_hf(hf_folders["gpt2"], device="meta")

@@ -9,7 +9,7 @@ import pytest
 from plait.model import build_model, model_args
 from plait.model.llama_plan import LLAMA
 from plait.model.plan import matching
-from plait.parallel.engines.zero3 import unit_modules, unit_prefixes
+from plait.parallel.engines.units import unit_modules, unit_prefixes
 from plait.parallel.pipeline.stage import split_model
 
 MODELS = {"dense": model_args("tiny"), "moe": model_args("tiny-moe")}

@@ -1,7 +1,7 @@
 """The data-parallel engines and the one they build for a layout (`parallel.zero` names it: DDP
-ddp.py | ZeRO-1/2 zero.py | ZeRO-3 zero3.py), over this stage's chunks: the last step of
-`parallelize`'s straight line. They share one flat-parameter type (flat.py), the model-state
-accounting (state.py) and ZeRO's host staging (buffer_pool.py)."""
+ddp.py | ZeRO-1/2 zero.py | ZeRO-3 zero3.py, its units cut by units.py), over this stage's
+chunks: the last step of `parallelize`'s straight line. They share one flat-parameter type
+(flat.py), the model-state accounting (state.py) and ZeRO's host staging (buffer_pool.py)."""
 
 from __future__ import annotations
 
