@@ -45,6 +45,7 @@ from plait.comm import LEDGER, all_reduce, barrier, broadcast
 from plait.config.checks_layout import validate_parallel
 from plait.config.schema import ParallelConfig
 from plait.mesh import build_mesh, rows_share, world_axis
+from plait.model.plan import check_plan
 from plait.optim.loss_scaling import HALF, LossScaler
 from plait.optim.muon import MatrixExchange
 from plait.optim.whole_matrices import Factory, WholeMatrices
@@ -303,6 +304,7 @@ def _check_arguments(model: nn.Module, precision: str, param_dtype: str,
                          "use parallel.zero >= 1, or 'auto'")
     if loss_scaler is not None and precision != "fp16":
         raise ValueError(f"loss_scaler: loss scaling is for precision='fp16', not {precision!r}")
+    check_plan(model, parallel.tp)  # on this rank's modules, before anything is communicated
 
 
 def prepare(

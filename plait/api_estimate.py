@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from plait.config.checks_layout import validate_parallel
 from plait.config.schema import Config, ParallelConfig
 from plait.mesh import build_mesh, rows_share
-from plait.model.plan import has_plan
+from plait.model.plan import check_plan, has_plan
 from plait.parallel import Options, parallelize
 from plait.parallel.batch import as_microbatches
 from plait.parallel.wrap import WrapPolicy
@@ -55,6 +55,7 @@ def estimate(model: nn.Module, example_batch, parallel: ParallelConfig | None = 
     if next(model.parameters(), None) is None:
         raise ValueError(f"model: {type(model).__name__} has no parameters; nothing to train")
     dims = validate_parallel(parallel, world_size, precision)
+    check_plan(model, dims.tp)
     cfg = Config(parallel=parallel)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     device = next(model.parameters()).device

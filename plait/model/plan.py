@@ -48,6 +48,9 @@ class ModelPlan:
     tp_halves: tuple[str, ...] = ()
     # Fields of `model.args` that the tp degree must divide (heads, hidden units, vocabulary).
     tp_divides: tuple[str, ...] = ()
+    # Block-relative attributes that count heads, which a module's forward reads to reshape
+    # (`self_attn.num_heads`): each tp rank holds 1/T of them, so each is divided by T.
+    tp_heads: tuple[str, ...] = ()
     # Block-relative parameters replicated over tp whose gradient is a partial sum over tp
     # anyway (a router whose gates meet only this rank's shard of the expert outputs).
     tp_partial_grads: tuple[str, ...] = ()
@@ -110,3 +113,120 @@ def tp_misfit(plan: ModelPlan, args: object, tp: int) -> str | None:
     misfits = [f"{what}={getattr(args, what)}" for what in plan.tp_divides
                if getattr(args, what) % tp]
     return f"tp={tp} must divide {', '.join(misfits)}" if misfits else None
+
+
+def plan_problem(model: nn.Module, tp: int = 1) -> str | None:
+    """What is wrong with the plan `model` carries, as one line naming the plan's field, the
+    module and the fix (None when nothing is): checked on the model's modules and weight shapes
+    before anything is split or communicated (`plait.prepare`, `plait.estimate`). Each module the
+    plan names exists; each `tp_splits` pattern matches linears of the blocks, split along dim 0
+    or 1 of a 2-D weight that `tp` divides there; where `model.args` gives the width of the
+    residual stream (`hidden_size`), a column-parallel linear (dim 0) reads it whole and a
+    row-parallel one (dim 1) writes it, so a swapped dim is named before it fails inside a
+    matmul."""
+    plan = plan_of(model)
+    problem = _top_level_problem(model, plan)
+    if problem:
+        return problem
+    blocks = model.get_submodule(plan.blocks)
+    args = getattr(model, "args", None)
+    width = getattr(args, plan.hidden_size, None)
+    width = width if isinstance(width, int) else None
+    for i, block in blocks.items():
+        paths = dict(block.named_modules())
+        for path in (*plan.tp_halves, *_parents(plan.attention_core), plan.moe,
+                     *_parents(plan.moe_experts)):
+            if path and path not in paths:
+                return (f"plan: {plan.blocks}.{i} has no module {path!r} (its modules: "
+                        f"{', '.join(sorted(p for p in paths if p and '.' not in p))})")
+        for attribute in plan.tp_heads:
+            owner, _, leaf = attribute.rpartition(".")
+            count = getattr(paths.get(owner), leaf, None)
+            if not isinstance(count, int):
+                return (f"plan.tp_heads: {plan.blocks}.{i}.{attribute} is not a head count of "
+                        "the block (a whole number its forward reads)")
+            if count % tp:
+                return (f"plan.tp_heads: tp={tp} must divide {plan.blocks}.{i}.{attribute} = "
+                        f"{count}; choose a tp that does")
+        splits = matching(paths, plan.tp_splits)
+        for path, pattern in splits.items():
+            problem = _split_problem(f"{plan.blocks}.{i}.{path}", paths[path],
+                                     plan.tp_splits[pattern], pattern, tp, width)
+            if problem:
+                return problem
+        for half in plan.tp_halves:
+            if not any(path.startswith(f"{half}.") for path in splits):
+                return (f"plan.tp_splits: no pattern matches a linear of {plan.blocks}.{i}."
+                        f"{half}, a block half (plan.tp_halves), which tp would compute whole "
+                        "on every rank; name its linears (block-relative paths, `*` for any "
+                        "part)")
+    return None
+
+
+def _top_level_problem(model: nn.Module, plan: ModelPlan) -> str | None:
+    """What the plan names outside the blocks that `model` lacks: the blocks' container, the
+    modules the pipeline's chunks keep, the vocabulary's, the fields tp divides."""
+    blocks = _submodule(model, plan.blocks)
+    if blocks is None or not hasattr(blocks, "items"):
+        return (f"plan.blocks: {type(model).__name__} has no module container {plan.blocks!r} "
+                "(an nn.ModuleDict of the repeated blocks)")
+    for field_name in ("first", "last", "shared"):
+        for name in getattr(plan, field_name):
+            if not hasattr(model, name):
+                return (f"plan.{field_name}: {type(model).__name__} has no attribute {name!r}; "
+                        "name the top-level modules the pipeline's chunks keep")
+    for field_name in ("vocab_embedding", "vocab_head", "positions"):
+        name = getattr(plan, field_name)
+        if name is not None and _submodule(model, name) is None and not hasattr(model, name):
+            return f"plan.{field_name}: {type(model).__name__} has no module {name!r}"
+    missing = [f for f in plan.tp_divides if not hasattr(getattr(model, "args", None), f)]
+    if missing:
+        return (f"plan.tp_divides: {type(model).__name__}.args has no field "
+                f"{', '.join(missing)}; name fields of model.args (heads, hidden units)")
+    return None
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _parents(path: str | None) -> tuple[str, ...]:
+    """The module that must exist for `path`, put in later (an attention kernel): its parent."""
+    parent = (path or "").rpartition(".")[0]
+    return (parent,) if parent else ()
+
+
+def _split_problem(name: str, module: nn.Module, dim: int, pattern: str, tp: int,
+                   width: int | None) -> str | None:
+    field_name = f"plan.tp_splits[{pattern!r}]"
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return (f"{field_name}: {name} is a {type(module).__name__}, not a linear with a 2-D "
+                "weight; split the linears of a block half")
+    if dim not in (0, 1):
+        return (f"{field_name} = {dim!r}: 0 (output rows, column-parallel) or 1 (input "
+                "columns, row-parallel)")
+    out_features, in_features = weight.shape
+    if width is not None:
+        if dim == 1 and in_features == width and out_features != width:
+            return (f"{field_name} = 1: {name} reads the residual stream ({width} wide), which "
+                    "every tp rank holds whole, so it cannot split its input columns; use 0 "
+                    "(output rows) for the linears a block half starts with")
+        if dim == 0 and out_features == width and in_features != width:
+            return (f"{field_name} = 0: {name} writes the residual stream ({width} wide), which "
+                    "the half's exit sums over tp; use 1 (input columns) for the linears a block "
+                    "half ends with")
+    if tp > 1 and weight.shape[dim] % tp:
+        return (f"{field_name}: {name}'s weight {tuple(weight.shape)} has {weight.shape[dim]} "
+                f"along dim {dim}, which tp={tp} does not divide; choose a tp that does")
+    return None
+
+
+def check_plan(model: nn.Module, tp: int = 1) -> None:
+    """Raise `plan_problem`'s line as a ValueError, for a model that carries a plan."""
+    problem = plan_problem(model, tp) if has_plan(model) else None
+    if problem:
+        raise ValueError(problem)

@@ -11,8 +11,7 @@ lets it go): one more all-gather per half and micro-batch, of the bytes the forw
 
 The half's pre-hook marks the gathered tensor (`mark`) with the shard it came from; a linear
 whose input is so marked runs `ShardKeepingLinear`, any other input (a mixture of experts' routed
-rows, a model that transforms the input first) the plain linear. Linears with a bias keep the
-plain linear too.
+rows, a model that transforms the input first) the plain linear.
 """
 
 from __future__ import annotations
@@ -59,18 +58,19 @@ def mark(whole: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> torch
 
 
 class ShardKeepingLinear(torch.autograd.Function):
-    """x W^T for an x that is a sequence-parallel gather of `shard`: keeps the shard and the
-    weight (a parameter: model state) for backward, not x; its matmul in `dtype` (autocast's, or
-    the weight's). The backward runs the products F.linear's backward runs, so the gradients are
-    the plain linear's."""
+    """x W^T (+ b) for an x that is a sequence-parallel gather of `shard`: keeps the shard and
+    the weight (a parameter: model state) for backward, not x; its matmul in `dtype` (autocast's,
+    or the weight's). The backward runs the products F.linear's backward runs, so the gradients
+    are the plain linear's."""
 
     @staticmethod
-    def forward(ctx, x, shard, weight, regathered, dtype):
+    def forward(ctx, x, shard, weight, regathered, dtype, bias=None):
         regathered.users += 1
         regathered._pending += 1
         ctx.save_for_backward(shard, weight)
         ctx.regathered, ctx.dtype, ctx.x_dtype = regathered, dtype, x.dtype
-        return F.linear(x.to(dtype), weight.to(dtype))
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -80,7 +80,8 @@ class ShardKeepingLinear(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = g.mm(w).view(*grad_out.shape[:-1], w.shape[1]).to(ctx.x_dtype)
         grad_w = g.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)
-        return grad_x, None, grad_w, None, None
+        grad_b = None if ctx.bias_dtype is None else g.sum(0).to(ctx.bias_dtype)
+        return grad_x, None, grad_w, None, None, grad_b
 
 
 def _forward(x: torch.Tensor, *, linear: nn.Linear) -> torch.Tensor:
@@ -91,12 +92,13 @@ def _forward(x: torch.Tensor, *, linear: nn.Linear) -> torch.Tensor:
     device = x.device.type
     dtype = matmul_dtype(device, linear.weight)
     with torch.autocast(device, enabled=False):
-        return ShardKeepingLinear.apply(x, shard.detach(), linear.weight, regathered, dtype)
+        return ShardKeepingLinear.apply(x, shard.detach(), linear.weight, regathered, dtype,
+                                        linear.bias)
 
 
 def keep_shard(linear: nn.Module) -> None:
-    """Make a bias-free column-parallel `linear` keep its input's shard where its input is a
-    marked gather (its module hooks still run: it is still called as a module)."""
-    if type(linear) is nn.Linear and linear.bias is None:
+    """Make a column-parallel `linear` keep its input's shard where its input is a marked gather
+    (its module hooks still run: it is still called as a module)."""
+    if type(linear) is nn.Linear:
         # Eager under `train.compile` (plait/parallel/compile.py): it reads the gather's mark.
         linear.forward = torch.compiler.disable(functools.partial(_forward, linear=linear))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -88,16 +89,38 @@ def split_dims(chunk: nn.Module) -> dict[str, int]:
 
 def _split_linear(linear: nn.Linear, dim: int, rank: int, size: int) -> None:
     """Keep this rank's 1/size of the weight along `dim`, in place; a column-parallel linear
-    (dim 0) keeps the same rows of its bias. A row-parallel one's bias would be added by every
-    rank before the sum: refused."""
+    (dim 0) keeps the same rows of its bias. A row-parallel one (dim 1) keeps its bias whole,
+    which the sum over tp must add once (`_bias_once`)."""
     chunk = linear.weight.detach().chunk(size, dim=dim)[rank].clone()
     linear.weight = nn.Parameter(chunk)
     linear.out_features, linear.in_features = chunk.shape
     if linear.bias is not None:
         if dim == 1:
-            raise ValueError("tensor parallelism: a row-parallel linear with a bias is not "
-                             "supported (every rank would add it); use tp = 1 for this model")
-        linear.bias = nn.Parameter(linear.bias.detach().chunk(size)[rank].clone())
+            _bias_once(linear, rank)
+        else:
+            linear.bias = nn.Parameter(linear.bias.detach().chunk(size)[rank].clone())
+
+
+def _bias_once(linear: nn.Linear, rank: int) -> None:
+    """A row-parallel linear's outputs are partial sums that the half's exit sums over tp, so
+    its bias is added by tp rank 0 alone: once in the sum, as Megatron's RowParallelLinear adds
+    it after the reduction. The other ranks add it times zero, so every rank's bias gets a
+    gradient (rank 0's the whole one, the others' zero) that `apply_tp` sums over tp: the
+    replicas stay equal, and every rank joins the sum."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        bias = linear.bias if rank == 0 else linear.bias * 0.0
+        return F.linear(x, linear.weight, bias)
+
+    linear.forward = forward
+
+
+def row_parallel_biases(chunk: nn.Module) -> set[str]:
+    """The biases of the row-parallel linears `apply_tp` splits in `chunk`: replicated over tp,
+    added by one rank, their gradients summed over tp (`_bias_once`)."""
+    plan = plan_of(chunk)
+    return {f"{plan.blocks}.{i}.{path}.bias" for i, block in _blocks(chunk, plan).items()
+            for path, dim in block_splits(plan, block).items()
+            if dim == 1 and getattr(block.get_submodule(path), "bias", None) is not None}
 
 
 def _wrap_half(module: nn.Module, group: ProcessGroup, rank: int,
@@ -153,16 +176,13 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
     partial = {f"{plan.blocks}.{i}.{path}" for i, block in _blocks(chunk, plan).items()
                for path in matching((n for n, _ in block.named_parameters()),
                                     plan.tp_partial_grads)}
+    if size > 1:  # added by one tp rank, their gradient summed over tp
+        partial |= row_parallel_biases(chunk)
     if sequence_parallel:  # every replicated parameter sees a shard of the tokens
         partial |= full.keys() - splits.keys()
     if size > 1:
         for block in _blocks(chunk, plan).values():
-            for path, dim in block_splits(plan, block).items():
-                _split_linear(block.get_submodule(path), dim, rank, size)
-                if sequence_parallel and dim == 0:
-                    keep_shard(block.get_submodule(path))
-            for half in plan.tp_halves:
-                _wrap_half(block.get_submodule(half), group, rank, sequence_parallel)
+            _split_block(block, plan, tp, sequence_parallel)
         enter = gather_from_sp if sequence_parallel else copy_to_tp
         tied = _tied(chunk, plan)
         for name in _vocab(chunk, plan):
@@ -193,6 +213,21 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
             else:
                 record.replicate(name, "tp", partial_grad=name in partial)
     return set(splits)
+
+
+def _split_block(block: nn.Module, plan: ModelPlan, tp: Axis, sequence_parallel: bool) -> None:
+    """One block to this rank's part: its planned linears split, its head counts divided, a
+    collective into and out of each half."""
+    for path, dim in block_splits(plan, block).items():
+        _split_linear(block.get_submodule(path), dim, tp.rank, tp.size)
+        if sequence_parallel and dim == 0:
+            keep_shard(block.get_submodule(path))
+    for attribute in plan.tp_heads:  # this rank's heads
+        owner, _, leaf = attribute.rpartition(".")
+        module = block.get_submodule(owner)
+        setattr(module, leaf, getattr(module, leaf) // tp.size)
+    for half in plan.tp_halves:
+        _wrap_half(block.get_submodule(half), tp.group, tp.rank, sequence_parallel)
 
 
 def _verify(chunk: nn.Module, full: dict[str, tuple[int, ...]], splits: dict[str, int],

@@ -25,20 +25,20 @@ DIM, HIDDEN = 8, 16
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    def __init__(self, bias: bool = False):
         super().__init__()
-        self.up = nn.Linear(DIM, HIDDEN, bias=False)
-        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+        self.up = nn.Linear(DIM, HIDDEN, bias=bias)
+        self.down = nn.Linear(HIDDEN, DIM, bias=bias)
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, bias: bool = False):
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
-        self.mlp = MLP()
+        self.mlp = MLP(bias)
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
@@ -49,11 +49,11 @@ class ResidualMLP(nn.Module):
                      tp_splits={"mlp.up": 0, "mlp.down": 1}, tp_halves=("mlp",),
                      tp_divides=("hidden",))
 
-    def __init__(self):
+    def __init__(self, bias: bool = False):
         super().__init__()
         self.args = SimpleNamespace(hidden=HIDDEN)
         self.inp = nn.Linear(4, DIM)
-        self.blocks = nn.ModuleDict({str(i): Block() for i in range(3)})
+        self.blocks = nn.ModuleDict({str(i): Block(bias) for i in range(3)})
         self.out = nn.Linear(DIM, 2)
 
     def forward(self, x):
@@ -63,15 +63,15 @@ class ResidualMLP(nn.Module):
         return self.out(h)
 
 
-def _built() -> ResidualMLP:
+def _built(bias: bool = False) -> ResidualMLP:
     torch.manual_seed(0)
-    return ResidualMLP()
+    return ResidualMLP(bias)
 
 
-def _tp_equals_one_process():
+def _tp_equals_one_process(bias: bool):
     rank, size = dist.get_rank(), dist.get_world_size()
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
-    full, model = _built(), _built()
+    full, model = _built(bias), _built(bias)
     want = full(x)
     want.square().mean().backward()
     split = apply_tp(model, Axis("tp", dist.group.WORLD, rank, size))
@@ -85,10 +85,16 @@ def _tp_equals_one_process():
     return got.detach(), want.detach(), grads, split
 
 
-def test_a_model_with_its_own_plan_trains_under_tp_as_one_process():
-    for got, want, grads, split in run_world(_tp_equals_one_process, 2):
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "biases"])
+def test_a_model_with_its_own_plan_trains_under_tp_as_one_process(bias):
+    """With biases: the column-parallel `up` splits its bias with its rows; the row-parallel
+    `down` keeps its bias whole and the sum over tp adds it once (Megatron's RowParallelLinear),
+    its gradient whole on every rank. Before, such a plan was refused inside each worker."""
+    for got, want, grads, split in run_world(_tp_equals_one_process, 2, bias):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        assert split == {f"blocks.{i}.mlp.{w}.weight" for i in range(3) for w in ("up", "down")}
+        weights = {f"blocks.{i}.mlp.{w}.weight" for i in range(3) for w in ("up", "down")}
+        assert split == weights | ({f"blocks.{i}.mlp.up.bias" for i in range(3)} if bias
+                                   else set())
         for name, (g, w) in grads.items():
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
 
