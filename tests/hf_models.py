@@ -36,6 +36,18 @@ def families():
                     {**SHAPE, "num_hidden_layers": 2, "num_local_experts": 4,
                      "num_experts_per_tok": 2, "sliding_window": None,
                      "router_jitter_noise": 0.0}),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, {**SHAPE, "head_dim": 8}),
+        # A quarter of each head rotated. Without q/k/v biases: the key bias's unrotated part
+        # has a gradient of zero (a constant added to every key's score), which leaves AdamW's
+        # step to the summation noise (Qwen2 and Starcoder2 test those biases).
+        "stablelm": (tf.StableLmConfig, tf.StableLmForCausalLM,
+                     {**SHAPE, "hidden_dropout": 0.0}),
+        "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM,  # biases everywhere
+                       {**SHAPE, "sliding_window": None, "residual_dropout": 0.0,
+                        "embedding_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0}),
+        "gpt-neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM,  # attention and MLP side by side
+                     {k: v for k, v in SHAPE.items() if k != "num_key_value_heads"}
+                     | dict(hidden_dropout=0.0, bos_token_id=0, eos_token_id=0)),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
                  dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # no random dropout

@@ -35,7 +35,8 @@ from plait.checkpoint.hf_llama import (
 from plait.checkpoint.rank_state import load_full, one_process
 from plait.config.schema import Config, ModelConfig, model_section
 from plait.model.args import ModelArgs
-from plait.model.hf import HF_PLANS, architecture, hf_name, read_config
+from plait.model.families import family_of
+from plait.model.hf import architecture, hf_name, read_config
 from plait.model.llama import build_model
 
 
@@ -53,8 +54,8 @@ def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
     tensors under transformers' names, the source folder's config.json (and
     generation_config.json)."""
     source = Path(read_meta(checkpoint)["config"]["model"]["hf"])
-    planned = architecture(read_config(source)) in HF_PLANS
-    tensors = {hf_name(n, planned): t.contiguous() for n, t in load_full(checkpoint).items()}
+    family = family_of(architecture(read_config(source)))
+    tensors = {hf_name(n, family): t.contiguous() for n, t in load_full(checkpoint).items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

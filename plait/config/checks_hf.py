@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from plait.config.schema import Config, ConfigError
 from plait.mesh import ParallelDims
+from plait.model.families import family_of
 from plait.model.hf_config import HF_PLANS, architecture, hf_args, read_config
 from plait.model.plan import tp_misfit
 
@@ -91,6 +92,11 @@ def _check_planned(dims: ParallelDims, arch: str, fields: object) -> None:
     misfit = plan and tp_misfit(plan, fields, dims.tp)
     if misfit:
         raise ConfigError("parallel.tp", misfit)
+    family = family_of(arch)
+    for key, what in (family.tp_refused.items() if family and dims.tp > 1 else ()):
+        if getattr(fields, key, False):
+            raise ConfigError("parallel.tp", f"{arch} with {key} = true ({what}) has layers "
+                              "plait's plan does not split by tp; set tp = 1")
     if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
         raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
 

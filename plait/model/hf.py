@@ -2,7 +2,8 @@
 
 `model.hf = "DIR"` names a local folder as `save_pretrained` writes it: config.json, and weights
 in safetensors (or none: a fresh init from `train.seed`). transformers builds the model; plait
-keeps its modules and runs them (`HFCausalLM`):
+keeps its modules and runs them (`HFCausalLM`), under plait's names for them (where the family
+keeps each: its `Family`, `plait/model/families/`; the Llama-shaped families' here):
 
     embed_tokens      the model's input embedding                (HF: model.embed_tokens)
     layers.{i}        its decoder layers, keyed by index         (HF: model.layers.{i})
@@ -13,10 +14,10 @@ and its forward in the three pieces a pipeline chunk needs, doing what the famil
 `*Model.forward` does for a batch of whole sequences without padding or cache: embed, positions
 0..s-1 and their rotary (cos, sin) from the model's own `rotary_emb`, each decoder layer as the
 model calls it (no mask: transformers' SDPA attention is then causal), the norm, the head.
-Parameter names are transformers' without the leading `model.`; `hf_name` adds it back.
+`hf_name` gives a parameter's transformers name back.
 
-The family's plan (`HF_PLANS`, by the config's architecture) says how the parallelisms cut it.
-A family with no plan (GPT-2, ...) trains as a plain module: DDP and ZeRO-1/2/3.
+The family's plan says how the parallelisms cut it. A family with no plan (GPT-2, ...) trains
+as a plain module: DDP and ZeRO-1/2/3.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from plait.model.documents import Documents
+from plait.model.families import Family, family_of
 from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-free, re-exported)
     HF_PLANS,
     architecture,
@@ -36,7 +38,6 @@ from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-
     read_config,
 )
 from plait.model.materialize import SafetensorsFile, Stacked, params_on_meta
-from plait.model.plan import ModelPlan
 
 ATTENTION = "plait"  # the name of plait's entry in transformers' AttentionInterface
 
@@ -72,18 +73,18 @@ def arange_positions(seq_len: int, device) -> torch.Tensor:
 
 
 class HFCausalLM(nn.Module):
-    """A transformers `*ForCausalLM` of a planned family, its modules under plait's plan. forward:
-    (b, s) token ids -> (b, s, vocab) logits."""
+    """A transformers `*ForCausalLM` of a planned family, its modules under plait's names and
+    plan (`Family`: where the family keeps each piece). forward: (b, s) token ids -> (b, s,
+    vocab) logits."""
 
-    def __init__(self, hf: nn.Module, plan: ModelPlan):
+    def __init__(self, hf: nn.Module, family: Family):
         super().__init__()
-        inner = hf.model
-        self.plan, self.args = plan, hf.config
-        self.embed_tokens = inner.embed_tokens
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(inner.layers)})
-        self.norm = inner.norm
-        self.lm_head = hf.lm_head
-        self.rotary_emb = inner.rotary_emb
+        self.family, self.plan, self.args = family, family.plan, hf.config
+        for mine, theirs in family.modules.items():
+            module = hf.get_submodule(theirs)
+            if mine == "layers":
+                module = nn.ModuleDict({str(i): layer for i, layer in enumerate(module)})
+            setattr(self, mine, module)
         self.positions = arange_positions
         # Attention through plait's entry (transformers' own SDPA until a kernel is put in).
         from transformers import AttentionInterface
@@ -97,7 +98,9 @@ class HFCausalLM(nn.Module):
         self.loss_function = hf.loss_function  # the family's own (transformers' LOSS_MAPPING)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(tokens)
+        h = self.embed_tokens(tokens)
+        dropout = getattr(self, "embed_dropout", None)  # the family's, where its model has one
+        return h if dropout is None else dropout(h)
 
     def block_args(self, h: torch.Tensor, seq_len: int,
                    documents: Documents | None = None) -> dict:
@@ -183,11 +186,10 @@ class PlainCausalLM(nn.Module):
         return out.logits if labels is None else out
 
 
-def hf_name(name: str, planned: bool) -> str:
-    """transformers' state-dict name of a parameter of `HFCausalLM` / `PlainCausalLM`."""
-    if not planned:
-        return name.removeprefix("hf.")
-    return name if name.startswith("lm_head.") else f"model.{name}"
+def hf_name(name: str, family: Family | None) -> str:
+    """transformers' state-dict name of a parameter of `HFCausalLM` (of `family`) or of
+    `PlainCausalLM` (None)."""
+    return name.removeprefix("hf.") if family is None else family.hf_name(name)
 
 
 def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu",
@@ -198,8 +200,8 @@ def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu
     alone; `weights=False`: the modules only, as `load_hf_sharded` builds them); wrapped for
     plait: `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
     hf = transformers_model(folder, seed, device, weights)
-    plan = HF_PLANS.get(architecture(hf.config.to_dict()))
-    return HFCausalLM(hf, plan) if plan is not None else PlainCausalLM(hf)
+    family = family_of(architecture(hf.config.to_dict()))
+    return HFCausalLM(hf, family) if family is not None else PlainCausalLM(hf)
 
 
 def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
@@ -213,9 +215,9 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
         return None
     with params_on_meta():
         model = load_hf(folder, 0, device, weights=False)
-    planned = isinstance(model, HFCausalLM)
+    family = model.family if isinstance(model, HFCausalLM) else None
     source = SafetensorsFile(folder, None, device)
-    keys = {name: file_key(hf_name(name, planned), source.where) for name, _ in
+    keys = {name: file_key(hf_name(name, family), source.where) for name, _ in
             model.named_parameters()}
     source.rename = keys.__getitem__
     for name, p in model.named_parameters():

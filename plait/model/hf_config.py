@@ -1,8 +1,8 @@
 """A Hugging Face model folder's config.json, read without torch: its architecture, its shape
-as plait's `ModelArgs`, and the plans of the families plait splits (`HF_PLANS`). The checks that
-refuse a bad `model.hf` read only this module (and safetensors' headers), so a refusal takes a
-fraction of a second, not the seconds of importing torch and transformers' models
-(`plait/model/hf.py` builds and runs the model)."""
+as plait's `ModelArgs`, and the plans of the families plait splits (`HF_PLANS`, from
+`plait/model/families/`). The checks that refuse a bad `model.hf` read only this module (and
+safetensors' headers), so a refusal takes a fraction of a second, not the seconds of importing
+torch and transformers' models (`plait/model/hf.py` builds and runs the model)."""
 
 from __future__ import annotations
 
@@ -10,51 +10,10 @@ import json
 from pathlib import Path
 
 from plait.model.args import ModelArgs
-from plait.model.plan import ModelPlan
+from plait.model.families import FAMILIES
 
-# transformers' decoder layer, dense (Llama, Mistral, Qwen2, Qwen3): attention q/k/v split by
-# heads (rows; with their biases, Qwen2) -> o by heads (columns); the SwiGLU MLP's gate/up by
-# hidden units (rows) -> down (columns). Qwen3's q_norm / k_norm act per head: replicated.
-_LLAMA_LIKE = dict(
-    blocks="layers",
-    first=("embed_tokens",),
-    last=("norm", "lm_head"),
-    shared=("rotary_emb", "positions", "loss_function"),
-    hidden_size="hidden_size",
-    vocab_size="vocab_size",
-    tp_splits={
-        "self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
-        "self_attn.o_proj": 1, "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1,
-    },
-    tp_halves=("self_attn", "mlp"),
-    tp_divides=("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                "vocab_size"),
-    vocab_embedding="embed_tokens",
-    vocab_head="lm_head",
-    attention_core="self_attn.core",
-    positions="positions",
-    recompute=("input_layernorm", "post_attention_layernorm", "mlp.act_fn"),
-)
-
-HF_PLANS = {
-    arch: ModelPlan(family=family, **_LLAMA_LIKE)
-    for arch, family in (("LlamaForCausalLM", "hf-llama"), ("MistralForCausalLM", "hf-mistral"),
-                         ("Qwen2ForCausalLM", "hf-qwen2"), ("Qwen3ForCausalLM", "hf-qwen3"))
-}
-# Mixtral: the same attention; the feed-forward a mixture of experts (`mlp`: a top-k router
-# `mlp.gate` and the experts `mlp.experts`, their weights stacked by expert), which expert
-# parallelism splits by expert. tp splits the attention alone: the mixture runs whole on each
-# tp rank (its gradients are then whole there too; under sp each rank's token shard's part).
-HF_PLANS["MixtralForCausalLM"] = ModelPlan(
-    family="hf-mixtral",
-    **{**_LLAMA_LIKE,
-       "tp_splits": {k: v for k, v in _LLAMA_LIKE["tp_splits"].items()
-                     if k.startswith("self_attn.")},
-       "tp_halves": ("self_attn",),
-       "tp_divides": ("num_attention_heads", "num_key_value_heads", "vocab_size"),
-       "recompute": ("input_layernorm", "post_attention_layernorm")},
-    moe_experts="mlp.experts",
-)
+# The plans of the families plait splits, by architecture (`plait/model/families/`).
+HF_PLANS = {arch: family.plan for arch, family in FAMILIES.items()}
 
 
 def read_config(folder: str | Path) -> dict:

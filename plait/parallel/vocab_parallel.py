@@ -33,7 +33,8 @@ def vocab_range(vocab_size: int, group: ProcessGroup) -> tuple[int, int]:
 class VocabParallelEmbedding(nn.Module):
     """Each rank looks up the tokens in its rows (zeros for the others); the partial embeddings are
     summed across `tp` (all-reduce, or reduce-scatter to sequence shards under sequence
-    parallelism)."""
+    parallelism). An embedding that scales what it looks up (Gemma's by sqrt(hidden): a buffer
+    `embed_scale`) is scaled so after the sum."""
 
     def __init__(self, full: nn.Embedding, tp: Axis, sequence_parallel: bool):
         super().__init__()
@@ -41,14 +42,18 @@ class VocabParallelEmbedding(nn.Module):
         per = full.num_embeddings // tp.size
         self.start, self.end = tp.rank * per, (tp.rank + 1) * per
         self.weight = nn.Parameter(full.weight.detach()[self.start : self.end].clone())
+        scale = getattr(full, "embed_scale", None)
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
         partial = embedding(local, self.weight).masked_fill(outside[..., None], 0.0)  # (b, s, h)
         if self.sequence_parallel:
-            return reduce_scatter_to_sp(partial, self.group)  # (b, s / T, h)
-        return reduce_from_tp(partial, self.group)
+            whole = reduce_scatter_to_sp(partial, self.group)  # (b, s / T, h)
+        else:
+            whole = reduce_from_tp(partial, self.group)
+        return whole if self.embed_scale is None else whole * self.embed_scale.to(whole.dtype)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

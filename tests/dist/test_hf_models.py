@@ -23,7 +23,8 @@ from hf_models import hf_config, train_reference, write_model
 from training import assert_params_close, run_steps
 
 from plait.train.checks import validate
-from plait.model.hf import hf_name
+from plait.model.families import family_of
+from plait.model.hf import architecture, hf_name, read_config
 from plait.planner.price import estimate
 from plait.planner.hardware import DEVICES, Cluster
 from plait.train.dry_run import describe_rank
@@ -47,10 +48,15 @@ ROWS = [
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),
     ("mixtral-tp2", "mixtral", 2, ["parallel.tp=2"]),
     ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
+    # The other planned families (`plait/model/families/`): each under tp2 + sp with pp2, and
+    # under ZeRO-3.
+    *[row for family in ("mistral", "gemma", "stablelm", "starcoder2", "gpt-neox") for row in (
+        (f"{family}-pp2-tp2-sp", family, 4, ["parallel.pp=2", "parallel.tp=2",
+                                             "parallel.sequence_parallel=true"]),
+        (f"{family}-zero3", family, 2, ["parallel.zero=3"]))],
     ("gemma2-zero3-eager-attention", "gemma2", 2, ["parallel.zero=3"]),
     ("bloom-dp2-alibi", "bloom", 2, []),
 ]
-NO_PLAN = {"gpt2", "gemma2", "bloom"}
 # Document masking (`data.document_mask`) on a corpus of short documents, against transformers'
 # packed sequences (its mask made from the positions, which restart at each document).
 DOCUMENT_ROWS = [
@@ -59,6 +65,7 @@ DOCUMENT_ROWS = [
     ("llama-documents-cp2-ring", "llama", 2, ["parallel.cp=2"]),
     ("qwen3-documents-cp2-ulysses", "qwen3", 2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
 ]
+LLAMA = family_of("LlamaForCausalLM")
 # The cost formulas price plait's own mixture of experts; transformers' experts' all-to-alls
 # depend on its routing and are not in them.
 NO_FORMULA = {"mixtral"}
@@ -97,7 +104,7 @@ def test_hf_model_in_bf16_tracks_transformers_in_one_process(folders):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-3, atol=0)
         for name, p in r["params"].items():
-            want = _held(ref["params"][hf_name(name, True)], r["placements"][name])
+            want = _held(ref["params"][hf_name(name, LLAMA)], r["placements"][name])
             assert (p.float() - want.float()).abs().mean() <= 3e-4, name
 
 
@@ -138,7 +145,7 @@ def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
     model state and activations as predicted."""
     results = run_world(run_steps, ranks, cfg, STEPS, timeout=240)
     dims = validate(cfg, ranks)
-    planned = family not in NO_PLAN
+    planned = family_of(architecture(read_config(cfg.model.hf)))  # None: no plan
     seen, measured, traced = set(), {}, {}
     for r in results:
         # What `plait train --dry-run` says of this rank from one process, on `meta`.

@@ -17,7 +17,8 @@ from training import held_params, tiny_config
 from plait.train.checks import validate
 from plait.mesh import build_mesh
 from plait.model import build_configured
-from plait.model.hf import hf_name
+from plait.model.families import family_of
+from plait.model.hf import architecture, hf_name, read_config
 from plait.model.llama import BLOCK
 from plait.train.trainer import Trainer
 
@@ -70,5 +71,6 @@ def test_a_hugging_face_folder_is_read_by_slices(tmp_path, family, ranks, overri
     cfg = hf_config(folder, *overrides)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     results = run_world(_built, ranks, cfg)
-    whole = {hf: reference[hf_name(hf, True)] for held in results for hf in held}
+    family = family_of(architecture(read_config(folder)))
+    whole = {hf: reference[hf_name(hf, family)] for held in results for hf in held}
     _check(results, whole)

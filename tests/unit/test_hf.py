@@ -87,7 +87,8 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
 
 # -- model.hf: the transformers modules themselves ------------------------------------------------
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "stablelm", "starcoder2",
+            "gpt-neox", "gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,32 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
     tokens = _tokens(256)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(input_ids=tokens).logits,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma", "stablelm", "starcoder2", "gpt-neox", "mixtral"])
+def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_folders, family,
+                                                                            tmp_path, capsys):
+    """`plait convert --to hf` of a `model.hf` checkpoint: transformers loads the folder with no
+    missing, unexpected or mismatched key, and computes the checkpoint's logits (the weights
+    moved off the source folder's first, so the export cannot pass by copying it). GPT-NeoX's
+    pieces live under `gpt_neox.`, the others' under `model.` (`Family.modules`)."""
+    from plait.model.hf import load_hf
+
+    folder = hf_folders[family]
+    model = load_hf(folder).eval()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)), alpha=0.01)
+    _checkpoint_of(model, load_config(None, [f"model.hf='{folder}'"]), tmp_path / "ck")
+    cli.main(["convert", "--to", "hf", str(tmp_path / "hf"), str(tmp_path / "ck")])
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True, dtype=torch.float32,
+        attn_implementation="sdpa")
+    assert not any(info.values()), info
+    tokens = _tokens(256)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(input_ids=tokens).logits, model(tokens),
                                    rtol=0, atol=0)
 
 
@@ -175,6 +202,10 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     window = write_model(tmp_path / "window", "mistral", sliding_window=16)
     assert _refusal(f"model.hf='{window}'", "data.seq_len=32").startswith(
         "data.seq_len: 32 exceeds the model's sliding window (16)")
+    per_head = write_model(tmp_path / "qk", "stablelm", qk_layernorm=True)
+    assert _refusal(f"model.hf='{per_head}'", "parallel.tp=2", nproc=2) == \
+        "parallel.tp: StableLmForCausalLM with qk_layernorm = true (a LayerNorm per head for " \
+        "queries and keys) has layers plait's plan does not split by tp; set tp = 1"
 
 
 def test_a_folder_that_is_not_a_causal_lm_is_refused_in_one_line(tmp_path):
