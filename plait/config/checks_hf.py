@@ -33,6 +33,13 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
     if not early:
         arch = arch or config.model_type
         _check_planned(dims, arch, config)
+    if cfg.model.attention == "sdpa":
+        # here, not at the top: transformers' modeling classes import torch, only for this key
+        from plait.model.hf import supports_sdpa
+
+        if not supports_sdpa(config):
+            raise ConfigError("model.attention", f"transformers computes {arch} with its own "
+                              "attention only (no SDPA); use 'auto' or 'eager'")
     plan = HF_PLANS.get(arch)
     if plan is not None and cfg.parallel.wrap:
         raise ConfigError("parallel.wrap", f"{arch}'s plait plan makes its ZeRO-3 units (one "

@@ -42,6 +42,9 @@ class ModelConfig:
     preset: str = "tiny"
     overrides: dict[str, Any] = field(default_factory=dict)
     hf: str = ""
+    # The Hugging Face model's attention: "auto" (SDPA where transformers has it for the family,
+    # else the family's own eager attention), "sdpa" or "eager".
+    attention: str = "auto"
 
     def args(self) -> ModelArgs:
         if self.hf:
@@ -180,7 +183,8 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
         model = out.pop("model")
-        out["model"] = {"hf": model["hf"]} if model["hf"] else \
+        chosen = {} if model["attention"] == "auto" else {"attention": model["attention"]}
+        out["model"] = {"hf": model["hf"], **chosen} if model["hf"] else \
             {"preset": model["preset"], **model["overrides"]}
         out["checkpoint"][ASYNC] = out["checkpoint"].pop("async_")
         return out
@@ -281,16 +285,26 @@ def _section(name: str, values: dict[str, Any]):
                   for k, v in values.items()})
 
 
+ATTENTIONS = ("auto", "sdpa", "eager")  # model.attention
+
+
 def model_section(values: dict[str, Any]) -> ModelConfig:
     """The `model` section from its keys (a file's, or a checkpoint's plait.json)."""
     if "hf" in values:
-        hf, others = values["hf"], sorted(k for k in values if k != "hf")
+        hf, others = values["hf"], sorted(k for k in values if k not in ("hf", "attention"))
         if not isinstance(hf, str) or not hf:
             raise ConfigError("model.hf", "the path of a Hugging Face model folder, as a string")
         if others:
             raise ConfigError(f"model.{others[0]}", "the folder's config.json decides the model "
                               "with model.hf; drop this key")
-        return ModelConfig(hf=hf)
+        attention = values.get("attention", ModelConfig.attention)
+        if attention not in ATTENTIONS:
+            raise ConfigError("model.attention", f"one of {', '.join(ATTENTIONS)}, not "
+                              f"{attention!r}")
+        return ModelConfig(hf=hf, attention=attention)
+    if "attention" in values:
+        raise ConfigError("model.attention", "chooses a Hugging Face model's attention (with "
+                          "model.hf); plait's Llama computes its own: drop this key")
     preset = values.get("preset", ModelConfig.preset)
     if preset not in PRESETS:
         raise ConfigError("model.preset", f"unknown preset '{preset}'; one of {', '.join(PRESETS)}")

@@ -18,21 +18,24 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'plait.model' has no attribute {name!r}")
 
 
-def build_configured(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
+def build_configured(args: ModelArgs, seed: int, device="cpu", hf: str = "",
+                     attention: str = "auto"):
     """The model a configuration names, whole: plait's Llama of `args`, or the Hugging Face
-    folder `hf` (`plait/model/hf.py`; on `meta`: shapes alone), initialised from `seed`."""
+    folder `hf` (`plait/model/hf.py`; on `meta`: shapes alone; with `attention`, model.attention),
+    initialised from `seed`."""
     if hf:
         # here, not at the top: plait.model's package and shapes are read by the torch-free checks
         from plait.model.hf import load_hf
 
-        return load_hf(hf, seed, device)
+        return load_hf(hf, seed, device, attention=attention)
     # here, not at the top: plait.model's package and shapes are read by the torch-free checks
     from plait.model.llama import build_model
 
     return build_model(args, seed, device)
 
 
-def build_sharded(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
+def build_sharded(args: ModelArgs, seed: int, device="cpu", hf: str = "",
+                  attention: str = "auto"):
     """(the model `build_configured` builds, with its parameters on `meta`, the `Source` each
     rank materializes its parts from: `parallelize` does, after cutting it), for a model no rank
     holds whole (`plait.model.materialize`). A Hugging Face folder whose weights cannot be read
@@ -45,7 +48,8 @@ def build_sharded(args: ModelArgs, seed: int, device="cpu", hf: str = ""):
         # here, not at the top: plait.model's package and shapes are read by the torch-free checks
         from plait.model.hf import load_hf_sharded
 
-        return load_hf_sharded(hf, device) or (build_configured(args, seed, device, hf), None)
+        return load_hf_sharded(hf, device, attention) or \
+            (build_configured(args, seed, device, hf, attention), None)
     return build_model(args, seed, "meta"), NamedInit(seed, args.n_layers, device)
 
 

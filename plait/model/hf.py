@@ -57,6 +57,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     documents = attention_mask if isinstance(attention_mask, Documents) else None
     if core is None:
         mask = attention_mask if documents is None else documents.additive(query.dtype)
+        if getattr(module.config, "plait_inner_attention", "sdpa") == "eager":
+            return _eager(module, query, key, value, mask, dropout, scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     if (attention_mask is not None and documents is None) or dropout or \
@@ -65,6 +67,24 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                          "under data.document_mask) scaled by 1/sqrt(head_dim), without dropout")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     return (core(q, k, v) if documents is None else core(q, k, v, documents)), None
+
+
+def _eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           mask: torch.Tensor | None, dropout: float, scaling: float | None, **kwargs):
+    """The family's own eager attention (its modeling module's `eager_attention_forward`), with
+    the causal mask it needs as an additive one (SDPA's is implied where there is none, or a
+    boolean one: True where a query sees a key), (batch or 1, 1, queries, keys)."""
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    s_q, s_k = query.shape[-2], key.shape[-2]
+    if mask is None:
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device)
+        mask = mask.tril(s_k - s_q)[None, None]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device) \
+            .masked_fill(~mask, float("-inf"))
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def arange_positions(seq_len: int, device) -> torch.Tensor:
@@ -94,6 +114,9 @@ class HFCausalLM(nn.Module):
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
         AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # plait's entry takes SDPA's masks
+        # What plait's entry computes without a kernel put in: the attention transformers was
+        # given (model.attention).
+        hf.config.plait_inner_attention = hf.config._attn_implementation
         hf.config._attn_implementation = ATTENTION
         self.loss_function = hf.loss_function  # the family's own (transformers' LOSS_MAPPING)
 
@@ -193,18 +216,19 @@ def hf_name(name: str, family: Family | None) -> str:
 
 
 def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu",
-            weights: bool = True) -> nn.Module:
-    """The model in `folder` as transformers builds it (float32, SDPA attention where the family
-    has it: `attention_of`), weights from
-    its safetensors or, with none, initialised by transformers from `seed` (on `meta`: shapes
-    alone; `weights=False`: the modules only, as `load_hf_sharded` builds them); wrapped for
-    plait: `HFCausalLM` when its family has a plan, else `PlainCausalLM`."""
-    hf = transformers_model(folder, seed, device, weights)
+            weights: bool = True, attention: str = "auto") -> nn.Module:
+    """The model in `folder` as transformers builds it (float32, the `attention` model.attention
+    chooses: `attention_of`), weights from its safetensors or, with none, initialised by
+    transformers from `seed` (on `meta`: shapes alone; `weights=False`: the modules only, as
+    `load_hf_sharded` builds them); wrapped for plait: `HFCausalLM` when its family has a plan,
+    else `PlainCausalLM`."""
+    hf = transformers_model(folder, seed, device, weights, attention)
     family = family_of(architecture(hf.config.to_dict()))
     return HFCausalLM(hf, family) if family is not None else PlainCausalLM(hf)
 
 
-def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
+def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu",
+                    attention: str = "auto"):
     """(the model of `folder` with its parameters on `meta` and its buffers on `device`, the
     `SafetensorsFile` its ranks materialize their parts from), or None where that cannot be
     done: a folder with no weights (transformers initialises a fresh model whole), or one whose
@@ -214,7 +238,7 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu"):
     if not has_weights(folder):
         return None
     with params_on_meta():
-        model = load_hf(folder, 0, device, weights=False)
+        model = load_hf(folder, 0, device, weights=False, attention=attention)
     family = model.family if isinstance(model, HFCausalLM) else None
     source = SafetensorsFile(folder, None, device)
     keys = {name: file_key(hf_name(name, family), source.where) for name, _ in
@@ -253,19 +277,25 @@ def file_key(key: str, present) -> str | Stacked:
     return key
 
 
-def attention_of(config) -> str:
-    """The attention transformers computes the family with: SDPA where its class supports it
-    (every planned family; plait's own entry wraps it, `HFCausalLM`), else the family's eager
-    attention (Gemma2's soft-capped scores, BLOOM's ALiBi: transformers refuses SDPA for them)."""
+def attention_of(config, choice: str = "auto") -> str:
+    """The attention transformers computes the family with (`model.attention`): "auto", SDPA
+    where its class supports it (every planned family), else the family's eager attention
+    (Gemma2's soft-capped scores, BLOOM's ALiBi: transformers refuses SDPA for them); or the
+    `choice` given. For a planned family plait's own entry calls it (`HFCausalLM`, `attention`)."""
+    return choice if choice != "auto" else "sdpa" if supports_sdpa(config) else "eager"
+
+
+def supports_sdpa(config) -> bool:
+    """Whether transformers computes the family of `config` with SDPA."""
     # here, not at the top: transformers only for a Hugging Face model
     from transformers import AutoModelForCausalLM
 
     family = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return "sdpa" if getattr(family, "_supports_sdpa", True) else "eager"
+    return getattr(family, "_supports_sdpa", True)
 
 
-def transformers_model(folder: str | Path, seed: int = 0,
-                       device: torch.device | str = "cpu", weights: bool = True) -> nn.Module:
+def transformers_model(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu",
+                       weights: bool = True, attention: str = "auto") -> nn.Module:
     """The `*ForCausalLM` of `folder` as transformers builds it, unwrapped (`load_hf`)."""
     # here, not at the top: transformers only for a Hugging Face model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -273,7 +303,7 @@ def transformers_model(folder: str | Path, seed: int = 0,
 
     logging.disable_progress_bar()  # one bar per worker per load is noise
     config = AutoConfig.from_pretrained(folder)
-    kwargs = dict(dtype=torch.float32, attn_implementation=attention_of(config))
+    kwargs = dict(dtype=torch.float32, attn_implementation=attention_of(config, attention))
     if torch.device(device).type == "meta":  # shapes alone (--dry-run): nothing read or drawn
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config, **kwargs)

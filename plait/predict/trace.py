@@ -202,7 +202,8 @@ def model_flops(cfg) -> float:
     of `cfg` (a `plait.config.schema.Config`), without recomputation or what a layout repeats on
     several ranks. Raises `Untraceable` where the step reads values."""
 
-    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
+    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf,
+                            cfg.model.attention)
     with FakeTensorMode() as mode:
         model = fake_module(meta, "cpu", mode)
         tokens = torch.zeros(cfg.train.global_batch, cfg.data.seq_len, dtype=torch.int64)
@@ -255,7 +256,8 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
     documents under `data.document_mask`: the masks' shapes, whatever their values)."""
 
     M = microbatches(cfg.parallel, dims)
-    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
+    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf,
+                            cfg.model.attention)
     with fake_world(rank, dims.world_size):
         mesh = build_mesh(dims, torch.device(device).type)
         with FakeTensorMode() as mode:

@@ -36,7 +36,8 @@ def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
     coords = dims.coords(rank)
     axes = {a: Axis.dry(a, coords[a], getattr(dims, a)) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    model = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf)
+    model = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf,
+                             cfg.model.attention)
     chunks, _, record = place(model, axes, cfg.parallel, microbatches(cfg.parallel, dims),
                               cfg.train.activation_checkpointing)
     layouts = cost.chunk_layouts(chunks)

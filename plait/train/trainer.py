@@ -48,7 +48,8 @@ from plait.train.verify import Verdict, held_as_the_layout, verify_step
 def build_configured_model(cfg: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The model `cfg.model` names, whole, on `device`: plait's Llama of a preset, or the Hugging
     Face folder `model.hf` (`plait/model/hf.py`), both initialised from `train.seed`."""
-    return build_configured(cfg.model.args(), cfg.train.seed, device, cfg.model.hf)
+    return build_configured(cfg.model.args(), cfg.train.seed, device, cfg.model.hf,
+                            cfg.model.attention)
 
 
 class NonFiniteGradient(RuntimeError):
@@ -81,7 +82,8 @@ class Trainer:
         # step is over (`train_step`).
         self._steady = device.type != "cpu" or not release_freed_memory()
         # On `meta`: each rank materializes only what it holds, once the model is cut.
-        model, source = build_sharded(args, cfg.train.seed, device, cfg.model.hf)
+        model, source = build_sharded(args, cfg.train.seed, device, cfg.model.hf,
+                                      cfg.model.attention)
         # --verify: the whole model, for one step of a single process to compare with, its
         # parameters held as the layout holds its own.
         held = held_precision(cfg.train.precision, cfg.train.param_dtype, cfg.parallel.zero)

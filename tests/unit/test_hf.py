@@ -142,6 +142,31 @@ def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_f
                                    rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt-neox"])
+def test_model_attention_eager_computes_the_familys_eager_attention(hf_folders, family):
+    """`model.attention = "eager"`: a planned family's attention runs through plait's entry
+    (where context parallelism puts its kernel) into the family's own eager function, with the
+    causal mask SDPA implies made explicit; the logits equal transformers' eager model's, and
+    its SDPA model's to float rounding. With documents, each attends within its own."""
+    from plait.model.documents import Documents
+    from plait.model.hf import load_hf
+
+    model = load_hf(hf_folders[family], attention="eager").eval()
+    assert model.args.plait_inner_attention == "eager"
+    eager, sdpa = (transformers.AutoModelForCausalLM.from_pretrained(
+        hf_folders[family], dtype=torch.float32, attn_implementation=a).eval()
+        for a in ("eager", "sdpa"))
+    tokens = _tokens(256)
+    with torch.no_grad():
+        got = model(tokens)
+        torch.testing.assert_close(got, eager(input_ids=tokens).logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, sdpa(input_ids=tokens).logits, rtol=1e-5, atol=1e-5)
+        ids = torch.tensor([[0] * 5 + [1] * 19] * tokens.shape[0])  # two documents per row
+        split = model(tokens, documents=Documents.whole(ids))
+        second = eager(input_ids=tokens[:, 5:]).logits  # the second document alone
+        torch.testing.assert_close(split[:, 5:], second, rtol=1e-5, atol=1e-5)
+
+
 def test_zero3_units_of_a_family_without_a_plan_are_its_decoder_layers(hf_folders):
     """A transformers family plait has no plan for gets ZeRO-3 units by the classes it names in
     `_no_split_modules` (GPT-2's `GPT2Block`: one unit per layer, not the whole model gathered
@@ -202,6 +227,15 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     window = write_model(tmp_path / "window", "mistral", sliding_window=16)
     assert _refusal(f"model.hf='{window}'", "data.seq_len=32").startswith(
         "data.seq_len: 32 exceeds the model's sliding window (16)")
+    assert _refusal(f"model.hf='{hf_folders['gpt2']}'", "model.attention=flash") == \
+        "model.attention: one of auto, sdpa, eager, not 'flash'"
+    assert _refusal("model.attention=eager") == \
+        "model.attention: chooses a Hugging Face model's attention (with model.hf); plait's " \
+        "Llama computes its own: drop this key"
+    bloom = write_model(tmp_path / "bloom", "bloom")
+    assert _refusal(f"model.hf='{bloom}'", "model.attention=sdpa", nproc=1) == \
+        "model.attention: transformers computes BloomForCausalLM with its own attention only " \
+        "(no SDPA); use 'auto' or 'eager'"
     per_head = write_model(tmp_path / "qk", "stablelm", qk_layernorm=True)
     assert _refusal(f"model.hf='{per_head}'", "parallel.tp=2", nproc=2) == \
         "parallel.tp: StableLmForCausalLM with qk_layernorm = true (a LayerNorm per head for " \
