@@ -10,7 +10,7 @@ from pathlib import Path
 
 from plait.checkpoint import BadMeta, find, read_meta
 from plait.config.schema import Config, ConfigError, model_section
-from plait.model.args import ModelArgs
+from plait.model.shape import Shape
 
 
 def check_checkpoint(cfg: Config) -> None:
@@ -39,8 +39,8 @@ def check_checkpoint(cfg: Config) -> None:
     except BadMeta as e:
         raise ConfigError("checkpoint.resume", f"{e}; resume from a checkpoint you trust, or set "
                           "checkpoint.resume='never'") from None
-    ours = _weights_signature(cfg.model.args())
-    differ = {k: v for k, v in _weights_signature(held.args()).items() if ours[k] != v}
+    ours = _weights_signature(cfg.model.shape())
+    differ = {k: v for k, v in _weights_signature(held.shape()).items() if ours[k] != v}
     if differ:
         key, value = next(iter(differ.items()))
         raise ConfigError("checkpoint.resume", f"{source} holds a model with {key}={value}, "
@@ -57,8 +57,8 @@ def check_checkpoint(cfg: Config) -> None:
                           "or set checkpoint.resume='never'") from None
 
 
-def _weights_signature(args: ModelArgs) -> dict:
+def _weights_signature(shape: Shape) -> dict:
     """What a checkpoint's weights fix: their shapes, and the numbers the forward uses them with."""
-    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
-            "rope_theta")
-    return {k: getattr(args, k) for k in keys}
+    keys = ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab", "ffn", "experts",
+            "norm_eps", "rope_theta")
+    return {k: getattr(shape, k) for k in keys}

@@ -29,6 +29,7 @@ from plait.mesh import AXES, ParallelDims, dp_per_node, ranks_per_node
 from plait.model.args import ModelArgs
 from plait.model.llama_plan import LLAMA
 from plait.model.plan import tp_misfit
+from plait.model.shape import Shape
 
 
 def check_layout(cfg: Config, world_size: int) -> ParallelDims:
@@ -46,9 +47,9 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
             f"tp={dims.tp}" + (f" x cp={dims.cp}" if dims.cp > 1 else "") + " must divide "
             f"data.seq_len={cfg.data.seq_len} to split the sequence",
         )
-    _check_pipeline(cfg, dims, args)
+    _check_pipeline(cfg, dims, cfg.model.shape())
     dims = _check_hybrid(cfg.parallel, dims)
-    _check_context(cfg, dims, args)
+    _check_context(cfg, dims, cfg.model.shape())
     _check_moe(cfg, dims, args)
     _check_parallel(cfg.parallel, cfg.train.precision)
     if cfg.parallel.wrap and not cfg.model.hf:
@@ -103,7 +104,7 @@ def _resolve_dims(par: ParallelConfig, world_size: int) -> ParallelDims:
     return ParallelDims(**{a: getattr(par, a) for a in AXES if a != "dp"}, dp=dp)
 
 
-def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+def _check_pipeline(cfg: Config, dims: ParallelDims, shape: Shape) -> None:
     par = cfg.parallel
     if par.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule",
@@ -126,12 +127,12 @@ def _check_pipeline(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
             raise ConfigError("parallel.microbatches", f"interleaved needs a multiple of pp="
                               f"{dims.pp} micro-batches (got {m}) and pp_virtual >= 1")
         chunks *= par.pp_virtual
-    if args.n_layers < chunks:
+    if shape.layers < chunks:
         raise ConfigError("parallel.pp", f"{chunks} pipeline chunks need >= {chunks} layers")
     split = par.pp_split
-    if split and (len(split) != chunks or sum(split) != args.n_layers or min(split) < 1):
+    if split and (len(split) != chunks or sum(split) != shape.layers or min(split) < 1):
         raise ConfigError("parallel.pp_split", f"{chunks} positive layer counts summing to "
-                          f"n_layers={args.n_layers}, got {split}")
+                          f"the model's {shape.layers} layers, got {split}")
 
 
 def _check_hybrid(par: ParallelConfig, dims: ParallelDims) -> ParallelDims:
@@ -262,14 +263,14 @@ def _check_moe(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         raise ConfigError(*why)
 
 
-def _check_context(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+def _check_context(cfg: Config, dims: ParallelDims, shape: Shape) -> None:
     par, seq, C = cfg.parallel, cfg.data.seq_len, dims.cp
     if par.cp_method not in CP_METHODS:
         raise ConfigError("parallel.cp_method", f"one of {', '.join(CP_METHODS)}; got "
                           f"'{par.cp_method}'")
     if C == 1:
         return
-    heads = args.n_heads // dims.tp
+    heads = shape.heads // dims.tp
     why = None
     if par.cp_method == "ring" and seq % (2 * C):
         why = ("data.seq_len", f"ring attention cuts each sequence into 2 x cp = {2 * C} equal "
@@ -280,9 +281,9 @@ def _check_context(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
                f"not a multiple of {C}")
     elif par.cp_method == "ulysses" and heads % C:
         why = ("parallel.cp", f"Ulysses splits the {heads} attention heads of each tp rank "
-               f"(n_heads={args.n_heads} / tp={dims.tp}) over cp={C}, which must divide them; "
+               f"({shape.heads} heads / tp={dims.tp}) over cp={C}, which must divide them; "
                "use cp_method = 'ring'")
-    elif args.moe_experts:
+    elif shape.experts:
         why = ("parallel.cp", "context parallelism with a mixture of experts is not supported "
                "yet; set cp = 1 or model.moe_experts = 0")
     elif dims.shard < dims.dp:

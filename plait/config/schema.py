@@ -17,7 +17,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from plait.mesh import AXES, ParallelDims  # noqa: F401 - AXES is re-exported
 from plait.model.args import PRESETS, ModelArgs
-from plait.model.hf_config import hf_args, read_config
+from plait.model.hf_config import hf_args, hf_shape, read_config
+from plait.model.shape import Shape
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,10 +48,43 @@ class ModelConfig:
     attention: str = "auto"
 
     def args(self) -> ModelArgs:
+        """plait's Llama's sizes (a Hugging Face model's, read into the same fields)."""
         if self.hf:
-
             return hf_args(read_config(self.hf))
         return dataclasses.replace(PRESETS[self.preset], **self.overrides)
+
+    def shape(self) -> Shape:
+        """What the formulas read of the model, whichever family (`plait/model/shape.py`)."""
+        if self.hf:  # read once per folder and version of its config.json
+            return _hf_shape(self.hf, (Path(self.hf) / "config.json").stat().st_mtime_ns)
+        return Shape.of_llama(self.args())
+
+    def key(self) -> tuple:
+        """The model this section names, hashable (for what builds it once per model)."""
+        return (self.preset, tuple(sorted(self.overrides.items())), self.hf, self.attention)
+
+    def __hash__(self) -> int:  # the planner caches what it builds per model (never mutated)
+        return hash(self.key())
+
+    def build(self, seed: int, device="cpu"):
+        """The model whole (`plait.model.build_configured`; on `meta`: shapes alone)."""
+        # here, not at the top: the model's modules import torch; the checks read this module
+        from plait.model import build_configured
+
+        return build_configured(self.args(), seed, device, self.hf, self.attention)
+
+    def build_sharded(self, seed: int, device="cpu"):
+        """(the model with its parameters on `meta`, the source its ranks materialize their
+        parts from: `plait.model.build_sharded`)."""
+        # here, not at the top: the model's modules import torch; the checks read this module
+        from plait.model import build_sharded
+
+        return build_sharded(self.args(), seed, device, self.hf, self.attention)
+
+
+@functools.lru_cache(maxsize=64)
+def _hf_shape(folder: str, version: int) -> Shape:
+    return hf_shape(read_config(folder))
 
 
 @dataclass

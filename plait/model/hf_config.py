@@ -11,6 +11,7 @@ from pathlib import Path
 
 from plait.model.args import ModelArgs
 from plait.model.families import FAMILIES
+from plait.model.shape import Shape
 
 # The plans of the families plait splits, by architecture (`plait/model/families/`).
 HF_PLANS = {arch: family.plan for arch, family in FAMILIES.items()}
@@ -30,10 +31,9 @@ def architecture(config: dict) -> str:
 NO_POSITION_LIMIT = 2**31 - 1  # a model whose positions are relative biases (ALiBi)
 
 
-def hf_args(config: dict) -> ModelArgs:
-    """The shape of a transformers model as plait's `ModelArgs`, what the checks and formulas
-    (FLOPs per token, activation and state bytes) read: width, layers, heads, vocabulary,
-    positions, MLP hidden units. Raises KeyError naming a missing config field."""
+def _reader(config: dict):
+    """field(*names, default): the first of config.json's `names` it gives, else `default`;
+    with no default, a KeyError naming them."""
 
     def field(*names, default=None):
         for name in names:
@@ -43,6 +43,34 @@ def hf_args(config: dict) -> ModelArgs:
             raise KeyError(f"config.json has none of {', '.join(names)}")
         return default
 
+    return field
+
+
+def hf_shape(config: dict) -> Shape:
+    """The `Shape` of a transformers model, from its config.json (the names families give each
+    size), and its family's kind of MLP (`Family.mlp`; a family with no plan: by its activation,
+    gated for SiLU). Raises KeyError naming a missing config field."""
+    args, field = hf_args(config), _reader(config)
+    family = FAMILIES.get(architecture(config))
+    act = str(field("hidden_act", "hidden_activation", "activation_function", default=""))
+    mlp = family.mlp if family else "gated" if "silu" in act or "swish" in act else "plain"
+    alibi = config.get("model_type") == "bloom" or bool(config.get("alibi"))
+    return Shape(
+        hidden=args.dim, layers=args.n_layers, heads=args.n_heads, kv_heads=args.n_kv_heads,
+        head_dim=int(field("head_dim", default=args.dim // args.n_heads)), ffn=args.ffn_dim,
+        vocab=args.vocab_size, max_positions=args.max_seq_len, experts=args.moe_experts,
+        top_k=args.moe_top_k,
+        norm="rms" if any("rms_norm" in k for k in config) else "layer", mlp=mlp,
+        tied=bool(config.get("tie_word_embeddings", True)),
+        attention="alibi" if alibi else "causal", norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta)
+
+
+def hf_args(config: dict) -> ModelArgs:
+    """The shape of a transformers model as plait's `ModelArgs` (what the checks of its degrees
+    read): width, layers, heads, vocabulary, positions, MLP hidden units. Raises KeyError
+    naming a missing config field."""
+    field = _reader(config)
     dim = field("hidden_size", "n_embd", "d_model")
     heads = field("num_attention_heads", "n_head")
     rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")

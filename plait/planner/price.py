@@ -8,9 +8,9 @@ import functools
 from dataclasses import dataclass, field
 
 from plait.comm import Op
-from plait.config.schema import Config, ParallelConfig, microbatches
+from plait.config.schema import Config, ModelConfig, ParallelConfig, microbatches
 from plait.mesh import AXES, Axis, ParallelDims, batch_axis, dp_per_node
-from plait.model import ModelArgs, build_configured
+from plait.model.shape import Shape
 from plait.parallel import place
 from plait.parallel.pipeline.simulator import bubble_formula
 from plait.parallel.pipeline.stage import chunk_sizes
@@ -61,22 +61,22 @@ class PricedLayout:
 
 
 @functools.lru_cache(maxsize=16)
-def _meta_model(args: ModelArgs, hf: str = ""):
-    """The model on `meta` (plait's Llama of `args`, or the Hugging Face folder `hf`: its own
-    modules), built once for what only reads it."""
-    return build_configured(args, 0, "meta", hf)
+def _meta_model(model: ModelConfig):
+    """The model on `meta` (plait's Llama, or a Hugging Face folder's own modules), built once
+    for what only reads it."""
+    return model.build(0, "meta")
 
 
 @functools.lru_cache(maxsize=1024)
-def _sizes(args: ModelArgs, chunks: int, split: tuple, hf: str = "") -> tuple[int, ...]:
+def _sizes(model: ModelConfig, chunks: int, split: tuple) -> tuple[int, ...]:
     """Layers per pipeline chunk, as `apply_pp` cuts them."""
     if chunks == 1:
-        return (args.n_layers,)
-    return split or tuple(chunk_sizes(_meta_model(args, hf), chunks))
+        return (model.shape().layers,)
+    return split or tuple(chunk_sizes(_meta_model(model), chunks))
 
 
 @functools.lru_cache(maxsize=1024)
-def _stages(args: ModelArgs, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayout], tuple]]:
+def _stages(shape: Shape, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayout], tuple]]:
     """Per stage, its chunks as the formulas see them (chunk c on stage c % pp) and its kind:
     what its model state and traffic depend on (per chunk which of its blocks are MoE, whether
     it holds the embedding, the head, which neighbours it sends to). Stages of one kind price
@@ -86,7 +86,7 @@ def _stages(args: ModelArgs, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayo
     for stage in range(pp):
         chunks, kind = [], []
         for c in range(stage, C, pp):
-            moe = tuple(args.is_moe(i) for i in range(starts[c], starts[c] + sizes[c]))
+            moe = tuple(shape.is_moe(i) for i in range(starts[c], starts[c] + sizes[c]))
             chunks.append(ChunkLayout(c, sizes[c], c == 0, c == C - 1, sum(moe)))
             kind.append((moe, c == 0, c == C - 1, c > 0, c < C - 1))
         out.append((chunks, tuple(kind)))
@@ -94,8 +94,8 @@ def _stages(args: ModelArgs, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayo
 
 
 @functools.lru_cache(maxsize=1024)
-def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int,
-            sp: bool = False, hf: str = ""):
+def _placed(model: ModelConfig, pp: int, tp: int, ep: int, sizes: tuple, stage: int,
+            sp: bool = False):
     """One stage's placement record (what the formulas need), the chunks cut as `sizes` says;
     `sp`: sequence parallelism (which parameters' gradients are partial over tp)."""
 
@@ -106,7 +106,7 @@ def _placed(args: ModelArgs, pp: int, tp: int, ep: int, sizes: tuple, stage: int
     degrees = {"pp": pp, "tp": tp, "ep": ep}
     axes = {a: Axis.dry(a, stage if a == "pp" else 0, degrees.get(a, 1)) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    _, _, record = place(build_configured(args, 0, "meta", hf), axes, par, pp)  # it cuts it
+    _, _, record = place(model.build(0, "meta"), axes, par, pp)  # it cuts it
     return record
 
 
@@ -156,11 +156,11 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     recomputation and the optimizer's matmuls included) at the rate of its own linear layers'
     shapes, attention at the fused kernel's rate for the sequence, the elementwise work by the
     bytes of its activations and the optimizer by its state's slice, at the memory's rate."""
-    args, M = cfg.model.args(), microbatches(cfg.parallel, dims)
+    M = microbatches(cfg.parallel, dims)
     device, engine = cluster.device, cluster.engine
     rows = max(1, cfg.train.global_batch // dims.rows // M)
     tokens = rows * cfg.data.seq_len // dims.cp
-    routed = _routed(args, dims)
+    routed = _routed(cfg.model.shape(), dims)
     recompute = cfg.train.activation_checkpointing
     # Full recomputation runs each block's forward again; the head's is not repeated.
     weights = [(*_local_matrix(p), routed if ".experts." in name else 1.0,
@@ -266,7 +266,7 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks,
             traced_stage(with_degrees(cfg, activation_checkpointing="none"), dims, stage)
         return float(plain.flops), float(traced.flops)
     tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
-    routed = _routed(cfg.model.args(), dims)
+    routed = _routed(cfg.model.shape(), dims)
     matmul = {n: p.local_numel * (routed if ".experts." in n else 1)
               for n, p in record.params.items() if not n.startswith("tok_embeddings")}
     attention = _attention_per_token(cfg, dims, chunks)
@@ -277,39 +277,39 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks,
     return model, model + extra
 
 
-def _routed(args: ModelArgs, dims: ParallelDims) -> float:
+def _routed(shape: Shape, dims: ParallelDims) -> float:
     """The share of its ep group's tokens an expert's weights see: top_k / E of the ep ranks'."""
-    return args.moe_top_k * dims.ep / args.moe_experts if args.moe_experts else 1.0
+    return shape.top_k * dims.ep / shape.experts if shape.experts else 1.0
 
 
 def _attention_per_token(cfg: Config, dims: ParallelDims, chunks) -> float:
     """FLOPs per token of this rank's attention scores and weighted sums in a step, forward and
     backward (PaLM's 12 s dim per layer, tp splitting the heads)."""
     layers = sum(c.layers for c in chunks)
-    return 12 * layers * cfg.data.seq_len * cfg.model.args().dim / dims.tp
+    return 12 * layers * cfg.data.seq_len * cfg.model.shape().hidden / dims.tp
 
 
 def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
     """Price one configuration (validated for dims.world_size)."""
     if not cluster.device.gloo and cfg.train.device != "cuda":  # the engine's GPU path
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"))
-    par, dev, args = cfg.parallel, cluster.device, cfg.model.args()
+    par, dev, shape = cfg.parallel, cluster.device, cfg.model.shape()
     M = microbatches(par, dims)
     schedule = par.pp_schedule if dims.pp > 1 else "1f1b"
     virtual = par.pp_virtual if schedule == "interleaved" else 1
     bubble = bubble_formula(schedule, dims.pp, M, virtual) if dims.pp > 1 else 0.0
-    sizes = _sizes(args, dims.pp * virtual, tuple(par.pp_split), cfg.model.hf)
+    sizes = _sizes(cfg.model, dims.pp * virtual, tuple(par.pp_split))
     priced, per_stage, step, comm_s = {}, [], 0.0, 0.0
     node = dp_per_node(dims, par.ranks_per_node or cluster.per_node)  # hierarchical's groups
-    for stage, (chunks, kind) in enumerate(_stages(args, dims.pp, sizes)):
+    for stage, (chunks, kind) in enumerate(_stages(shape, dims.pp, sizes)):
         if kind not in priced:
-            record = _placed(args, dims.pp, dims.tp, dims.ep, sizes, stage,
-                             par.sequence_parallel, cfg.model.hf)
+            record = _placed(cfg.model, dims.pp, dims.tp, dims.ep, sizes, stage,
+                             par.sequence_parallel)
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
             model_flops, flops = _flops(cfg, dims, record, chunks, stage)
             flops += cost.muon_flops(cfg, dims, record, slowest=True)  # the optimizer's
-            share = sum(c.layers for c in chunks) / args.n_layers  # of the model on this stage
+            share = sum(c.layers for c in chunks) / shape.layers  # of the model on this stage
             state = cost.state_bytes(cfg, dims, record)
             offloaded, host_s, hidden_host_s = _offload(state, cfg, dims, cluster)
             compute = cpu_compute_seconds(flops, dev, M * share) if dev.gloo else \
@@ -339,24 +339,24 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     fits = max(peak, startup) <= HEADROOM * dev.memory_bytes and \
         host <= HEADROOM * dev.host_memory_bytes
-    return PricedLayout(degrees=layout_degrees(cfg, dims), params=_count(args, cfg.model.hf),
+    return PricedLayout(degrees=layout_degrees(cfg, dims), params=_count(cfg.model),
                 memory_bytes=memory, peak_memory_bytes=max(peak, startup), step_time_s=step,
                 tokens_per_s=tokens / step,
                 mfu=model_flops / step / (dims.world_size * dev.peak_flops), bubble=bubble,
                 comm_bytes=float(traffic.total), comm_s=comm_s, startup_bytes=startup,
                 host_memory_bytes=host, fits=fits,
-                compile_s=0.0 if dev.gloo else _compile_seconds(cfg, dims, cluster.engine, args,
+                compile_s=0.0 if dev.gloo else _compile_seconds(cfg, dims, cluster.engine, shape,
                                                                   sizes))
 
 
-def _compile_seconds(cfg: Config, dims: ParallelDims, engine, args: ModelArgs,
+def _compile_seconds(cfg: Config, dims: ParallelDims, engine, shape: Shape,
                      sizes: tuple) -> float:
     """Compiling the blocks before the first step, on a GPU: each distinct block of a stage once
     (dense and mixture-of-experts blocks are two), the stages at once."""
     if not compiled(cfg, engine):
         return 0.0
     distinct = [any(c.moe < c.layers for c in chunks) + any(c.moe for c in chunks)
-                for chunks, _ in _stages(args, dims.pp, sizes)]
+                for chunks, _ in _stages(shape, dims.pp, sizes)]
     return engine.compile_s * max(distinct)
 
 
@@ -387,8 +387,8 @@ def _offload(state: dict, cfg: Config, dims: ParallelDims,
 
 
 @functools.lru_cache(maxsize=64)
-def _count(args: ModelArgs, hf: str = "") -> int:
-    return sum(p.numel() for p in _meta_model(args, hf).parameters())
+def _count(model: ModelConfig) -> int:
+    return sum(p.numel() for p in _meta_model(model).parameters())
 
 
 def layout_degrees(cfg: Config, dims: ParallelDims) -> dict:

@@ -36,11 +36,11 @@ def meshes(cfg: Config, cluster: Cluster, fixed: dict):
     """(tp, pp, cp, ep) layouts to search: tp within a node (across nodes only when pinned: its
     all-reduces in every layer would cross the slow links), pp up to one layer per stage, cp for
     long sequences, ep for mixtures of experts; the rest of the GPUs are dp."""
-    N, G, args = cluster.gpus, cluster.gpus_per_node, cfg.model.args()
+    N, G, shape = cluster.gpus, cluster.gpus_per_node, cfg.model.shape()
     seq = cfg.data.seq_len
     for tp in [fixed["tp"]] if "tp" in fixed else _divisors(math.gcd(N, G)):
         for pp in [fixed["pp"]] if "pp" in fixed else _divisors(N // tp):
-            if N % (tp * pp) or pp > args.n_layers:
+            if N % (tp * pp) or pp > shape.layers:
                 continue
             rest = N // (tp * pp)
             cps = [fixed["cp"]] if "cp" in fixed else [
@@ -48,7 +48,7 @@ def meshes(cfg: Config, cluster: Cluster, fixed: dict):
                 and seq // (2 * c) >= MIN_CP_CHUNK]
             for cp in cps:
                 eps = [fixed["ep"]] if "ep" in fixed else [
-                    e for e in _divisors(rest // cp) if args.moe_experts % e == 0]
+                    e for e in _divisors(rest // cp) if shape.experts % e == 0]
                 for ep in eps:
                     if rest % (cp * ep) == 0 and fixed.get("dp", rest // (cp * ep)) == \
                             rest // (cp * ep):

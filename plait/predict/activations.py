@@ -86,22 +86,22 @@ def _sizes(cfg: Config) -> _Sizes:
 
 def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
     """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C."""
-    args, mode, b = cfg.model.args(), cfg.train.activation_checkpointing, _sizes(cfg)
+    shape, mode, b = cfg.model.shape(), cfg.train.activation_checkpointing, _sizes(cfg)
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
     shards = S > 1
     tokens = rows * cfg.data.seq_len // C
-    A, Ff = tokens * args.dim, tokens * args.ffn_dim
-    kv = Fraction(args.n_kv_heads, args.n_heads)
+    A, Ff = tokens * shape.hidden, tokens * shape.ffn
+    kv = Fraction(shape.kv_heads, shape.heads)
     if mode == "full":
         return b.stream * A // S
     if b.weight_casts and shards:
         # wo alone: the column-parallel linears keep their fp32 weight and the input's shard
         # (`parallel/sequence_parallel.py`), w2 its fp32 weight (`feed_forward.GatedDown`)
-        casts = 2 * args.dim * args.head_dim * args.n_heads // T
+        casts = 2 * shape.hidden * shape.head_dim * shape.heads // T
     elif b.weight_casts:
         # w2 keeps its fp32 weight, not a cast (`feed_forward.GatedDown`)
-        linear = 2 * args.dim * args.head_dim * (args.n_heads + args.n_kv_heads) \
-            + 2 * args.dim * args.ffn_dim
+        linear = 2 * shape.hidden * shape.head_dim * (shape.heads + shape.kv_heads) \
+            + 2 * shape.hidden * shape.ffn
         casts = 2 * linear // T
     else:
         casts = 0
@@ -118,10 +118,10 @@ def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
         # rank than cp ranks it repeats them to every query head before its all-to-all.
         attention = 2 + 2 * kv
         if C > 1 and cfg.parallel.cp_method == "ulysses":
-            attention = 5 if args.n_kv_heads // T % C else 3 + 2 * kv
+            attention = 5 if shape.kv_heads // T % C else 3 + 2 * kv
         kept = (2 * b.norm_local * Fraction(A, S) + norm_outs
                 + b.matmul * Fraction(attention * A + 2 * Ff, T)
-                + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * args.n_heads, T))
+                + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * shape.heads, T))
     return int(kept) + casts
 
 
@@ -138,26 +138,26 @@ def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
     keeps other indices and routes unevenly: there it is an expectation, not an equality."""
     if cfg.train.activation_checkpointing == "full":
         return 0
-    args, T, b = cfg.model.args(), dims.tp, _sizes(cfg)
+    shape, T, b = cfg.model.shape(), dims.tp, _sizes(cfg)
     N = rows * cfg.data.seq_len // dims.cp
-    E, A = args.moe_experts, N * args.moe_top_k
+    E, A = shape.experts, N * shape.top_k
     router = 4 * (2 * N * E + N + E)
     indices = 8 * E * N + 8 * A * (2 + 2 * (dims.ep > 1))
-    ffn = b.matmul * 2 * (A - N) * args.ffn_dim // T
+    ffn = b.matmul * 2 * (A - N) * shape.ffn // T
     if b.weight_casts:  # autocast: each expert's w1 and w3 keep a bf16 cast of the rows, the
         # experts' bf16 output times the fp32 gate weight is fp32; each held expert's weights
         # are cast (the dense block counted one feed-forward's)
-        rows_kept = (2 * 2 + 2 + 4) * A * args.dim + 4 * A
-        casts = (E // dims.ep - 1) * 2 * 2 * args.dim * args.ffn_dim // T
+        rows_kept = (2 * 2 + 2 + 4) * A * shape.hidden + 4 * A
+        casts = (E // dims.ep - 1) * 2 * 2 * shape.hidden * shape.ffn // T
     else:
-        rows_kept, casts = 3 * b.matmul * A * args.dim + 4 * A, 0
+        rows_kept, casts = 3 * b.matmul * A * shape.hidden + 4 * A, 0
     if cfg.parallel.sequence_parallel and T > 1:
         # The router and the experts read the gathered input as a dense block's feed-forward
         # did before its linears kept the shard (`block_bytes`): that, not the shard; and the
         # one feed-forward's weight casts the dense block no longer counts.
-        whole = (2 if b.weight_casts else 1) * b.norm_out * N * args.dim
-        casts += 2 * 2 * args.dim * args.ffn_dim // T if b.weight_casts else 0
-        rows_kept += whole - b.stream * N * args.dim // T
+        whole = (2 if b.weight_casts else 1) * b.norm_out * N * shape.hidden
+        casts += 2 * 2 * shape.hidden * shape.ffn // T if b.weight_casts else 0
+        rows_kept += whole - b.stream * N * shape.hidden // T
     return router + indices + rows_kept + ffn + casts
 
 
@@ -165,16 +165,16 @@ def microbatch_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, 
                      rows: int, moe: int) -> int:
     """One chunk's activations for one micro-batch of `rows` rows; `moe` of its blocks are
     mixtures of experts."""
-    args, T, C, b = cfg.model.args(), dims.tp, dims.cp, _sizes(cfg)
+    shape, T, C, b = cfg.model.shape(), dims.tp, dims.cp, _sizes(cfg)
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
     tokens = rows * cfg.data.seq_len // C
-    A = tokens * args.dim
+    A = tokens * shape.hidden
     total = layers * block_bytes(cfg, T, rows, C) + moe * moe_extra_bytes(cfg, dims, rows)
     if layers:  # the rotary tables (cos, sin: seq / C x head_dim / 2 each), one pair per forward
-        total += 4 * cfg.data.seq_len // C * args.head_dim
+        total += 4 * cfg.data.seq_len // C * shape.head_dim
     if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
         total += 9 * tokens
-    if last and not fits_one_run(tokens, args.vocab_size // T, compute_device(cfg)):
+    if last and not fits_one_run(tokens, shape.vocab // T, compute_device(cfg)):
         # Final norm (as a block's; its output, the head's input, in the stream's dtype: the
         # cross-entropy fused with the head keeps it, not a cast), and per token the fp32
         # log-sum-exp of the logits (never kept: `vocab_parallel.linear_cross_entropy`) and the
@@ -187,8 +187,8 @@ def microbatch_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, 
         # of the logits, and the targets: at tp = 1 a contiguous int64 copy (and a float32
         # scalar), vocabulary-parallel the local target (int64) and its mask (bool).
         total += (b.norm_local * A // S + b.norm_out * A + 4 * tokens // S
-                  + 4 * tokens * args.vocab_size // T)
-        total += 2 * args.dim * args.vocab_size // T if b.weight_casts else 0
+                  + 4 * tokens * shape.vocab // T)
+        total += 2 * shape.hidden * shape.vocab // T if b.weight_casts else 0
         total += 9 * tokens if T > 1 else (8 * tokens if rows > 1 and C == 1 else 0) + 4
     return total
 
@@ -212,7 +212,7 @@ def activation_bytes(cfg: Config, dims: ParallelDims, chunks) -> int:
     window = cfg.train.global_batch // dims.rows * (cfg.data.seq_len + 1)
     # The fused loss keeps the targets (a view at one row, or of cp's copy) at any tp.
     fused = not fits_one_run(rows * cfg.data.seq_len // dims.cp,
-                             cfg.model.args().vocab_size // dims.tp, compute_device(cfg))
+                             cfg.model.shape().vocab // dims.tp, compute_device(cfg))
     targets = last and (fused or dims.tp == 1)
     if dims.cp > 1:
         peak += 8 * cfg.train.global_batch // dims.rows * cfg.data.seq_len // dims.cp \
@@ -226,14 +226,14 @@ def loss_backward_bytes(cfg: Config, dims: ParallelDims) -> int:
     """What the last stage's fused cross-entropy holds at its most in its backward, on top of the
     activations (`vocab_parallel.backward_bytes`: the logits of a run, the head's gradient in
     fp32); 0 where a micro-batch's logits are one run (kept whole, counted as activations)."""
-    args, b = cfg.model.args(), _sizes(cfg)
+    shape, b = cfg.model.shape(), _sizes(cfg)
     tokens = cfg.train.global_batch // dims.rows // microbatches(cfg.parallel, dims) \
         * cfg.data.seq_len // dims.cp
-    vocab, device = args.vocab_size // dims.tp, compute_device(cfg)
+    vocab, device = shape.vocab // dims.tp, compute_device(cfg)
     if fits_one_run(tokens, vocab, device):
         return 0
     gpu = device == "cuda"
-    return backward_bytes(tokens, vocab, args.dim, run_tokens(vocab, device), b.matmul,
+    return backward_bytes(tokens, vocab, shape.hidden, run_tokens(vocab, device), b.matmul,
                           b.stream, b.stream, compiled=compile_enabled(cfg.train.compile,
                                                                        torch.device(device)),
                           into_fp32=gpu and (b.matmul == 4 or MM_INTO_FP32))
@@ -250,6 +250,6 @@ def regathered_bytes(cfg: Config, dims: ParallelDims, rows: int, layers: int, mo
     the gathered input is already the matmuls' dtype (bf16 parameters, fp32)."""
     if not (cfg.parallel.sequence_parallel and dims.tp > 1) or not _sizes(cfg).weight_casts:
         return 0
-    whole = rows * cfg.data.seq_len // dims.cp * cfg.model.args().dim
+    whole = rows * cfg.data.seq_len // dims.cp * cfg.model.shape().hidden
     casts = layers * (3 + 1) + (layers - moe) * (2 + 1)  # attention's half, the feed-forward's
     return casts * whole * (4 + 2)

@@ -148,7 +148,7 @@ class _Step:
         half = train.precision in HALF  # bf16 or fp16: the same sizes
         split = schedule.split_backward
         return _Step(M, schedule.chunks, split, rows, seq, dims.tp, 2 if half_params(cfg) else 4,
-                     2 if half else 4, rows * seq * cfg.model.args().dim,
+                     2 if half else 4, rows * seq * cfg.model.shape().hidden,
                      sum(c.layers for c in chunks), any(c.first for c in chunks),
                      any(c.last for c in chunks), train.activation_checkpointing == "full",
                      sum(c.layers for c in chunks if c.index > 0) if split else 0,
@@ -245,7 +245,7 @@ def _tensor_traffic(t: Traffic, cfg: Config, record: PlacementRecord, s: _Step) 
         t.add("tp", Op.ALL_REDUCE, T, A * s.act_b, M * (2 * (blocks + twice) + ends + head_twice))
     if s.last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit,
         # per run of tokens (`vocab_parallel.linear_cross_entropy`)
-        tokens, vocab = s.rows * s.seq, cfg.model.args().vocab_size // T
+        tokens, vocab = s.rows * s.seq, cfg.model.shape().vocab // T
         per = run_tokens(vocab, compute_device(cfg))
         t.add("tp", Op.ALL_REDUCE, T, per * 4, M * 3 * (tokens // per))
         t.add("tp", Op.ALL_REDUCE, T, tokens % per * 4, M * 3 * bool(tokens % per))
@@ -274,7 +274,7 @@ def _moe_traffic(t: Traffic, cfg: Config, dims: ParallelDims, chunks: list[Chunk
     the router's partial gradient, summed in backward (with the other partial gradients)."""
     moe = sum(c.moe for c in chunks)
     if moe:
-        E, times = cfg.model.args().moe_experts, s.M * moe * (1 + s.recompute)
+        E, times = cfg.model.shape().experts, s.M * moe * (1 + s.recompute)
         t.add("batch", Op.ALL_REDUCE, dims.batch, 8 * (3 * E + 3), times)
         t.add("ep", Op.ALL_TO_ALL, dims.ep, 8 * E, times)
 
@@ -347,20 +347,20 @@ def _context_traffic(t: Traffic, cfg: Config, dims: ParallelDims, rows: int, blo
     - Ulysses: all-to-alls of q, k, v and the output forward, and of their gradients backward
       (k and v at the query heads when C does not divide the kv heads). A selective
       recomputation stops at attention (q, k, v only); a full one runs the output's too."""
-    args, C, T = cfg.model.args(), dims.cp, dims.tp
+    shape, C, T = cfg.model.shape(), dims.cp, dims.tp
     tokens = rows * cfg.data.seq_len // C  # this rank's, per micro-batch
-    heads, kv_heads = args.n_heads // T, args.n_kv_heads // T
+    heads, kv_heads = shape.heads // T, shape.kv_heads // T
     mode = cfg.train.activation_checkpointing
     backward = blocks + twice
     if cfg.parallel.cp_method == "ring":
-        block = 2 * tokens * kv_heads * args.head_dim
+        block = 2 * tokens * kv_heads * shape.head_dim
         forwards = blocks * (1 + (mode != "none"))
         t.add("cp", Op.SEND, C, block * elt, M * (C - 1) * (forwards + backward))
         t.add("cp", Op.SEND, C, block * 4, M * C * backward)
         return
     if kv_heads % C:
         kv_heads = heads
-    q, kv = tokens * heads * args.head_dim * elt, tokens * kv_heads * args.head_dim * elt
+    q, kv = tokens * heads * shape.head_dim * elt, tokens * kv_heads * shape.head_dim * elt
     recomputed = {"full": 2, "selective": 1}.get(mode, 0)  # q and the output, or q alone
     t.add("cp", Op.ALL_TO_ALL, C, q, M * (2 * blocks + 2 * backward + recomputed * blocks))
     t.add("cp", Op.ALL_TO_ALL, C, kv, M * 2 * (blocks + backward + (mode != "none") * blocks))
@@ -384,14 +384,14 @@ def routed_traffic(t: Traffic, cfg: Config, dims: ParallelDims,
     moe = sum(c.moe for c in chunks)
     if not moe or dims.ep == 1:
         return
-    args, M = cfg.model.args(), microbatches(cfg.parallel, dims)
+    shape, M = cfg.model.shape(), microbatches(cfg.parallel, dims)
     tokens = cfg.train.global_batch // dims.rows // M * cfg.data.seq_len // dims.cp
     # Bytes per element out (the block's residual dtype) and back (the experts' output: half
     # under autocast); backward sends the gradients of each the other way.
     half = cfg.train.precision in HALF
     out, back = (2 if half_params(cfg) else 4), (2 if half else 4)
     passes = 2 + (cfg.train.activation_checkpointing == "full")
-    t.add("ep", Op.ALL_TO_ALL, dims.ep, tokens * args.moe_top_k * args.dim * (out + back)
+    t.add("ep", Op.ALL_TO_ALL, dims.ep, tokens * shape.top_k * shape.hidden * (out + back)
           * M * moe * passes, calls=2 * M * moe * passes)
 
 

@@ -45,7 +45,6 @@ from plait.comm import LEDGER, Op
 from plait.comm.watchdog import RECORDER
 from plait.config.schema import microbatches
 from plait.mesh import build_mesh, rows_share
-from plait.model import build_configured
 from plait.optim.loss_scaling import LossScaler
 from plait.parallel import Options, Parallelized, cross_entropy, parallelize
 from plait.predict.activation_memory import SavedActivations
@@ -202,8 +201,7 @@ def model_flops(cfg) -> float:
     of `cfg` (a `plait.config.schema.Config`), without recomputation or what a layout repeats on
     several ranks. Raises `Untraceable` where the step reads values."""
 
-    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf,
-                            cfg.model.attention)
+    meta = cfg.model.build(cfg.train.seed, "meta")
     with FakeTensorMode() as mode:
         model = fake_module(meta, "cpu", mode)
         tokens = torch.zeros(cfg.train.global_batch, cfg.data.seq_len, dtype=torch.int64)
@@ -256,8 +254,7 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
     documents under `data.document_mask`: the masks' shapes, whatever their values)."""
 
     M = microbatches(cfg.parallel, dims)
-    meta = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf,
-                            cfg.model.attention)
+    meta = cfg.model.build(cfg.train.seed, "meta")
     with fake_world(rank, dims.world_size):
         mesh = build_mesh(dims, torch.device(device).type)
         with FakeTensorMode() as mode:

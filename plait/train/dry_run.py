@@ -25,7 +25,6 @@ from plait.mesh import (
     node_layout,
     ranks_per_node,
 )
-from plait.model import build_configured
 from plait.parallel import place
 from plait.predict import cost
 from plait.predict.activations import activation_bytes
@@ -36,8 +35,7 @@ def describe_rank(cfg: Config, dims: ParallelDims, rank: int) -> dict:
     coords = dims.coords(rank)
     axes = {a: Axis.dry(a, coords[a], getattr(dims, a)) for a in AXES}
     axes["batch"] = batch_axis(axes)
-    model = build_configured(cfg.model.args(), cfg.train.seed, "meta", cfg.model.hf,
-                             cfg.model.attention)
+    model = cfg.model.build(cfg.train.seed, "meta")
     chunks, _, record = place(model, axes, cfg.parallel, microbatches(cfg.parallel, dims),
                               cfg.train.activation_checkpointing)
     layouts = cost.chunk_layouts(chunks)

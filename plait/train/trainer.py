@@ -28,7 +28,7 @@ from plait.config.schema import Config, microbatches
 from plait.data.mixture import MIXTURE, mixture_history, open_data
 from plait.host_memory import STEADY_THRESHOLD, release_freed_memory
 from plait.mesh import ParallelDims, rows_share, world_axis
-from plait.model import build_configured, build_sharded, count_params
+from plait.model import count_params
 from plait.optim.build import build_for, lr_at, set_lr
 from plait.optim.loss_scaling import HALF, LossScaler
 from plait.parallel import Options, cross_entropy, parallelize
@@ -48,8 +48,7 @@ from plait.train.verify import Verdict, held_as_the_layout, verify_step
 def build_configured_model(cfg: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The model `cfg.model` names, whole, on `device`: plait's Llama of a preset, or the Hugging
     Face folder `model.hf` (`plait/model/hf.py`), both initialised from `train.seed`."""
-    return build_configured(cfg.model.args(), cfg.train.seed, device, cfg.model.hf,
-                            cfg.model.attention)
+    return cfg.model.build(cfg.train.seed, device)
 
 
 class NonFiniteGradient(RuntimeError):
@@ -82,8 +81,7 @@ class Trainer:
         # step is over (`train_step`).
         self._steady = device.type != "cpu" or not release_freed_memory()
         # On `meta`: each rank materializes only what it holds, once the model is cut.
-        model, source = build_sharded(args, cfg.train.seed, device, cfg.model.hf,
-                                      cfg.model.attention)
+        model, source = cfg.model.build_sharded(cfg.train.seed, device)
         # --verify: the whole model, for one step of a single process to compare with, its
         # parameters held as the layout holds its own.
         held = held_precision(cfg.train.precision, cfg.train.param_dtype, cfg.parallel.zero)

@@ -66,6 +66,19 @@ def test_a_real_checkpoint_reads(tmp_path):
     assert tuple(read_metadata(path).state_dict_metadata["model.w"].size) == (3, 4)
 
 
+def test_resume_refuses_a_checkpoint_of_another_model_in_one_line(tmp_path, capsys):
+    """The held model's shape (plait.json's model section, read without torch) against this
+    run's: the first size that differs, named."""
+    path = _checkpoint(tmp_path / "step-00000000")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--dry-run", f"checkpoint.resume={path}", *MODEL, "model.n_layers=2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"plait: error: checkpoint.resume: {path} holds a model with layers=1, this "
+                   "run's has layers=2; resume with the same model settings, or set "
+                   "checkpoint.resume='never'"]
+
+
 def test_resume_refuses_crafted_metadata_before_launch(crafted, capsys):
     path, marker = crafted
     with pytest.raises(SystemExit) as exit_:

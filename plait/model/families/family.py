@@ -26,6 +26,8 @@ class Family:
     architectures: tuple[str, ...]
     plan: ModelPlan
     modules: Mapping[str, str] = field(default_factory=lambda: dict(DECODER))
+    # Its MLP, for the formulas (`Shape.mlp`): "gated" (gate and up, then down) or "plain".
+    mlp: str = "gated"
     # config.json keys that, true, give the layers modules the plan does not split by tp:
     # key -> what they are (refused under tp before launch, `plait/config/checks_hf.py`).
     tp_refused: Mapping[str, str] = field(default_factory=dict)

@@ -34,4 +34,5 @@ FAMILY = Family(
     modules={"embed_tokens": "gpt_neox.embed_in", "embed_dropout": "gpt_neox.emb_dropout",
              "layers": "gpt_neox.layers", "norm": "gpt_neox.final_layer_norm",
              "rotary_emb": "gpt_neox.rotary_emb", "lm_head": "lm_head"},
+    mlp="plain",
 )

@@ -14,4 +14,4 @@ FAMILY = Family("hf-starcoder2", ("Starcoder2ForCausalLM",), ModelPlan(
        "tp_splits": {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
                      "self_attn.o_proj": 1, "mlp.c_fc": 0, "mlp.c_proj": 1},
        "recompute": ("input_layernorm", "post_attention_layernorm", "mlp.act")},
-))
+), mlp="plain")
