@@ -104,6 +104,10 @@ def _check_planned(dims: ParallelDims, arch: str, fields: object) -> None:
         if getattr(fields, key, False):
             raise ConfigError("parallel.tp", f"{arch} with {key} = true ({what}) has layers "
                               "plait's plan does not split by tp; set tp = 1")
+    for key, what in (family.cp_refused.items() if family and dims.cp > 1 else ()):
+        if getattr(fields, key, None):
+            raise ConfigError("parallel.cp", f"{arch} with {key} set ({what}) computes an "
+                              "attention plait's context-parallel kernels do not; set cp = 1")
     if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
         raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
 

@@ -62,9 +62,10 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         return sdpa_attention_forward(module, query, key, value, mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     if (attention_mask is not None and documents is None) or dropout or \
-            scaling != query.shape[-1] ** -0.5:
+            scaling != query.shape[-1] ** -0.5 or kwargs.get("softcap") is not None:
         raise ValueError("plait's attention kernels compute causal attention (within documents "
-                         "under data.document_mask) scaled by 1/sqrt(head_dim), without dropout")
+                         "under data.document_mask) scaled by 1/sqrt(head_dim), without dropout "
+                         "or soft-capped scores")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     return (core(q, k, v) if documents is None else core(q, k, v, documents)), None
 
@@ -87,6 +88,11 @@ def _eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """c tanh(z / c), as the family caps its logits (Gemma2's `final_logit_softcapping`)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def arange_positions(seq_len: int, device) -> torch.Tensor:
     """The positions of a whole sequence's tokens (context parallelism replaces this)."""
     return torch.arange(seq_len, device=device)
@@ -106,6 +112,8 @@ class HFCausalLM(nn.Module):
                 module = nn.ModuleDict({str(i): layer for i, layer in enumerate(module)})
             setattr(self, mine, module)
         self.positions = arange_positions
+        cap = getattr(hf.config, family.logit_softcap, None) if family.logit_softcap else None
+        self.lm_head.logit_softcap = cap  # the loss reads it (`HeadCrossEntropy`)
         # Attention through plait's entry (transformers' own SDPA until a kernel is put in).
         from transformers import AttentionInterface
 
@@ -145,7 +153,7 @@ class HFCausalLM(nn.Module):
         return self.norm(h)  # what the output head reads (a pipeline chunk calls it unbound)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h))
+        return softcapped(self.lm_head(self.norm(h)), self.lm_head.logit_softcap)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, documents: Documents | None = None):

@@ -51,6 +51,10 @@ class ModelPlan:
     # Block-relative attributes that count heads, which a module's forward reads to reshape
     # (`self_attn.num_heads`): each tp rank holds 1/T of them, so each is divided by T.
     tp_heads: tuple[str, ...] = ()
+    # Block-relative RMSNorms over the width a column-parallel linear splits (OLMo2's q_norm and
+    # k_norm, over all heads): each rank keeps its part of the gain, and the sum of squares is
+    # summed over tp (`weight * (x * rsqrt(mean(x^2) + eps))` in fp32, as OLMo2's norm computes).
+    tp_norms: tuple[str, ...] = ()
     # Block-relative parameters replicated over tp whose gradient is a partial sum over tp
     # anyway (a router whose gates meet only this rank's shard of the expert outputs).
     tp_partial_grads: tuple[str, ...] = ()
@@ -148,6 +152,15 @@ def plan_problem(model: nn.Module, tp: int = 1) -> str | None:
             if count % tp:
                 return (f"plan.tp_heads: tp={tp} must divide {plan.blocks}.{i}.{attribute} = "
                         f"{count}; choose a tp that does")
+        for path in plan.tp_norms:
+            norm = paths.get(path)
+            if norm is None or getattr(norm, "weight", None) is None or \
+                    not hasattr(norm, "variance_epsilon"):
+                return (f"plan.tp_norms: {plan.blocks}.{i}.{path} is not an RMSNorm of the "
+                        "block (a `weight` and a `variance_epsilon`)")
+            if norm.weight.shape[0] % tp:
+                return (f"plan.tp_norms: tp={tp} must divide the width of {plan.blocks}.{i}."
+                        f"{path}, {norm.weight.shape[0]}")
         splits = matching(paths, plan.tp_splits)
         for path, pattern in splits.items():
             problem = _split_problem(f"{plan.blocks}.{i}.{path}", paths[path],

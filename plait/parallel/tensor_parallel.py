@@ -83,6 +83,8 @@ def split_dims(chunk: nn.Module) -> dict[str, int]:
             out[f"{plan.blocks}.{i}.{path}.weight"] = dim
             if dim == 0 and getattr(block.get_submodule(path), "bias", None) is not None:
                 out[f"{plan.blocks}.{i}.{path}.bias"] = 0
+        for path in plan.tp_norms:
+            out[f"{plan.blocks}.{i}.{path}.weight"] = 0
     vocab = _vocab(chunk, plan)[:1] if _tied(chunk, plan) else _vocab(chunk, plan)
     return out | {f"{m}.weight": 0 for m in vocab}
 
@@ -112,6 +114,23 @@ def _bias_once(linear: nn.Linear, rank: int) -> None:
         return F.linear(x, linear.weight, bias)
 
     linear.forward = forward
+
+
+def _split_norm(norm: nn.Module, tp: Axis) -> None:
+    """An RMSNorm over the width a column-parallel linear splits: this rank keeps its part of
+    the gain, and the mean of the squares is over the whole width, their sum all-reduced over
+    tp in forward (each rank normalises its part by it) and its gradient in backward (every
+    rank's part depends on it): `weight * (x * rsqrt(mean(x^2) + eps))` in fp32, cast back."""
+    width, eps = norm.weight.shape[0], norm.variance_epsilon
+    norm.weight = nn.Parameter(norm.weight.detach().chunk(tp.size)[tp.rank].clone())
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.to(torch.float32)
+        squares = x.pow(2).sum(-1, keepdim=True)
+        variance = reduce_from_tp(copy_to_tp(squares, tp.group), tp.group) / width
+        return (norm.weight * (x * torch.rsqrt(variance + eps))).to(dtype)
+
+    norm.forward = forward
 
 
 def row_parallel_biases(chunk: nn.Module) -> set[str]:
@@ -207,6 +226,9 @@ def apply_tp(chunk: nn.Module, tp: Axis, sequence_parallel: bool = False,
             params[name].register_hook(lambda grad: all_reduced(grad, group))
         _verify(chunk, full, splits, size)
     if record is not None:
+        if size > 1:
+            record.split_norms += [f"{plan.blocks}.{i}.{path}" for i in _blocks(chunk, plan)
+                                   for path in plan.tp_norms]
         for name in full:
             if name in splits:
                 record.shard(name, "tp", splits[name])
@@ -222,6 +244,8 @@ def _split_block(block: nn.Module, plan: ModelPlan, tp: Axis, sequence_parallel:
         _split_linear(block.get_submodule(path), dim, tp.rank, tp.size)
         if sequence_parallel and dim == 0:
             keep_shard(block.get_submodule(path))
+    for path in plan.tp_norms:
+        _split_norm(block.get_submodule(path), tp)
     for attribute in plan.tp_heads:  # this rank's heads
         owner, _, leaf = attribute.rpartition(".")
         module = block.get_submodule(owner)

@@ -21,6 +21,7 @@ from plait.comm import all_reduce
 from plait.comm.autograd import reduce_from_tp, reduce_scatter_to_sp
 from plait.mesh import Axis
 from plait.model.feed_forward import matmul_dtype
+from plait.model.hf import softcapped
 from plait.parallel.embedding_grad import embedding
 
 
@@ -310,10 +311,12 @@ class HeadCrossEntropy:
 
     def fused(self, hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor) -> torch.Tensor:
         """Logits of one run at most (`fits_one_run`) are made and kept, as the unfused loss
-        keeps them: fusing would only add the backward's second matmul."""
-        if head.bias is not None or fits_one_run(targets.numel(), head.weight.shape[0],
-                                                 hidden.device.type):
-            return self(F.linear(hidden, head.weight, head.bias), targets)
+        keeps them: fusing would only add the backward's second matmul. A head that soft-caps
+        its logits (`logit_softcap`: Gemma2's) is not fused: its logits are made whole."""
+        cap = getattr(head, "logit_softcap", None)
+        if head.bias is not None or cap is not None or \
+                fits_one_run(targets.numel(), head.weight.shape[0], hidden.device.type):
+            return self(softcapped(F.linear(hidden, head.weight, head.bias), cap), targets)
         return linear_cross_entropy(hidden, head, targets, self.group, self.vocab_size,
                                     kernels=self.kernels)
 

@@ -243,6 +243,13 @@ def _tensor_traffic(t: Traffic, cfg: Config, record: PlacementRecord, s: _Step) 
     else:
         t.add("tp", Op.ALL_REDUCE, T, A * s.mm_b, M * blocks * (2 + s.recompute))
         t.add("tp", Op.ALL_REDUCE, T, A * s.act_b, M * (2 * (blocks + twice) + ends + head_twice))
+    if record.split_norms and blocks:
+        # Norms over a tp-split width (OLMo2's q/k norms): their fp32 sums of squares over the
+        # whole sequence, all-reduced forward (again when recomputed) and backward (again in a
+        # split backward's second walk).
+        per_block = len(record.split_norms) // blocks
+        t.add("tp", Op.ALL_REDUCE, T, s.rows * s.seq * 4,
+              M * per_block * (blocks * (2 + s.recompute) + twice))
     if s.last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit,
         # per run of tokens (`vocab_parallel.linear_cross_entropy`)
         tokens, vocab = s.rows * s.seq, cfg.model.shape().vocab // T

@@ -87,8 +87,8 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
 
 # -- model.hf: the transformers modules themselves ------------------------------------------------
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "stablelm", "starcoder2",
-            "gpt-neox", "gpt2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "stablelm",
+            "starcoder2", "gpt-neox", "olmo2", "gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +109,15 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
     model = load_hf(hf_folders[family]).eval()
     assert isinstance(model, PlainCausalLM if family == "gpt2" else HFCausalLM)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_folders[family], dtype=torch.float32, attn_implementation="sdpa").eval()
+        hf_folders[family], dtype=torch.float32).eval()  # its own choice, as plait's
     tokens = _tokens(256)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), reference(input_ids=tokens).logits,
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma", "stablelm", "starcoder2", "gpt-neox", "mixtral"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox",
+                                    "olmo2", "mixtral"])
 def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_folders, family,
                                                                             tmp_path, capsys):
     """`plait convert --to hf` of a `model.hf` checkpoint: transformers loads the folder with no
@@ -133,8 +134,7 @@ def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_f
     _checkpoint_of(model, load_config(None, [f"model.hf='{folder}'"]), tmp_path / "ck")
     cli.main(["convert", "--to", "hf", str(tmp_path / "hf"), str(tmp_path / "ck")])
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", output_loading_info=True, dtype=torch.float32,
-        attn_implementation="sdpa")
+        tmp_path / "hf", output_loading_info=True, dtype=torch.float32)
     assert not any(info.values()), info
     tokens = _tokens(256)
     with torch.no_grad():
@@ -236,6 +236,9 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     assert _refusal(f"model.hf='{bloom}'", "model.attention=sdpa", nproc=1) == \
         "model.attention: transformers computes BloomForCausalLM with its own attention only " \
         "(no SDPA); use 'auto' or 'eager'"
+    assert _refusal(f"model.hf='{hf_folders['gemma2']}'", "parallel.cp=2", nproc=2) == \
+        "parallel.cp: Gemma2ForCausalLM with attn_logit_softcapping set (soft-capped attention " \
+        "scores) computes an attention plait's context-parallel kernels do not; set cp = 1"
     per_head = write_model(tmp_path / "qk", "stablelm", qk_layernorm=True)
     assert _refusal(f"model.hf='{per_head}'", "parallel.tp=2", nproc=2) == \
         "parallel.tp: StableLmForCausalLM with qk_layernorm = true (a LayerNorm per head for " \

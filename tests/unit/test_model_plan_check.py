@@ -84,8 +84,10 @@ def test_a_right_plan_passes():
      "blocks.0.mlp, a block half"),
     (dict(tp_divides=("heads",)), "plan.tp_divides: Net.args has no field heads"),
     (dict(first=("embed",)), "plan.first: Net has no attribute 'embed'"),
+    (dict(tp_norms=("norm",)), "plan.tp_norms: blocks.0.norm is not an RMSNorm of the block"),
+    (dict(tp_heads=("mlp.heads",)), "plan.tp_heads: blocks.0.mlp.heads is not a head count"),
 ], ids=["swapped-dims", "row-as-column", "dim-2", "not-a-linear", "no-blocks", "no-half",
-        "typo", "no-field", "no-first"])
+        "typo", "no-field", "no-first", "norm-not-rms", "no-head-count"])
 def test_a_wrong_plan_is_named_in_one_line(changes, said):
     problem = plan_problem(_with(**changes), 2)
     assert problem is not None and problem.startswith(said), problem

@@ -28,6 +28,12 @@ class Family:
     modules: Mapping[str, str] = field(default_factory=lambda: dict(DECODER))
     # Its MLP, for the formulas (`Shape.mlp`): "gated" (gate and up, then down) or "plain".
     mlp: str = "gated"
+    # The config key of a soft cap on the logits (c tanh(z / c): Gemma2's), which the head
+    # applies (`HFCausalLM`: its `logit_softcap`).
+    logit_softcap: str | None = None
+    # config.json keys that, set, give the attention what context parallelism's kernels do not
+    # compute: key -> what (refused under cp before launch).
+    cp_refused: Mapping[str, str] = field(default_factory=dict)
     # config.json keys that, true, give the layers modules the plan does not split by tp:
     # key -> what they are (refused under tp before launch, `plait/config/checks_hf.py`).
     tp_refused: Mapping[str, str] = field(default_factory=dict)
