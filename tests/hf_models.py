@@ -50,6 +50,8 @@ def families():
                      | dict(hidden_dropout=0.0, bos_token_id=0, eos_token_id=0)),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM,  # q and k normed over all heads
                   {**SHAPE, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM,  # q, k, v in one projection, gate and up
+                 {**SHAPE, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
                  dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # no random dropout

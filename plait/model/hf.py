@@ -30,6 +30,7 @@ from torch import nn
 
 from plait.model.documents import Documents
 from plait.model.families import Family, family_of
+from plait.model.fused import fuse_apart
 from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-free, re-exported)
     HF_PLANS,
     architecture,
@@ -111,6 +112,9 @@ class HFCausalLM(nn.Module):
             if mine == "layers":
                 module = nn.ModuleDict({str(i): layer for i, layer in enumerate(module)})
             setattr(self, mine, module)
+        for layer in self.layers.values():  # fused projections, one linear per part
+            for path, fields in family.fused.items():
+                fuse_apart(layer, path, [getattr(hf.config, f) for f in fields])
         self.positions = arange_positions
         cap = getattr(hf.config, family.logit_softcap, None) if family.logit_softcap else None
         self.lm_head.logit_softcap = cap  # the loss reads it (`HeadCrossEntropy`)
@@ -244,6 +248,9 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu",
     gives."""
 
     if not has_weights(folder):
+        return None
+    family = family_of(architecture(read_config(folder)))
+    if family is not None and family.fused:  # its parts are rows of a file's tensor: whole
         return None
     with params_on_meta():
         model = load_hf(folder, 0, device, weights=False, attention=attention)

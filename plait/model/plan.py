@@ -49,7 +49,9 @@ class ModelPlan:
     # Fields of `model.args` that the tp degree must divide (heads, hidden units, vocabulary).
     tp_divides: tuple[str, ...] = ()
     # Block-relative attributes that count heads, which a module's forward reads to reshape
-    # (`self_attn.num_heads`): each tp rank holds 1/T of them, so each is divided by T.
+    # (`self_attn.num_heads`; or a config's the module reads, `self_attn.config.
+    # num_attention_heads`, changed on the module's own copy of it): each tp rank holds 1/T of
+    # them, so each is divided by T.
     tp_heads: tuple[str, ...] = ()
     # Block-relative RMSNorms over the width a column-parallel linear splits (OLMo2's q_norm and
     # k_norm, over all heads): each rank keeps its part of the gain, and the sum of squares is
@@ -144,8 +146,7 @@ def plan_problem(model: nn.Module, tp: int = 1) -> str | None:
                 return (f"plan: {plan.blocks}.{i} has no module {path!r} (its modules: "
                         f"{', '.join(sorted(p for p in paths if p and '.' not in p))})")
         for attribute in plan.tp_heads:
-            owner, _, leaf = attribute.rpartition(".")
-            count = getattr(paths.get(owner), leaf, None)
+            count = _attribute(block, attribute)
             if not isinstance(count, int):
                 return (f"plan.tp_heads: {plan.blocks}.{i}.{attribute} is not a head count of "
                         "the block (a whole number its forward reads)")
@@ -197,6 +198,13 @@ def _top_level_problem(model: nn.Module, plan: ModelPlan) -> str | None:
         return (f"plan.tp_divides: {type(model).__name__}.args has no field "
                 f"{', '.join(missing)}; name fields of model.args (heads, hidden units)")
     return None
+
+
+def _attribute(block: object, dotted: str) -> object:
+    """`block.a.b.c` for "a.b.c", None where any part is missing."""
+    for part in dotted.split("."):
+        block = getattr(block, part, None)
+    return block
 
 
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:

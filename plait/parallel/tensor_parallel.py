@@ -28,6 +28,7 @@ and head it holds), and writes the `tp` axis of each parameter into the placemen
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -114,6 +115,20 @@ def _bias_once(linear: nn.Linear, rank: int) -> None:
         return F.linear(x, linear.weight, bias)
 
     linear.forward = forward
+
+
+def _divide(block: nn.Module, attribute: str, size: int) -> None:
+    """Divide the head count at `attribute` (dotted, block-relative) by `size`; where it is an
+    object's that is not a module (a config every layer shares), on this module's own copy."""
+    *path, leaf = attribute.split(".")
+    owner = block
+    for part in path:
+        child = getattr(owner, part)
+        if not isinstance(child, nn.Module):
+            child = copy.copy(child)
+            setattr(owner, part, child)
+        owner = child
+    setattr(owner, leaf, getattr(owner, leaf) // size)
 
 
 def _split_norm(norm: nn.Module, tp: Axis) -> None:
@@ -247,9 +262,7 @@ def _split_block(block: nn.Module, plan: ModelPlan, tp: Axis, sequence_parallel:
     for path in plan.tp_norms:
         _split_norm(block.get_submodule(path), tp)
     for attribute in plan.tp_heads:  # this rank's heads
-        owner, _, leaf = attribute.rpartition(".")
-        module = block.get_submodule(owner)
-        setattr(module, leaf, getattr(module, leaf) // tp.size)
+        _divide(block, attribute, tp.size)
     for half in plan.tp_halves:
         _wrap_half(block.get_submodule(half), tp.group, tp.rank, sequence_parallel)
 

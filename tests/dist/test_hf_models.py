@@ -24,6 +24,7 @@ from training import assert_params_close, run_steps
 
 from plait.train.checks import validate
 from plait.model.families import family_of
+from plait.model.fused import part_of
 from plait.model.hf import architecture, hf_name, read_config
 from plait.planner.price import estimate
 from plait.planner.hardware import DEVICES, Cluster
@@ -31,7 +32,7 @@ from plait.train.dry_run import describe_rank
 
 STEPS = 4
 
-PLANNED = ("mistral", "gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox", "olmo2")
+PLANNED = ("mistral", "gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox", "olmo2", "phi3")
 # (id, family, ranks, overrides)
 ROWS = [
     ("llama-dp2-tp2-zero1", "llama", 4, ["parallel.tp=2", "parallel.zero=1"]),
@@ -79,6 +80,18 @@ def _held(whole: torch.Tensor, placement) -> torch.Tensor:
         if shard is not None and shard.dim is not None:
             whole = whole.chunk(shard.count, dim=shard.dim)[shard.index]
     return whole
+
+
+def _reference_of(name: str, family, params: dict, folder) -> tuple[torch.Tensor, str]:
+    """(the reference's tensor for plait's parameter `name`, its transformers name): a fused
+    projection's part (`plait/model/fused.py`) is its rows of the fused tensor."""
+    for path, fields in (family.fused.items() if family else ()):
+        if f".{path}.parts." in name:
+            fused = f"{name.split('.parts.')[0]}.{name.rsplit('.', 1)[1]}"
+            hf = hf_name(fused, family)
+            counts = [read_config(folder)[f] for f in fields]
+            return part_of(name, {fused: params[hf]}, counts), hf
+    return params[hf_name(name, family)], hf_name(name, family)
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +184,9 @@ def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-5, atol=0)
         for name, p in r["params"].items():
-            want = _held(ref["params"][hf_name(name, planned)], r["placements"][name])
-            assert_params_close(p, want, name, steps=STEPS)
-            seen.add(hf_name(name, planned))
+            whole, hf = _reference_of(name, planned, ref["params"], cfg.model.hf)
+            assert_params_close(p, _held(whole, r["placements"][name]), name, steps=STEPS)
+            seen.add(hf)
     # Every parameter of the transformers model was trained somewhere (a tied head counts once).
     assert seen == set(ref["params"])
     assert measured == traced

@@ -88,7 +88,7 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
 # -- model.hf: the transformers modules themselves ------------------------------------------------
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "stablelm",
-            "starcoder2", "gpt-neox", "olmo2", "gpt2"]
+            "starcoder2", "gpt-neox", "olmo2", "phi3", "gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox",
-                                    "olmo2", "mixtral"])
+                                    "olmo2", "phi3", "mixtral"])
 def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_folders, family,
                                                                             tmp_path, capsys):
     """`plait convert --to hf` of a `model.hf` checkpoint: transformers loads the folder with no

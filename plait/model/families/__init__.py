@@ -5,12 +5,21 @@ torch-free: the checks before launch read it. Adding a family is a module here a
 
 from __future__ import annotations
 
-from plait.model.families import gemma2, gpt_neox, llama, mixtral, olmo2, stablelm, starcoder2
+from plait.model.families import (
+    gemma2,
+    gpt_neox,
+    llama,
+    mixtral,
+    olmo2,
+    phi3,
+    stablelm,
+    starcoder2,
+)
 from plait.model.families.family import DECODER, Family
 
 FAMILIES: dict[str, Family] = {
     arch: f for f in (*llama.FAMILIES, mixtral.FAMILY, stablelm.FAMILY, starcoder2.FAMILY,
-                      gpt_neox.FAMILY, olmo2.FAMILY, gemma2.FAMILY)
+                      gpt_neox.FAMILY, olmo2.FAMILY, gemma2.FAMILY, phi3.FAMILY)
     for arch in f.architectures
 }
 

@@ -26,6 +26,10 @@ class Family:
     architectures: tuple[str, ...]
     plan: ModelPlan
     modules: Mapping[str, str] = field(default_factory=lambda: dict(DECODER))
+    # Linears that compute several projections side by side (Phi3's qkv_proj), held as one
+    # linear per part (`plait/model/fused.py`): block-relative path -> the config fields whose
+    # counts size the parts, in order.
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Its MLP, for the formulas (`Shape.mlp`): "gated" (gate and up, then down) or "plain".
     mlp: str = "gated"
     # The config key of a soft cap on the logits (c tanh(z / c): Gemma2's), which the head
