@@ -52,9 +52,10 @@ def families():
                   {**SHAPE, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM,  # q, k, v in one projection, gate and up
                  {**SHAPE, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}),
-        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,
+        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel,  # head untied: pipeline stages hold it
                  dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),  # no random dropout
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no random dropout
+                      tie_word_embeddings=False)),
         # Two families transformers computes with their own eager attention (no SDPA): Gemma2's
         # scores soft-capped, alternating sliding windows (longer than the tests' sequences);
         # BLOOM's ALiBi biases, no position limit in its config.

@@ -36,8 +36,7 @@ from plait.checkpoint.rank_state import load_full, one_process
 from plait.config.schema import Config, ModelConfig, model_section
 from plait.model.args import ModelArgs
 from plait.model.families import family_of
-from plait.model.fused import join_parts
-from plait.model.hf import architecture, hf_name, read_config
+from plait.model.hf import architecture, hf_tensors, read_config
 from plait.model.llama import build_model
 
 
@@ -56,8 +55,7 @@ def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
     generation_config.json)."""
     source = Path(read_meta(checkpoint)["config"]["model"]["hf"])
     family = family_of(architecture(read_config(source)))
-    tensors = {hf_name(n, family): t.contiguous()
-               for n, t in join_parts(load_full(checkpoint)).items()}
+    tensors = {n: t.contiguous() for n, t in hf_tensors(load_full(checkpoint), family).items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -47,6 +47,11 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
                           "it empty")
     if plan is None and cfg.parallel.wrap and not cfg.parallel.wrap.isdigit():
         _check_wrap_classes(arch, config.model_type, cfg.parallel.wrap)
+    family = family_of(arch)
+    if family is not None and "position_embeddings" in family.modules and \
+            cfg.data.document_mask:
+        raise ConfigError("data.document_mask", f"{arch} adds learned positions to its "
+                          "embeddings, which would not restart at each document; set it to false")
     if plan is None and cfg.data.document_mask:
         raise ConfigError("data.document_mask", f"{arch} has no plait plan (planned: "
                           f"{', '.join(HF_PLANS)}), and its attention takes no document mask "

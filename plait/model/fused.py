@@ -48,6 +48,21 @@ def fuse_apart(block: nn.Module, path: str, counts: list[int]) -> None:
     setattr(parent, leaf, FusedLinear(linear, [rows * c for c in counts]))
 
 
+def as_linear(block: nn.Module, path: str) -> None:
+    """Replace transformers' `Conv1D` at `path` in `block` (x W + b, W stored (in, out)) by the
+    `nn.Linear` that computes the same (its weight W transposed)."""
+    parent_path, _, leaf = path.rpartition(".")
+    parent = block.get_submodule(parent_path)
+    conv = getattr(parent, leaf)
+    inputs, outputs = conv.weight.shape
+    linear = nn.Linear(inputs, outputs, bias=conv.bias is not None, device=conv.weight.device,
+                       dtype=conv.weight.dtype)
+    linear.weight = nn.Parameter(conv.weight.detach().t().contiguous())
+    if conv.bias is not None:
+        linear.bias = nn.Parameter(conv.bias.detach().clone())
+    setattr(parent, leaf, linear)
+
+
 _PART = re.compile(r"^(.*)\.parts\.(\d+)\.(weight|bias)$")
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from plait.model.documents import Documents
 from plait.model.families import Family, family_of
-from plait.model.fused import fuse_apart
+from plait.model.fused import as_linear, fuse_apart, join_parts
 from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-free, re-exported)
     HF_PLANS,
     architecture,
@@ -112,7 +112,9 @@ class HFCausalLM(nn.Module):
             if mine == "layers":
                 module = nn.ModuleDict({str(i): layer for i, layer in enumerate(module)})
             setattr(self, mine, module)
-        for layer in self.layers.values():  # fused projections, one linear per part
+        for layer in self.layers.values():  # Conv1Ds as linears; fused projections apart
+            for path in family.conv1d:
+                as_linear(layer, path)
             for path, fields in family.fused.items():
                 fuse_apart(layer, path, [getattr(hf.config, f) for f in fields])
         self.positions = arange_positions
@@ -134,6 +136,11 @@ class HFCausalLM(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(tokens)
+        learned = getattr(self, "position_embeddings", None)  # GPT-2's, where the family has them
+        if learned is not None:
+            at = learned(self.positions(tokens.shape[1], tokens.device))
+            shard = getattr(self.embed_tokens, "sequence_shard", None)  # sequence parallelism's
+            h = h + (at if shard is None else at.chunk(shard[1], dim=-2)[shard[0]])
         dropout = getattr(self, "embed_dropout", None)  # the family's, where its model has one
         return h if dropout is None else dropout(h)
 
@@ -150,8 +157,9 @@ class HFCausalLM(nn.Module):
         else:
             documents = documents.to(h.device)
             positions = documents.positions()
-        return {"attention_mask": documents, "position_ids": positions,
-                "position_embeddings": self.rotary_emb(h, positions)}
+        extra = {"attention_mask": documents, "position_ids": positions}
+        rotary = getattr(self, "rotary_emb", None)  # none where positions are learned (GPT-2)
+        return extra if rotary is None else {**extra, "position_embeddings": rotary(h, positions)}
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)  # what the output head reads (a pipeline chunk calls it unbound)
@@ -221,6 +229,21 @@ class PlainCausalLM(nn.Module):
         return out.logits if labels is None else out
 
 
+def hf_tensors(tensors: dict[str, torch.Tensor], family: Family | None) -> dict:
+    """A model's whole tensors by plait's names as transformers' state dict holds them: fused
+    projections' parts joined, Conv1D weights transposed back, transformers' names."""
+    if family is None:
+        return {hf_name(n, None): t for n, t in tensors.items()}
+    tensors = join_parts(tensors)
+    conv1d = {f"{family.plan.blocks}.{i}.{path}.weight" for path in family.conv1d
+              for i in _layer_indices(tensors, family.plan.blocks)}
+    return {hf_name(n, family): t.t() if n in conv1d else t for n, t in tensors.items()}
+
+
+def _layer_indices(names, blocks: str) -> set[str]:
+    return {n.split(".")[1] for n in names if n.startswith(f"{blocks}.")}
+
+
 def hf_name(name: str, family: Family | None) -> str:
     """transformers' state-dict name of a parameter of `HFCausalLM` (of `family`) or of
     `PlainCausalLM` (None)."""
@@ -250,7 +273,7 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu",
     if not has_weights(folder):
         return None
     family = family_of(architecture(read_config(folder)))
-    if family is not None and family.fused:  # its parts are rows of a file's tensor: whole
+    if family is not None and (family.fused or family.conv1d):  # held otherwise than filed
         return None
     with params_on_meta():
         model = load_hf(folder, 0, device, weights=False, attention=attention)

@@ -45,6 +45,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(full.weight.detach()[self.start : self.end].clone())
         scale = getattr(full, "embed_scale", None)
         self.register_buffer("embed_scale", scale, persistent=False)
+        # Under sequence parallelism its output is this rank's shard of the sequence (which, of
+        # how many): what a model adding learned positions to it adds (GPT-2's, `HFCausalLM`).
+        self.sequence_shard = (tp.rank, tp.size) if sequence_parallel else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.start) | (tokens >= self.end)

@@ -15,6 +15,8 @@ in the helper).
 
 from __future__ import annotations
 
+import re
+
 import corpora
 import pytest
 import torch
@@ -32,7 +34,8 @@ from plait.train.dry_run import describe_rank
 
 STEPS = 4
 
-PLANNED = ("mistral", "gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox", "olmo2", "phi3")
+PLANNED = ("mistral", "gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox", "olmo2", "phi3",
+           "gpt2")
 # (id, family, ranks, overrides)
 ROWS = [
     ("llama-dp2-tp2-zero1", "llama", 4, ["parallel.tp=2", "parallel.zero=1"]),
@@ -49,7 +52,6 @@ ROWS = [
     ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),
     ("mixtral-tp2", "mixtral", 2, ["parallel.tp=2"]),
-    ("gpt2-zero3-no-plan", "gpt2", 2, ["parallel.zero=3"]),
     # The other planned families (`plait/model/families/`): each under tp2 + sp with pp2, and
     # under ZeRO-3 (Gemma2: soft-capped scores in its eager attention, soft-capped logits).
     *[row for family in PLANNED for row in (
@@ -84,14 +86,20 @@ def _held(whole: torch.Tensor, placement) -> torch.Tensor:
 
 def _reference_of(name: str, family, params: dict, folder) -> tuple[torch.Tensor, str]:
     """(the reference's tensor for plait's parameter `name`, its transformers name): a fused
-    projection's part (`plait/model/fused.py`) is its rows of the fused tensor."""
-    for path, fields in (family.fused.items() if family else ()):
-        if f".{path}.parts." in name:
-            fused = f"{name.split('.parts.')[0]}.{name.rsplit('.', 1)[1]}"
-            hf = hf_name(fused, family)
-            counts = [read_config(folder)[f] for f in fields]
-            return part_of(name, {fused: params[hf]}, counts), hf
-    return params[hf_name(name, family)], hf_name(name, family)
+    projection's part (`plait/model/fused.py`) is its rows of the fused tensor; a linear
+    transformers keeps as a Conv1D (GPT-2's) its transposed weight."""
+    if family is None:
+        return params[hf_name(name, None)], hf_name(name, None)
+    whole = re.sub(r"\.parts\.\d+\.", ".", name)
+    hf = hf_name(whole, family)
+    tensor = params[hf]
+    path = whole.split(".", 2)[-1].rsplit(".", 1)[0]  # block-relative, for a block's
+    if whole.endswith(".weight") and path in family.conv1d:
+        tensor = tensor.t()
+    if whole != name:
+        counts = [read_config(folder)[f] for f in family.fused[path]]
+        tensor = part_of(name, {whole: tensor}, counts)
+    return tensor, hf
 
 
 @pytest.fixture(scope="module")

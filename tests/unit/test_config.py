@@ -303,7 +303,7 @@ BAD_INPUT = [
     (["model.hf={files}/hf_missing_tensor", "parallel.tp=3", "parallel.dp=1", "--nproc", "3"],
      "parallel.tp"),  # 2 heads
     (["model.hf={files}/hf_unplanned", "parallel.tp=2", "parallel.dp=1", "--nproc", "2"],
-     "parallel.tp"),  # GPT-2: no plan (read from config.json; took 12-14 s through transformers)
+     "parallel.tp"),  # BLOOM: no plan (read from config.json; took 12-14 s through transformers)
     (["data.document_mask=3"], "data.document_mask"),
     (["data.source={files}/ids.bin", "model.vocab_size=512", "data.document_mask=true"],
      "data.document_mask"),  # a .bin does not say where its documents begin
@@ -522,8 +522,8 @@ def _bad_hf_folders(root):
     (root / "hf_garbled_config" / "config.json").write_text("{not json")
     shutil.copytree(root / "hf_other_tensors", root / "hf_unplanned")  # a family with no plan
     (root / "hf_unplanned" / "config.json").write_text(json.dumps(
-        {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 16, "n_layer": 1,
-         "n_head": 2, "vocab_size": 64, "n_positions": 32}))
+        {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "hidden_size": 16,
+         "n_layer": 1, "n_head": 2, "vocab_size": 64}))
     shutil.copytree(root / "hf_missing_tensor", root / "hf_no_width")
     (root / "hf_no_width" / "config.json").write_text(json.dumps(
         {k: v for k, v in config.items() if k != "hidden_size"}))

@@ -88,7 +88,7 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
 # -- model.hf: the transformers modules themselves ------------------------------------------------
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "stablelm",
-            "starcoder2", "gpt-neox", "olmo2", "phi3", "gpt2"]
+            "starcoder2", "gpt-neox", "olmo2", "phi3", "gpt2", "bloom"]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
     from plait.model.hf import HFCausalLM, PlainCausalLM, load_hf
 
     model = load_hf(hf_folders[family]).eval()
-    assert isinstance(model, PlainCausalLM if family == "gpt2" else HFCausalLM)
+    assert isinstance(model, PlainCausalLM if family == "bloom" else HFCausalLM)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         hf_folders[family], dtype=torch.float32).eval()  # its own choice, as plait's
     tokens = _tokens(256)
@@ -117,7 +117,7 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox",
-                                    "olmo2", "phi3", "mixtral"])
+                                    "olmo2", "phi3", "gpt2", "mixtral"])
 def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_folders, family,
                                                                             tmp_path, capsys):
     """`plait convert --to hf` of a `model.hf` checkpoint: transformers loads the folder with no
@@ -169,22 +169,22 @@ def test_model_attention_eager_computes_the_familys_eager_attention(hf_folders, 
 
 def test_zero3_units_of_a_family_without_a_plan_are_its_decoder_layers(hf_folders):
     """A transformers family plait has no plan for gets ZeRO-3 units by the classes it names in
-    `_no_split_modules` (GPT-2's `GPT2Block`: one unit per layer, not the whole model gathered
+    `_no_split_modules` (BLOOM's `BloomBlock`: one unit per layer, not the whole model gathered
     at once); `parallel.wrap` chooses others by class name or size, and names a class the model
     lacks with the ones it has."""
     from plait.model.hf import load_hf
     from plait.parallel.engines.units import unit_modules
     from plait.parallel.wrap import policy_of
 
-    model = load_hf(hf_folders["gpt2"], device="meta")
-    assert [c.__name__ for c in model.unit_classes] == ["GPT2Block"]
+    model = load_hf(hf_folders["bloom"], device="meta")
+    assert [c.__name__ for c in model.unit_classes] == ["BloomBlock"]
     units = unit_modules(model, policy_of(model))
-    assert [type(u[0]).__name__ for u in units] == ["PlainCausalLM", "GPT2Block", "GPT2Block"]
-    mlps = unit_modules(model, policy_of(model, "GPT2MLP, GPT2Attention"))
-    assert [type(u[0]).__name__ for u in mlps[1:]] == ["GPT2Attention", "GPT2MLP"] * 2
+    assert [type(u[0]).__name__ for u in units] == ["PlainCausalLM", "BloomBlock", "BloomBlock"]
+    mlps = unit_modules(model, policy_of(model, "BloomMLP, BloomAttention"))
+    assert [type(u[0]).__name__ for u in mlps[1:]] == ["BloomAttention", "BloomMLP"] * 2
     assert policy_of(model, "1000").min_params == 1000
     with pytest.raises(ValueError, match=r"^parallel.wrap: no module of class LlamaDecoderLayer "
-                                         r"in this model; its classes with parameters: Conv1D, "):
+                                         r"in this model; its classes with parameters: "):
         policy_of(model, "LlamaDecoderLayer")
 
 
@@ -198,19 +198,22 @@ def _refusal(*overrides, nproc=4):
 
 
 def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folders, tmp_path):
-    gpt2, llama = hf_folders["gpt2"], hf_folders["llama"]
-    assert _refusal(f"model.hf='{gpt2}'", "parallel.tp=2").startswith(
-        "parallel.tp: GPT2LMHeadModel has no plait plan (planned: LlamaForCausalLM, ")
-    assert _refusal(f"model.hf='{gpt2}'", "parallel.zero=1", "parallel.dp=2",
+    bloom, llama = hf_folders["bloom"], hf_folders["llama"]
+    assert _refusal(f"model.hf='{bloom}'", "parallel.tp=2").startswith(
+        "parallel.tp: BloomForCausalLM has no plait plan (planned: LlamaForCausalLM, ")
+    assert _refusal(f"model.hf='{bloom}'", "parallel.zero=1", "parallel.dp=2",
                     "train.activation_checkpointing=full", nproc=2).startswith(
-        "train.activation_checkpointing: GPT2LMHeadModel has no plait plan naming its blocks")
-    assert _refusal(f"model.hf='{gpt2}'", "parallel.zero=3", "parallel.wrap=GPT2Layer") == \
-        "parallel.wrap: GPT2LMHeadModel has no module class GPT2Layer; its decoder layer is " \
-        "GPT2Block"
+        "train.activation_checkpointing: BloomForCausalLM has no plait plan naming its blocks")
+    assert _refusal(f"model.hf='{bloom}'", "parallel.zero=3", "parallel.wrap=BloomLayer") == \
+        "parallel.wrap: BloomForCausalLM has no module class BloomLayer; its decoder layer is " \
+        "BloomBlock"
     assert _refusal(f"model.hf='{llama}'", "parallel.zero=3", "parallel.wrap=Block").startswith(
         "parallel.wrap: LlamaForCausalLM's plait plan makes its ZeRO-3 units")
-    assert _refusal(f"model.hf='{gpt2}'", "data.document_mask=true").startswith(
-        "data.document_mask: GPT2LMHeadModel has no plait plan (planned: ")
+    assert _refusal(f"model.hf='{bloom}'", "data.document_mask=true").startswith(
+        "data.document_mask: BloomForCausalLM has no plait plan (planned: ")
+    assert _refusal(f"model.hf='{hf_folders['gpt2']}'", "data.document_mask=true") == \
+        "data.document_mask: GPT2LMHeadModel adds learned positions to its embeddings, which " \
+        "would not restart at each document; set it to false"
     assert _refusal(f"model.hf='{tmp_path}'") == \
         f"model.hf: {tmp_path} has no config.json; give a folder that transformers' " \
         "save_pretrained wrote"
@@ -227,12 +230,11 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     window = write_model(tmp_path / "window", "mistral", sliding_window=16)
     assert _refusal(f"model.hf='{window}'", "data.seq_len=32").startswith(
         "data.seq_len: 32 exceeds the model's sliding window (16)")
-    assert _refusal(f"model.hf='{hf_folders['gpt2']}'", "model.attention=flash") == \
+    assert _refusal(f"model.hf='{bloom}'", "model.attention=flash") == \
         "model.attention: one of auto, sdpa, eager, not 'flash'"
     assert _refusal("model.attention=eager") == \
         "model.attention: chooses a Hugging Face model's attention (with model.hf); plait's " \
         "Llama computes its own: drop this key"
-    bloom = write_model(tmp_path / "bloom", "bloom")
     assert _refusal(f"model.hf='{bloom}'", "model.attention=sdpa", nproc=1) == \
         "model.attention: transformers computes BloomForCausalLM with its own attention only " \
         "(no SDPA); use 'auto' or 'eager'"
@@ -313,16 +315,16 @@ def test_the_planner_places_the_transformers_model_itself(hf_folders, capsys):
     no plan is offered data parallelism and ZeRO alone, and its activations are the model's own
     step traced on fake tensors (what `--dry-run` prints; `test_hf_models` checks a pinned plan
     against a real run), not plait's Llama block: no plan says otherwise."""
-    gpt2 = hf_folders["gpt2"]
-    cli.main(["plan", f"model.hf={gpt2}", "--gpus", "4", "--json", "data.seq_len=32",
+    unplanned = hf_folders["bloom"]
+    cli.main(["plan", f"model.hf={unplanned}", "--gpus", "4", "--json", "data.seq_len=32",
               "train.global_batch=8"])
     plans = json.loads(capsys.readouterr().out)
     want = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(
-        gpt2).parameters())
+        unplanned).parameters())
     assert plans and all(p["params"] == want for p in plans)
     assert all(p["tp"] == p["pp"] == p["cp"] == p["ep"] == 1 for p in plans)
     assert not any("plait's Llama" in w for p in plans for w in p["warnings"])
-    cfg = load_config(None, [f"model.hf='{gpt2}'", "data.seq_len=32", "train.global_batch=8"])
+    cfg = load_config(None, [f"model.hf='{unplanned}'", "data.seq_len=32", "train.global_batch=8"])
     for p in plans:
         pinned = with_degrees(cfg, **{k: p[k] for k in DEGREES if k != "dp"})
         dry = describe_rank(pinned, validate(pinned, 4), 0)

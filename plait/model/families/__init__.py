@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from plait.model.families import (
     gemma2,
+    gpt2,
     gpt_neox,
     llama,
     mixtral,
@@ -19,7 +20,7 @@ from plait.model.families.family import DECODER, Family
 
 FAMILIES: dict[str, Family] = {
     arch: f for f in (*llama.FAMILIES, mixtral.FAMILY, stablelm.FAMILY, starcoder2.FAMILY,
-                      gpt_neox.FAMILY, olmo2.FAMILY, gemma2.FAMILY, phi3.FAMILY)
+                      gpt_neox.FAMILY, olmo2.FAMILY, gemma2.FAMILY, phi3.FAMILY, gpt2.FAMILY)
     for arch in f.architectures
 }
 

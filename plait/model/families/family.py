@@ -19,8 +19,9 @@ class Family:
     """A transformers family under plait: `architectures` (config.json's names of its
     `*ForCausalLM`), its `plan`, and `modules`: plait's name of each piece `HFCausalLM` keeps ->
     transformers' path to it (`embed_tokens`, `layers` (the decoder layers' list), `norm`,
-    `rotary_emb`, `lm_head`; optionally `embed_dropout`, applied to the embeddings as the
-    family's model does)."""
+    `rotary_emb` (none for a family of learned positions), `lm_head`; optionally
+    `position_embeddings`, learned positions added to the embeddings, and `embed_dropout`,
+    applied to the embeddings as the family's model does)."""
 
     name: str
     architectures: tuple[str, ...]
@@ -30,6 +31,10 @@ class Family:
     # linear per part (`plait/model/fused.py`): block-relative path -> the config fields whose
     # counts size the parts, in order.
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Block-relative linears transformers keeps as `Conv1D` (GPT-2's: the weight stored
+    # (in, out)), held as `nn.Linear`s (the weight transposed) so that tp splits them as any
+    # linear; the export transposes them back.
+    conv1d: tuple[str, ...] = ()
     # Its MLP, for the formulas (`Shape.mlp`): "gated" (gate and up, then down) or "plain".
     mlp: str = "gated"
     # The config key of a soft cap on the logits (c tanh(z / c): Gemma2's), which the head
