@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -234,8 +235,16 @@ def representative(dims, rank: int) -> int:
 
 
 def trace_class(cfg, dims, rank: int) -> RankTrace:
-    """`trace_rank` of `representative(dims, rank)`, cached per configuration."""
-    key = (repr(cfg), dims, representative(dims, rank))
+    """`trace_rank` of `representative(dims, rank)`, cached per configuration as far as its
+    activations and FLOPs depend on it, which is what its callers read (the planner, the dry
+    run): ZeRO's stages 1, 2 and 3, and whether stage 3 reshards after forward, keep the same
+    tensors for backward and run the same FLOPs (measured alike in fp32 and bf16, with and
+    without recomputation), so the planner traces one of them, not four."""
+    same, par = cfg, cfg.parallel
+    if par.zero:
+        same = dataclasses.replace(cfg, parallel=dataclasses.replace(
+            par, zero=1, reshard_after_forward=True))
+    key = (repr(same), dims, representative(dims, rank))
     if key not in _TRACES:
         if len(_TRACES) >= 256:  # the planner prices many layouts; keep the recent ones
             _TRACES.clear()
