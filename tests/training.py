@@ -37,19 +37,21 @@ def assert_params_close(got: torch.Tensor, want: torch.Tensor, name: str, atol: 
     that nearly cancels) takes a step whose size and sign the noise decides, up to ~lr, and the
     noise is the CPU kernels' (measured: one embedding element of 8,192 off by 6e-5 at ep2 x tp2
     on an AMD EPYC after 4 steps, the rest within 5e-6; on an AVX-512 Xeon, whose kernels block
-    a split matmul otherwise than the whole one, up to 5 of 1,024 elements of a tp2 key
-    projection beyond 1e-5 after 5 steps, the largest 2e-5, all with gradients below the
-    tensor's median). A real error (a gradient missed, doubled, scaled or summed on the wrong
-    group; an update skipped or applied to the wrong shard) moves most of a tensor's elements by
-    ~lr = 3e-3. So, per tensor: at most 1 element in 100 (at least one) beyond `atol`, none
-    beyond 2 lr per step (two AdamW trajectories cannot drift further), and the mean difference
-    below atol / 10, which an error in even one row of 256 (lr per step on 1/256 of the
-    elements) exceeds several times over."""
+    a split matmul otherwise than the whole one, 5 of 1,024 elements of a tp2 key projection
+    beyond 1e-5 after 5 steps, and under its AVX2 kernels 16 of 512 at tp4, the largest 3.2e-5,
+    all with gradients below the tensor's median: a key projection's gradients are small). A
+    real error (a gradient missed, doubled, scaled or summed on the wrong group; an update
+    skipped or applied to the wrong shard) moves most of a tensor's elements by ~lr = 3e-3. So,
+    per tensor: at most 1 element in 10 beyond `atol` and 1 in 1,000 (at least one) beyond
+    10 atol, none beyond 2 lr per step (two AdamW trajectories cannot drift further), and the
+    mean difference below atol / 10, which an error in even one row of 256 (lr per step on
+    1/256 of the elements) exceeds several times over."""
     diff = (got.float() - want.float()).abs()
-    beyond = int((diff > atol).sum())
-    assert beyond <= max(1, diff.numel() // 100), \
-        f"{name}: {beyond} of {diff.numel()} elements differ by more than {atol:g} " \
-        f"(largest {diff.max().item():.3g})"
+    for bound, share in ((atol, 10), (10 * atol, 1000)):
+        beyond = int((diff > bound).sum())
+        assert beyond <= max(1, diff.numel() // share), \
+            f"{name}: {beyond} of {diff.numel()} elements differ by more than {bound:g} " \
+            f"(largest {diff.max().item():.3g})"
     assert diff.max().item() <= 2 * lr * steps, f"{name}: off by {diff.max().item():.3g}"
     assert diff.mean().item() <= atol / 10, \
         f"{name}: mean difference {diff.mean().item():.3g} > {atol / 10:g}"

@@ -151,8 +151,12 @@ def reference():
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "sp"])
 def test_training_equals_single_process(reference, tp, dp, sequence_parallel):
     """Every gradient of the first step (rtol 1e-4, atol 1e-6 as above), then 5 steps with
-    clipping on: losses relative 1e-5; parameters as `training.assert_params_close` says (1e-5
-    absolute, but for the elements whose gradients are at noise level under Adam)."""
+    clipping on: losses relative 1e-5; parameters as `training.assert_params_close` says, at
+    atol 2e-5 (its mean bound 2e-6). The key projection's gradients are small (typically 5e-5,
+    a fraction of the query's), so AdamW's division by their root mean square turns the
+    kernels' summation noise into steps of that size on many of its elements: on an AVX-512
+    Xeon under its AVX2 kernels, wk's mean difference at tp4 was 1.4e-6 after 5 steps. An error
+    in one row of 256 still moves the mean by 6e-5."""
     ref_losses, ref_val, ref_params, _, _, ref_grads = reference
     results = run_world(train_here, tp * dp, _tp_config(tp, dp, sequence_parallel))
     for rank, (losses, val, params, _, _, grads) in enumerate(results):
@@ -165,7 +169,7 @@ def test_training_equals_single_process(reference, tp, dp, sequence_parallel):
         assert val == pytest.approx(ref_val, rel=1e-5)
         for name, p in params.items():
             want = shard(name, ref_params[name], rank % tp, tp)  # tp is the innermost axis
-            assert_params_close(p, want, name)
+            assert_params_close(p, want, name, atol=2e-5)
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
