@@ -20,6 +20,8 @@ and shape reuses the first layer's graph (tests/dist/test_compile.py counts them
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch._dynamo
 from torch import nn
@@ -55,6 +57,7 @@ def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
 
     # A block dynamo or the backend fails on runs eager (with torch's warning), not the run.
     torch._dynamo.config.suppress_errors = True
+    _cache_per_capability()
     count = 0
     for chunk in chunks.values():
         for block in blocks(chunk, policy):
@@ -67,6 +70,23 @@ def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",
         raise ValueError("train.compile: no block to compile (the model has no plan naming its "
                          "blocks, and the wrap policy chose no module); set train.compile=false")
     return count
+
+
+def _cache_per_capability() -> None:
+    """Inductor's compiled kernels are cached on disk (`TORCHINDUCTOR_CACHE_DIR`, else one folder
+    per user) under a key that leaves out the vector ISA inductor picks from
+    `ATEN_CPU_CAPABILITY`: on an AVX-512 CPU, a block compiled once natively and then under
+    `ATEN_CPU_CAPABILITY=avx2` (how the suite's tolerances are checked against AVX2 kernels)
+    loaded the first run's artifacts and computed garbage (NaN, or off by 1e2; measured with
+    torch 2.13). Where the capability is forced and the cache folder is torch's default, each
+    capability gets a folder of its own."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    default = os.path.abspath(default_cache_dir())
+    chosen = os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR", default))
+    if capability and chosen == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}_{capability}"
 
 
 def _recomputed_eager(block: nn.Module) -> None:

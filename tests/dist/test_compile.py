@@ -17,6 +17,8 @@ moves the loss by ~1e-2.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from harness import run_world
@@ -133,3 +135,19 @@ def test_auto_compiles_on_cuda_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not compile_enabled("auto", cpu) and compile_enabled("auto", cuda)
     assert compile_enabled(True, cpu) and not compile_enabled(False, cuda)
+
+
+def test_a_forced_cpu_capability_compiles_into_a_cache_of_its_own(monkeypatch):
+    """Inductor's disk cache does not key on the ISA it picks from ATEN_CPU_CAPABILITY: a block
+    compiled natively on an AVX-512 CPU, then under ATEN_CPU_CAPABILITY=avx2, computed NaN."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from plait.parallel.compile import _cache_per_capability
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    _cache_per_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir()) + "_avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/mine")  # a user's folder is kept
+    _cache_per_capability()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/mine"
