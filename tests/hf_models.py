@@ -56,6 +56,20 @@ def families():
                  dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no random dropout
                       tie_word_embeddings=False)),
+        # Falcon's new architecture (Falcon-40B's): each key/value head's queries, key and value
+        # side by side in one projection, attention and MLP side by side, each behind a
+        # LayerNorm; and its first (Falcon-RW's layout with rotary positions): one LayerNorm,
+        # q, k, v per head, biases.
+        "falcon": (tf.FalconConfig, tf.FalconForCausalLM,
+                   dict(vocab_size=256, hidden_size=32, ffn_hidden_size=64, num_hidden_layers=4,
+                        num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                        max_position_embeddings=128, tie_word_embeddings=False,
+                        bos_token_id=0, eos_token_id=0)),
+        "falcon-classic": (tf.FalconConfig, tf.FalconForCausalLM,
+                           dict(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, multi_query=False, bias=True,
+                                max_position_embeddings=128, tie_word_embeddings=False,
+                                bos_token_id=0, eos_token_id=0)),
         # Two families transformers computes with their own eager attention (no SDPA): Gemma2's
         # scores soft-capped, alternating sliding windows (longer than the tests' sequences);
         # BLOOM's ALiBi biases, no position limit in its config.

@@ -35,8 +35,8 @@ from plait.checkpoint.hf_llama import (
 from plait.checkpoint.rank_state import load_full, one_process
 from plait.config.schema import Config, ModelConfig, model_section
 from plait.model.args import ModelArgs
-from plait.model.families import family_of
-from plait.model.hf import architecture, hf_tensors, read_config
+from plait.model.families import family_for
+from plait.model.hf import hf_tensors, read_config
 from plait.model.llama import build_model
 
 
@@ -54,7 +54,7 @@ def export_transformers(checkpoint: str | Path, out: str | Path) -> Path:
     tensors under transformers' names, the source folder's config.json (and
     generation_config.json)."""
     source = Path(read_meta(checkpoint)["config"]["model"]["hf"])
-    family = family_of(architecture(read_config(source)))
+    family = family_for(read_config(source))
     tensors = {n: t.contiguous() for n, t in hf_tensors(load_full(checkpoint), family).items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,9 +38,14 @@ def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """(b, s, ...) partial sums on each rank -> this rank's (b, s / T, ...) of the total."""
     n = dist.get_world_size(group)
     full = x.transpose(0, 1).contiguous()  # (s, b, ...)
-    out = full.new_empty((full.shape[0] // n, *full.shape[1:]))
-    reduce_scatter(out, full, group)
-    return out.transpose(0, 1)
+    # (b, s / T, ...) laid out as (s / T, b, ...): the collective writes it through a contiguous
+    # transposed view, and the result is no view itself, so that a layer may add to it in place
+    # (Falcon's `mlp_output += attention_output`; autograd refuses that on a custom Function's
+    # view output).
+    layout = torch.empty((full.shape[0] // n, *full.shape[1:]), device="meta").transpose(0, 1)
+    out = torch.empty_strided(layout.shape, layout.stride(), dtype=x.dtype, device=x.device)
+    reduce_scatter(out.transpose(0, 1), full, group)
+    return out
 
 
 class CopyToTensorParallel(torch.autograd.Function):

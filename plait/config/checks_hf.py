@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from plait.config.schema import Config, ConfigError
 from plait.mesh import ParallelDims
-from plait.model.families import family_of
+from plait.model.families import Family, family_for, family_of
 from plait.model.hf_config import HF_PLANS, architecture, hf_args, read_config
 from plait.model.plan import tp_misfit
 
@@ -21,18 +21,19 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
     fraction of a second); then what needs transformers' reading of it."""
 
     raw = read_hf_folder(cfg.model.hf)
-    arch = architecture(raw)
+    arch, family = architecture(raw), family_for(raw)
+    plan = family.plan if family is not None else None
     fields = {"num_key_value_heads": raw.get("num_attention_heads"), **raw}
     # A family with no plan needs none of its fields; a planned one, those tp divides, as
     # written (whole numbers).
-    early = bool(arch) and (arch not in HF_PLANS or all(type(fields.get(k)) is int
-                                                        for k in HF_PLANS[arch].tp_divides))
+    early = bool(arch) and (plan is None or all(type(fields.get(k)) is int
+                                                for k in plan.tp_divides))
     if early:
-        _check_planned(dims, arch, SimpleNamespace(**fields))
+        _check_planned(dims, arch, family, SimpleNamespace(**fields))
     config = transformers_config(Path(cfg.model.hf), raw)
     if not early:
         arch = arch or config.model_type
-        _check_planned(dims, arch, config)
+        _check_planned(dims, arch, family, config)
     if cfg.model.attention == "sdpa":
         # here, not at the top: transformers' modeling classes import torch, only for this key
         from plait.model.hf import supports_sdpa
@@ -40,14 +41,12 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
         if not supports_sdpa(config):
             raise ConfigError("model.attention", f"transformers computes {arch} with its own "
                               "attention only (no SDPA); use 'auto' or 'eager'")
-    plan = HF_PLANS.get(arch)
     if plan is not None and cfg.parallel.wrap:
         raise ConfigError("parallel.wrap", f"{arch}'s plait plan makes its ZeRO-3 units (one "
                           "block each); wrap chooses them for a family without a plan: leave "
                           "it empty")
     if plan is None and cfg.parallel.wrap and not cfg.parallel.wrap.isdigit():
         _check_wrap_classes(arch, config.model_type, cfg.parallel.wrap)
-    family = family_of(arch)
     if family is not None and "position_embeddings" in family.modules and \
             cfg.data.document_mask:
         raise ConfigError("data.document_mask", f"{arch} adds learned positions to its "
@@ -91,30 +90,44 @@ def _check_wrap_classes(arch: str, model_type: str, wrap: str) -> None:
                           + (f"; its decoder layer is {', '.join(layers)}" if layers else ""))
 
 
-def _check_planned(dims: ParallelDims, arch: str, fields: object) -> None:
-    """The degrees against the family's plan (`HF_PLANS`): an axis that needs a plan, tp
-    dividing what it splits (read from `fields`), ep needing experts."""
+def _check_planned(dims: ParallelDims, arch: str, family: Family | None,
+                   fields: object) -> None:
+    """The degrees against the family's plan: an axis that needs a plan, tp dividing what it
+    splits (read from `fields`), a config of the family an axis cannot run (`Family.refused`),
+    ep needing experts."""
 
-    plan = HF_PLANS.get(arch)
+    plan = family.plan if family is not None else None
     for axis in ("tp", "pp", "cp", "ep"):
         if getattr(dims, axis) > 1 and plan is None:
             raise ConfigError(f"parallel.{axis}", f"{arch} has no plait plan (planned: "
-                              f"{', '.join(HF_PLANS)}); it trains with dp and ZeRO-1/2/3: set "
-                              f"{axis} = 1")
+                              f"{', '.join(HF_PLANS)}{_unplanned(arch, fields)}); it trains "
+                              f"with dp and ZeRO-1/2/3: set {axis} = 1")
     misfit = plan and tp_misfit(plan, fields, dims.tp)
     if misfit:
         raise ConfigError("parallel.tp", misfit)
-    family = family_of(arch)
-    for key, what in (family.tp_refused.items() if family and dims.tp > 1 else ()):
-        if getattr(fields, key, False):
-            raise ConfigError("parallel.tp", f"{arch} with {key} = true ({what}) has layers "
-                              "plait's plan does not split by tp; set tp = 1")
-    for key, what in (family.cp_refused.items() if family and dims.cp > 1 else ()):
-        if getattr(fields, key, None):
-            raise ConfigError("parallel.cp", f"{arch} with {key} set ({what}) computes an "
-                              "attention plait's context-parallel kernels do not; set cp = 1")
+    if plan is not None and dims.cp > 1 and plan.attention_core is None:
+        raise ConfigError("parallel.cp", f"{arch}'s attention computes itself (SDPA called in "
+                          "its module), where plait's context-parallel kernels cannot go; set "
+                          "cp = 1")
+    for refusal in family.refused if family is not None else ():
+        if getattr(dims, refusal.axis) > 1 and refusal.applies(fields):
+            raise ConfigError(f"parallel.{refusal.axis}", f"{arch} with {refusal.key} set "
+                              f"({refusal.what}) {REFUSED[refusal.axis]}; set "
+                              f"{refusal.axis} = 1")
     if plan is not None and dims.ep > 1 and plan.moe is None and plan.moe_experts is None:
         raise ConfigError("parallel.ep", f"{arch} has no mixture-of-experts layers; set ep = 1")
+
+
+# What each axis cannot do for a config a family refuses (`Family.refused`).
+REFUSED = {"tp": "has layers plait's plan does not split by tp",
+           "cp": "computes an attention plait's context-parallel kernels do not"}
+
+
+def _unplanned(arch: str, fields: object) -> str:
+    """Why a planned family has no plan for this config (`Family.unplanned_when`), or ""."""
+    family = family_of(arch)
+    keys = [k for k in family.unplanned_when if getattr(fields, k, None)] if family else []
+    return f", but not with {', '.join(keys)} set" if keys else ""
 
 
 def check_hf_folder(where: str) -> tuple[dict, object]:

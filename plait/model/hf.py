@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from plait.model.documents import Documents
-from plait.model.families import Family, family_of
+from plait.model.families import Family, family_for
 from plait.model.fused import as_linear, fuse_apart, join_parts
 from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-free, re-exported)
     HF_PLANS,
@@ -89,6 +89,30 @@ def _eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def _as_planned(layer: nn.Module, family: Family, config) -> None:
+    """A decoder layer as the family's plan splits it: Conv1Ds and `plain_linears` as
+    `nn.Linear`, fused projections apart, a tuple out made the hidden states alone."""
+    for path in family.conv1d:
+        as_linear(layer, path)
+    for path in family.plain_linears:
+        layer.get_submodule(path).__class__ = nn.Linear  # the same product, the same parameters
+    for path, fields in family.fused.items():
+        fuse_apart(layer, path, [getattr(config, f) for f in fields])
+    if family.layer_returns_tuple:
+        layer.register_forward_hook(_hidden_states)
+
+
+def _hidden_states(module: nn.Module, args: tuple, out):
+    return out[0]  # (hidden states, attention weights) -> the hidden states
+
+
+def causal_mask(seq_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive causal mask (1, 1, s, s): 0 where a query sees a key, -inf elsewhere."""
+    seen = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return torch.zeros(1, 1, seq_len, seq_len, dtype=dtype, device=device) \
+        .masked_fill(~seen, float("-inf"))
+
+
 def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """c tanh(z / c), as the family caps its logits (Gemma2's `final_logit_softcapping`)."""
     return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -97,6 +121,20 @@ def softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 def arange_positions(seq_len: int, device) -> torch.Tensor:
     """The positions of a whole sequence's tokens (context parallelism replaces this)."""
     return torch.arange(seq_len, device=device)
+
+
+def _through_plait(config) -> None:
+    """Attention through plait's entry (transformers' own SDPA until a kernel is put in)."""
+    # here, not at the top: transformers only for a Hugging Face model
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # plait's entry takes SDPA's masks
+    # What plait's entry computes without a kernel put in: the attention transformers was
+    # given (model.attention).
+    config.plait_inner_attention = config._attn_implementation
+    config._attn_implementation = ATTENTION
 
 
 class HFCausalLM(nn.Module):
@@ -112,27 +150,15 @@ class HFCausalLM(nn.Module):
             if mine == "layers":
                 module = nn.ModuleDict({str(i): layer for i, layer in enumerate(module)})
             setattr(self, mine, module)
-        for layer in self.layers.values():  # Conv1Ds as linears; fused projections apart
-            for path in family.conv1d:
-                as_linear(layer, path)
-            for path, fields in family.fused.items():
-                fuse_apart(layer, path, [getattr(hf.config, f) for f in fields])
+        for layer in self.layers.values():
+            _as_planned(layer, family, hf.config)
         self.positions = arange_positions
         cap = getattr(hf.config, family.logit_softcap, None) if family.logit_softcap else None
         self.lm_head.logit_softcap = cap  # the loss reads it (`HeadCrossEntropy`)
-        # Attention through plait's entry (transformers' own SDPA until a kernel is put in).
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTENTION, attention)
-        # here, not at the top: transformers only for a Hugging Face model
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-        AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # plait's entry takes SDPA's masks
-        # What plait's entry computes without a kernel put in: the attention transformers was
-        # given (model.attention).
-        hf.config.plait_inner_attention = hf.config._attn_implementation
-        hf.config._attn_implementation = ATTENTION
         self.loss_function = hf.loss_function  # the family's own (transformers' LOSS_MAPPING)
+        if not family.own_attention:  # else its attention is transformers' own (`block_args`)
+            _through_plait(hf.config)
+
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(tokens)
@@ -157,7 +183,10 @@ class HFCausalLM(nn.Module):
         else:
             documents = documents.to(h.device)
             positions = documents.positions()
-        extra = {"attention_mask": documents, "position_ids": positions}
+        extra = {**self.family.layer_kwargs, "attention_mask": documents,
+                 "position_ids": positions}
+        if self.family.own_attention:  # the mask its own attention needs
+            extra["attention_mask"] = _own_mask(self.args, seq_len, h, documents)
         rotary = getattr(self, "rotary_emb", None)  # none where positions are learned (GPT-2)
         return extra if rotary is None else {**extra, "position_embeddings": rotary(h, positions)}
 
@@ -193,6 +222,17 @@ class HFCausalLM(nn.Module):
             h = layer(h, **extra)
         logits = HFCausalLM.head(self, h)
         return logits if labels is None else _with_loss(self, logits, labels)
+
+
+def _own_mask(config, seq_len: int, h: torch.Tensor,
+              documents: Documents | None) -> torch.Tensor | None:
+    """The mask for a family's own attention (`Family.own_attention`): the documents' (additive),
+    else none where it calls SDPA (then causal), else the causal one made explicit."""
+    if documents is not None:
+        return documents.additive(h.dtype)
+    if config._attn_implementation == "sdpa":
+        return None
+    return causal_mask(seq_len, h.dtype, h.device)
 
 
 def _with_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor):
@@ -258,7 +298,7 @@ def load_hf(folder: str | Path, seed: int = 0, device: torch.device | str = "cpu
     `load_hf_sharded` builds them); wrapped for plait: `HFCausalLM` when its family has a plan,
     else `PlainCausalLM`."""
     hf = transformers_model(folder, seed, device, weights, attention)
-    family = family_of(architecture(hf.config.to_dict()))
+    family = family_for(hf.config.to_dict())
     return HFCausalLM(hf, family) if family is not None else PlainCausalLM(hf)
 
 
@@ -272,7 +312,7 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu",
 
     if not has_weights(folder):
         return None
-    family = family_of(architecture(read_config(folder)))
+    family = family_for(read_config(folder))
     if family is not None and (family.fused or family.conv1d):  # held otherwise than filed
         return None
     with params_on_meta():

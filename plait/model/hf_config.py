@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from plait.model.args import ModelArgs
-from plait.model.families import FAMILIES
+from plait.model.families import FAMILIES, family_for
 from plait.model.shape import Shape
 
 # The plans of the families plait splits, by architecture (`plait/model/families/`).
@@ -51,7 +51,7 @@ def hf_shape(config: dict) -> Shape:
     size), and its family's kind of MLP (`Family.mlp`; a family with no plan: by its activation,
     gated for SiLU). Raises KeyError naming a missing config field."""
     args, field = hf_args(config), _reader(config)
-    family = FAMILIES.get(architecture(config))
+    family = family_for(config)
     act = str(field("hidden_act", "hidden_activation", "activation_function", default=""))
     mlp = family.mlp if family else "gated" if "silu" in act or "swish" in act else "plain"
     alibi = config.get("model_type") == "bloom" or bool(config.get("alibi"))
@@ -74,15 +74,18 @@ def hf_args(config: dict) -> ModelArgs:
     dim = field("hidden_size", "n_embd", "d_model")
     heads = field("num_attention_heads", "n_head")
     rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    kv_heads = field("num_key_value_heads", "num_kv_heads", default=heads)
+    if config.get("multi_query") and not config.get("new_decoder_architecture"):
+        kv_heads = 1  # Falcon's multi-query attention: one key/value head, whatever it names
     return ModelArgs(
         dim=dim, n_layers=field("num_hidden_layers", "n_layer"), n_heads=heads,
-        n_kv_heads=field("num_key_value_heads", default=heads),
+        n_kv_heads=kv_heads,
         vocab_size=field("vocab_size"),
         # ALiBi's families (BLOOM) bias the scores by distance and name no length: no limit.
         max_seq_len=field("max_position_embeddings", "n_positions", default=NO_POSITION_LIMIT
                           if config.get("model_type") == "bloom" or config.get("alibi")
                           else None),
-        intermediate_size=field("intermediate_size", "n_inner", default=4 * dim),
+        intermediate_size=field("intermediate_size", "n_inner", "ffn_hidden_size", default=4 * dim),
         norm_eps=float(field("rms_norm_eps", "layer_norm_epsilon", default=1e-5)),
         rope_theta=float(rope or 10000.0),
         moe_experts=int(config.get("num_local_experts") or config.get("num_experts") or 0),

@@ -25,7 +25,7 @@ from hf_models import hf_config, train_reference, write_model
 from training import assert_params_close, run_steps
 
 from plait.train.checks import validate
-from plait.model.families import family_of
+from plait.model.families import family_for, family_of
 from plait.model.fused import part_of
 from plait.model.hf import architecture, hf_name, read_config
 from plait.planner.price import estimate
@@ -35,7 +35,7 @@ from plait.train.dry_run import describe_rank
 STEPS = 4
 
 PLANNED = ("mistral", "gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox", "olmo2", "phi3",
-           "gpt2")
+           "gpt2", "falcon")
 # (id, family, ranks, overrides)
 ROWS = [
     ("llama-dp2-tp2-zero1", "llama", 4, ["parallel.tp=2", "parallel.zero=1"]),
@@ -67,6 +67,9 @@ DOCUMENT_ROWS = [
                                                 "parallel.sequence_parallel=true"]),
     ("llama-documents-cp2-ring", "llama", 2, ["parallel.cp=2"]),
     ("qwen3-documents-cp2-ulysses", "qwen3", 2, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
+    # Falcon's attention is its own (SDPA called in its module): the documents' mask is given
+    # to it; its first layout (q, k, v per head, biases) split by tp.
+    ("falcon-classic-documents-tp2", "falcon-classic", 2, ["parallel.tp=2"]),
 ]
 LLAMA = family_of("LlamaForCausalLM")
 # The cost formulas price plait's own mixture of experts; transformers' experts' all-to-alls
@@ -105,13 +108,14 @@ def _reference_of(name: str, family, params: dict, folder) -> tuple[torch.Tensor
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {f: write_model(root / f, f) for f in {row[1] for row in ROWS}}
+    return {f: write_model(root / f, f) for f in {row[1] for row in (*ROWS, *DOCUMENT_ROWS)}}
 
 
 @pytest.fixture(scope="module")
 def references(folders):
     """One single-process transformers run per family, shared by its rows."""
-    return {f: train_reference(folder, hf_config(folder), STEPS) for f, folder in folders.items()}
+    return {f: train_reference(folders[f], hf_config(folders[f]), STEPS)
+            for f in {row[1] for row in ROWS}}
 
 
 def test_hf_model_in_bf16_tracks_transformers_in_one_process(folders):
@@ -166,7 +170,7 @@ def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
     model state and activations as predicted."""
     results = run_world(run_steps, ranks, cfg, STEPS, timeout=240)
     dims = validate(cfg, ranks)
-    planned = family_of(architecture(read_config(cfg.model.hf)))  # None: no plan
+    planned = family_for(read_config(cfg.model.hf))  # None: no plan
     seen, measured, traced = set(), {}, {}
     for r in results:
         # What `plait train --dry-run` says of this rank from one process, on `meta`.

@@ -88,7 +88,7 @@ def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path, capsys):
 # -- model.hf: the transformers modules themselves ------------------------------------------------
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "gemma", "gemma2", "stablelm",
-            "starcoder2", "gpt-neox", "olmo2", "phi3", "gpt2", "bloom"]
+            "starcoder2", "gpt-neox", "olmo2", "phi3", "gpt2", "falcon", "falcon-classic", "bloom"]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox",
-                                    "olmo2", "phi3", "gpt2", "mixtral"])
+                                    "olmo2", "phi3", "gpt2", "falcon", "mixtral"])
 def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_folders, family,
                                                                             tmp_path, capsys):
     """`plait convert --to hf` of a `model.hf` checkpoint: transformers loads the folder with no
@@ -142,17 +142,19 @@ def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_f
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt-neox"])
+@pytest.mark.parametrize("family", ["llama", "gpt-neox", "falcon-classic"])
 def test_model_attention_eager_computes_the_familys_eager_attention(hf_folders, family):
     """`model.attention = "eager"`: a planned family's attention runs through plait's entry
     (where context parallelism puts its kernel) into the family's own eager function, with the
-    causal mask SDPA implies made explicit; the logits equal transformers' eager model's, and
-    its SDPA model's to float rounding. With documents, each attends within its own."""
+    causal mask SDPA implies made explicit (Falcon's attention, its own, is given it); the
+    logits equal transformers' eager model's, and its SDPA model's to float rounding. With
+    documents, each attends within its own."""
     from plait.model.documents import Documents
     from plait.model.hf import load_hf
 
     model = load_hf(hf_folders[family], attention="eager").eval()
-    assert model.args.plait_inner_attention == "eager"
+    assert getattr(model.args, "plait_inner_attention", model.args._attn_implementation) == \
+        "eager"
     eager, sdpa = (transformers.AutoModelForCausalLM.from_pretrained(
         hf_folders[family], dtype=torch.float32, attn_implementation=a).eval()
         for a in ("eager", "sdpa"))
@@ -243,8 +245,33 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
         "scores) computes an attention plait's context-parallel kernels do not; set cp = 1"
     per_head = write_model(tmp_path / "qk", "stablelm", qk_layernorm=True)
     assert _refusal(f"model.hf='{per_head}'", "parallel.tp=2", nproc=2) == \
-        "parallel.tp: StableLmForCausalLM with qk_layernorm = true (a LayerNorm per head for " \
+        "parallel.tp: StableLmForCausalLM with qk_layernorm set (a LayerNorm per head for " \
         "queries and keys) has layers plait's plan does not split by tp; set tp = 1"
+
+
+def test_falcons_configs_its_plan_does_not_cover_are_refused_or_run_without_it(hf_folders,
+                                                                              tmp_path):
+    """Falcon's multi-query attention (one key/value head, its first architecture) under tp;
+    its own attention (SDPA called in its module) under cp; with ALiBi it has no plan (dp and
+    ZeRO only), which the refusal of pp says, and builds as the module whole."""
+    from hf_models import write_model
+
+    from plait.model.hf import PlainCausalLM, load_hf
+
+    multi_query = write_model(tmp_path / "mq", "falcon-classic", multi_query=True)
+    assert _refusal(f"model.hf='{multi_query}'", "parallel.tp=2", nproc=2) == \
+        "parallel.tp: FalconForCausalLM with multi_query set (one key/value head shared by " \
+        "every query head, which tp would copy to every rank) has layers plait's plan does " \
+        "not split by tp; set tp = 1"
+    assert _refusal(f"model.hf='{hf_folders['falcon']}'", "parallel.cp=2", nproc=2) == \
+        "parallel.cp: FalconForCausalLM's attention computes itself (SDPA called in its " \
+        "module), where plait's context-parallel kernels cannot go; set cp = 1"
+    alibi = write_model(tmp_path / "alibi", "falcon-classic", alibi=True)
+    assert _refusal(f"model.hf='{alibi}'", "parallel.pp=2", nproc=2).startswith(
+        "parallel.pp: FalconForCausalLM has no plait plan (planned: ")
+    assert ", but not with alibi set); it trains with dp and ZeRO-1/2/3: set pp = 1" in \
+        _refusal(f"model.hf='{alibi}'", "parallel.pp=2", nproc=2)
+    assert isinstance(load_hf(alibi), PlainCausalLM)
 
 
 def test_a_folder_that_is_not_a_causal_lm_is_refused_in_one_line(tmp_path):

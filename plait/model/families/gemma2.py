@@ -7,7 +7,7 @@ soft-capped too (`final_logit_softcapping`: the head's `logit_softcap`, which pl
 
 from __future__ import annotations
 
-from plait.model.families.family import Family
+from plait.model.families.family import Family, Refusal
 from plait.model.families.llama import LLAMA_LIKE
 from plait.model.plan import ModelPlan
 
@@ -18,5 +18,5 @@ FAMILY = Family(
         "recompute": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                       "post_feedforward_layernorm", "mlp.act_fn")}),
     logit_softcap="final_logit_softcapping",
-    cp_refused={"attn_logit_softcapping": "soft-capped attention scores"},
+    refused=(Refusal("cp", "attn_logit_softcapping", "soft-capped attention scores"),),
 )

@@ -20,7 +20,7 @@ FAMILY = Family(
         blocks="layers",
         first=("embed_tokens", "embed_dropout"),
         last=("norm", "lm_head"),
-        shared=("rotary_emb", "positions", "loss_function"),
+        shared=("rotary_emb", "positions", "loss_function", "family"),
         tp_splits={"attention.query_key_value": 0, "attention.dense": 1,
                    "mlp.dense_h_to_4h": 0, "mlp.dense_4h_to_h": 1},
         tp_halves=("attention", "mlp"),

@@ -6,11 +6,11 @@ per-head q/k LayerNorms (`qk_layernorm`) would split by head too: refused under 
 
 from __future__ import annotations
 
-from plait.model.families.family import Family
+from plait.model.families.family import Family, Refusal
 from plait.model.families.llama import LLAMA_LIKE
 from plait.model.plan import ModelPlan
 
 FAMILY = Family("hf-stablelm", ("StableLmForCausalLM",), ModelPlan(
     family="hf-stablelm", **LLAMA_LIKE,
     tp_heads=("self_attn.num_heads", "self_attn.num_key_value_heads"),
-), tp_refused={"qk_layernorm": "a LayerNorm per head for queries and keys"})
+), refused=(Refusal("tp", "qk_layernorm", "a LayerNorm per head for queries and keys"),))
