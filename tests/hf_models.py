@@ -71,10 +71,10 @@ def families():
                                 max_position_embeddings=128, tie_word_embeddings=False,
                                 bos_token_id=0, eos_token_id=0)),
         # Two families transformers computes with their own eager attention (no SDPA): Gemma2's
-        # scores soft-capped, alternating sliding windows (longer than the tests' sequences);
+        # scores soft-capped, sliding windows on alternate layers (half the tests' sequences);
         # BLOOM's ALiBi biases, no position limit in its config.
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM,
-                   {**SHAPE, "num_hidden_layers": 2, "head_dim": 8, "sliding_window": 64,
+                   {**SHAPE, "num_hidden_layers": 2, "head_dim": 8, "sliding_window": 16,
                     "query_pre_attn_scalar": 8}),
         "bloom": (tf.BloomConfig, tf.BloomForCausalLM,
                   dict(vocab_size=256, hidden_size=32, n_layer=2, n_head=4,

@@ -17,7 +17,7 @@ from plait.model.plan import tp_misfit
 def check_hf(cfg: Config, dims: ParallelDims) -> None:
     """A Hugging Face folder: readable, its family's plan has what the degrees need, and nothing
     the layout cannot represent (tied embeddings split apart, a sliding window shorter than the
-    sequence). What config.json says alone is checked first, without torch (a refusal in a
+    sequence under cp). What config.json says alone is checked first, without torch (a refusal in a
     fraction of a second); then what needs transformers' reading of it."""
 
     raw = read_hf_folder(cfg.model.hf)
@@ -66,10 +66,11 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
                           "(tie_word_embeddings), which pipeline stages would hold apart; set "
                           "pp = 1, or use a model with tie_word_embeddings = false")
     window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and window < cfg.data.seq_len:
-        raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding "
-                          f"window ({window}), which plait does not apply; use seq_len <= "
-                          f"{window}")
+    if window and getattr(config, "use_sliding_window", True) and window < cfg.data.seq_len \
+            and dims.cp > 1:
+        raise ConfigError("parallel.cp", f"data.seq_len {cfg.data.seq_len} exceeds the model's "
+                          f"sliding window ({window}), which plait's context-parallel kernels "
+                          f"do not apply; set cp = 1, or seq_len <= {window}")
 
 
 def _check_wrap_classes(arch: str, model_type: str, wrap: str) -> None:

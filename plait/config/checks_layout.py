@@ -26,7 +26,6 @@ from plait.config.schema import (
     microbatches,
 )
 from plait.mesh import AXES, ParallelDims, dp_per_node, ranks_per_node
-from plait.model.args import ModelArgs
 from plait.model.llama_plan import LLAMA
 from plait.model.plan import tp_misfit
 from plait.model.shape import Shape
@@ -37,8 +36,9 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     dims = _resolve_dims(cfg.parallel, world_size)
     if cfg.model.hf:
         check_hf(cfg, dims)
-    args = _check_model(cfg.model.args())
-    misfit = None if cfg.model.hf else tp_misfit(LLAMA, args, dims.tp)  # HF: check_hf's plan
+    _check_model(cfg)
+    # An HF family's plan: check_hf's.
+    misfit = None if cfg.model.hf else tp_misfit(LLAMA, cfg.model.args(), dims.tp)
     if misfit:
         raise ConfigError("parallel.tp", misfit)
     if cfg.parallel.sequence_parallel and cfg.data.seq_len % (dims.tp * dims.cp):
@@ -50,7 +50,7 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     _check_pipeline(cfg, dims, cfg.model.shape())
     dims = _check_hybrid(cfg.parallel, dims)
     _check_context(cfg, dims, cfg.model.shape())
-    _check_moe(cfg, dims, args)
+    _check_moe(cfg, dims, cfg.model.shape())
     _check_parallel(cfg.parallel, cfg.train.precision)
     if cfg.parallel.wrap and not cfg.model.hf:
         raise ConfigError("parallel.wrap", "plait's Llama is cut into ZeRO-3 units by its plan "
@@ -225,23 +225,8 @@ def _check_compression(par: ParallelConfig, dims: ParallelDims) -> None:
         raise ConfigError(field, why)
 
 
-def _check_moe(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
-    e, par = args.moe_experts, cfg.parallel
-    if e < 0:
-        raise ConfigError("model.moe_experts", f"must be >= 0 (0: dense), got {e}")
-    if args.moe_router not in ROUTERS:
-        raise ConfigError("model.moe_router", f"one of {', '.join(ROUTERS)}; got "
-                          f"'{args.moe_router}'")
-    for key, ok, want in (("moe_every", args.moe_every >= 1, "must be >= 1"),
-                          ("moe_capacity_factor", args.moe_capacity_factor >= 0,
-                           "must be >= 0 (0: dropless)"),
-                          ("moe_aux_loss_coef", args.moe_aux_loss_coef >= 0, "must be >= 0"),
-                          ("moe_z_loss_coef", args.moe_z_loss_coef >= 0, "must be >= 0")):
-        if not ok:
-            raise ConfigError(f"model.{key}", f"{want}, got {getattr(args, key)}")
-    if e and not 1 <= args.moe_top_k <= e:
-        raise ConfigError("model.moe_top_k", f"must be in [1, moe_experts={e}], got "
-                          f"{args.moe_top_k}")
+def _check_moe(cfg: Config, dims: ParallelDims, shape: Shape) -> None:
+    e, par = shape.experts, cfg.parallel
     if dims.ep == 1:
         return
     if not e:
@@ -293,26 +278,15 @@ def _check_context(cfg: Config, dims: ParallelDims, shape: Shape) -> None:
         raise ConfigError(*why)
 
 
-def _check_model(args: ModelArgs) -> ModelArgs:
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"model.{name}", f"must be >= 1, got {getattr(args, name)}")
-    if args.intermediate_size < 0:
-        raise ConfigError("model.intermediate_size", f"must be >= 0 (0: from ffn_multiplier), "
-                          f"got {args.intermediate_size}")
-    if args.multiple_of < 1:
-        raise ConfigError("model.multiple_of", f"must be >= 1, got {args.multiple_of}")
-    for name in ("norm_eps", "rope_theta", "ffn_multiplier"):
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"model.{name}", f"must be > 0, got {getattr(args, name)}")
-    if args.dim % args.n_heads:
-        raise ConfigError(
-            "model.dim", f"dim={args.dim} must be divisible by n_heads={args.n_heads}"
-        )
-    if args.head_dim % 2:
-        raise ConfigError("model.dim", "dim / n_heads must be even for rotary embeddings")
-    if args.n_heads % args.n_kv_heads:
-        raise ConfigError(
-            "model.n_kv_heads", f"must divide n_heads={args.n_heads}, got {args.n_kv_heads}"
-        )
-    return args
+def _check_model(cfg: Config) -> None:
+    """plait's Llama: its sizes (its args' `problem`) and router; a Hugging Face folder's were
+    checked by `check_hf`."""
+    if cfg.model.hf:
+        return
+    args = cfg.model.args()
+    problem = args.problem()
+    if problem:
+        raise ConfigError(f"model.{problem[0]}", problem[1])
+    if args.moe_router not in ROUTERS:
+        raise ConfigError("model.moe_router", f"one of {', '.join(ROUTERS)}; got "
+                          f"'{args.moe_router}'")

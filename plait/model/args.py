@@ -40,6 +40,34 @@ class ModelArgs:
     def is_moe(self, layer: int) -> bool:
         return self.moe_experts > 0 and (layer + 1) % self.moe_every == 0
 
+    def problem(self) -> tuple[str, str] | None:
+        """What is wrong with these sizes as plait's Llama reads them: (its `model.*` key, why
+        and what to give), or None. The config's checks call it for a run of plait's Llama."""
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len",
+                     "multiple_of", "moe_every"):
+            if getattr(self, name) < 1:
+                return name, f"must be >= 1, got {getattr(self, name)}"
+        for name, ok, want in (
+                ("intermediate_size", self.intermediate_size >= 0, ">= 0 (0: from ffn_multiplier)"),
+                ("moe_experts", self.moe_experts >= 0, ">= 0 (0: dense)"),
+                ("moe_capacity_factor", self.moe_capacity_factor >= 0, ">= 0 (0: dropless)"),
+                ("moe_aux_loss_coef", self.moe_aux_loss_coef >= 0, ">= 0"),
+                ("moe_z_loss_coef", self.moe_z_loss_coef >= 0, ">= 0"),
+                ("norm_eps", self.norm_eps > 0, "> 0"), ("rope_theta", self.rope_theta > 0, "> 0"),
+                ("ffn_multiplier", self.ffn_multiplier > 0, "> 0")):
+            if not ok:
+                return name, f"must be {want}, got {getattr(self, name)}"
+        if self.dim % self.n_heads:
+            return "dim", f"dim={self.dim} must be divisible by n_heads={self.n_heads}"
+        if self.head_dim % 2:
+            return "dim", "dim / n_heads must be even for rotary embeddings"
+        if self.n_heads % self.n_kv_heads:
+            return "n_kv_heads", f"must divide n_heads={self.n_heads}, got {self.n_kv_heads}"
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            return "moe_top_k", (f"must be in [1, moe_experts={self.moe_experts}], got "
+                                 f"{self.moe_top_k}")
+        return None
+
     @property
     def ffn_dim(self) -> int:
         if self.intermediate_size:

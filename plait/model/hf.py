@@ -58,6 +58,9 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     documents = attention_mask if isinstance(attention_mask, Documents) else None
     if core is None:
         mask = attention_mask if documents is None else documents.additive(query.dtype)
+        window = kwargs.get("sliding_window")
+        if window and window < key.shape[-2]:  # this layer's (Mistral's, Gemma2's every other)
+            mask = windowed(mask, window, query.shape[-2], key.shape[-2], query.device)
         if getattr(module.config, "plait_inner_attention", "sdpa") == "eager":
             return _eager(module, query, key, value, mask, dropout, scaling, **kwargs)
         return sdpa_attention_forward(module, query, key, value, mask,
@@ -69,6 +72,19 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                          "or soft-capped scores")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     return (core(q, k, v) if documents is None else core(q, k, v, documents)), None
+
+
+def windowed(mask: torch.Tensor | None, window: int, queries: int, keys: int,
+             device) -> torch.Tensor:
+    """`mask` (additive or boolean, (batch or 1, 1, queries, keys); None: causal) with each query
+    seeing only the `window` keys up to its own (query i, the last of the keys, sees key j when
+    0 <= i - j < window), as transformers' sliding-window mask: boolean where `mask` is None."""
+    at = torch.arange(keys, device=device)
+    gap = at[keys - queries:, None] - at[None, :]  # each query's position minus each key's
+    band = ((gap >= 0) & (gap < window))[None, None]
+    if mask is None or mask.dtype == torch.bool:
+        return band if mask is None else mask & band
+    return mask.masked_fill(~band, float("-inf"))
 
 
 def _eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

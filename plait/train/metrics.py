@@ -10,26 +10,28 @@ from pathlib import Path
 import torch
 
 from plait.comm import all_reduce
-from plait.model import ModelArgs
+from plait.model.shape import Shape
 from plait.parallel.expert_parallel import moe_layers
 from plait.planner.calibrate import measure_cpu_flops
 from plait.planner.hardware import known_device
 
 
-def flops_per_token(args: ModelArgs, n_params: int, seq_len: int) -> float:
+def flops_per_token(shape: Shape, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls of forward + backward (Kaplan et al. 2020), N
     counting every parameter but the input embedding (a lookup, not a matmul) and but the experts
     a token is not routed to (a mixture of experts activates top_k of E), plus
     12 * layers * seq * dim for the attention scores and their weighted sum (PaLM, Chowdhery et al.
     2022, appendix B)."""
-    n = n_params - args.vocab_size * args.dim - inactive_expert_params(args)
-    return 6 * n + 12 * args.n_layers * seq_len * args.dim
+    n = n_params - shape.vocab * shape.hidden - inactive_expert_params(shape)
+    return 6 * n + 12 * shape.layers * seq_len * shape.hidden
 
 
-def inactive_expert_params(args: ModelArgs) -> int:
-    """Parameters of the experts a token does not go through: E - top_k per MoE block."""
-    moe_blocks = sum(args.is_moe(i) for i in range(args.n_layers))
-    return moe_blocks * (args.moe_experts - args.moe_top_k) * 3 * args.dim * args.ffn_dim
+def inactive_expert_params(shape: Shape) -> int:
+    """Parameters of the experts a token does not go through: E - top_k per MoE block, each
+    expert's MLP 3 (gated) or 2 matrices of hidden x ffn."""
+    moe_blocks = sum(shape.is_moe(i) for i in range(shape.layers))
+    matrices = 3 if shape.mlp == "gated" else 2
+    return moe_blocks * (shape.experts - shape.top_k) * matrices * shape.hidden * shape.ffn
 
 
 def peak_flops(device: torch.device, configured_tflops: float) -> float:
@@ -101,11 +103,11 @@ class RouterMetrics:
     The layers' statistics already cover the whole batch; those of other pipeline stages are
     summed in over pp (a logging reduction after the step, outside its comm_bytes)."""
 
-    def __init__(self, args: ModelArgs, chunks, pp_group, device: torch.device):
-        self.ids = [i for i in range(args.n_layers) if args.is_moe(i)]
+    def __init__(self, shape: Shape, chunks, pp_group, device: torch.device):
+        self.ids = [i for i in range(shape.layers) if shape.is_moe(i)]
         self.layers = {int(i): m for chunk in chunks.values()
                        for i, m in moe_layers(chunk).items()} if self.ids else None
-        self.experts, self.group, self.device = args.moe_experts, pp_group, device
+        self.experts, self.group, self.device = shape.experts, pp_group, device
 
     def clear(self) -> None:
         """Before a step: forget the last one's routing."""

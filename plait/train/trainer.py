@@ -120,10 +120,9 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.n_params = n_params
         self.activations = SavedActivations(self.model)
-        # Routing metrics come from plait's own mixture of experts; transformers' routers are not
-        # instrumented (a `model.hf` mixture logs no `moe` entry).
-        routed = dataclasses.replace(args, moe_experts=0) if cfg.model.hf else args
-        self.moe = RouterMetrics(routed, self.model, self.pp_group, device)
+        shape = cfg.model.shape()  # routing metrics: plait's MoE's (an HF one's logs none)
+        self.moe = RouterMetrics(dataclasses.replace(shape, experts=0) if cfg.model.hf else shape,
+                                 self.model, self.pp_group, device)
         self.world = world_axis()  # every rank: the step's FLOP count, --verify, the trace
         self.is_logger = self.world.rank == 0
         self.checkpoints = Checkpointer(cfg, {MIXTURE: history} if history else None)
@@ -219,7 +218,7 @@ class Trainer:
                 # an operation (torch 2.11's on grouped-query attention did). 6N + attention
                 # (Kaplan; PaLM) instead.
                 flops = self.tokens_per_step * flops_per_token(
-                    self.cfg.model.args(), self.n_params, self.cfg.data.seq_len)
+                    self.cfg.model.shape(), self.n_params, self.cfg.data.seq_len)
                 if not isinstance(e, Untraceable):
                     print(f"plait: note: the FLOP count (torch's FlopCounterMode) failed "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "

@@ -154,13 +154,14 @@ def test_moe_recipe(tmp_path):
             assert layer["max_load"] == pytest.approx(max(layer["load"]) / 128)
     assert "MoE busiest expert / mean (worst)" in proc.stderr
     from plait.model import build_model, count_params, model_args
+    from plait.model.shape import Shape
     from plait.train.metrics import flops_per_token
 
     args = model_args("small-moe")
     n = count_params(build_model(args, 0, device="meta"))
     inactive = 2 * 6 * 3 * args.dim * args.ffn_dim  # 2 MoE blocks, 6 of 8 experts idle
-    assert flops_per_token(args, n, 64) == 6 * (n - args.vocab_size * args.dim - inactive) \
-        + 12 * args.n_layers * 64 * args.dim
+    assert flops_per_token(Shape.of_llama(args), n, 64) == \
+        6 * (n - args.vocab_size * args.dim - inactive) + 12 * args.n_layers * 64 * args.dim
 
 
 def test_long_context_recipe(tmp_path):

@@ -78,5 +78,5 @@ def test_a_counter_that_fails_falls_back_to_the_formula_with_a_note(tmp_path):
     cfg = hf_config(write_model(tmp_path / "llama", "llama"))
     flops, note, n_params = run_world(_rates_with_a_failing_counter, 1, cfg)[0]
     assert flops == cfg.train.global_batch * cfg.data.seq_len * flops_per_token(
-        cfg.model.args(), n_params, cfg.data.seq_len)
+        cfg.model.shape(), n_params, cfg.data.seq_len)
     assert "plait: note: the FLOP count" in note and "AssertionError" in note, note

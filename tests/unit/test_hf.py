@@ -169,6 +169,34 @@ def test_model_attention_eager_computes_the_familys_eager_attention(hf_folders, 
         torch.testing.assert_close(split[:, 5:], second, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_windows_shorter_than_the_sequence_are_applied(tmp_path, family):
+    """Mistral's window on every layer, Gemma2's on every other (transformers passes each
+    layer's to the attention function): plait's entry narrows the causal mask (or the
+    documents') to it, for SDPA and eager alike; the logits equal transformers' exactly, and
+    differ from the windowless model's."""
+    from hf_models import write_model
+
+    from plait.model.documents import Documents
+    from plait.model.hf import load_hf
+
+    folder = write_model(tmp_path / family, family, sliding_window=8)
+    tokens = _tokens(256)
+    for attention in ("sdpa", "eager") if family == "mistral" else ("eager",):  # Gemma2: no SDPA
+        model = load_hf(folder, attention=attention).eval()
+        reference, wide = (transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation=attention, **changes).eval()
+            for changes in ({}, {"sliding_window": 4096}))
+        with torch.no_grad():
+            got = model(tokens)
+            torch.testing.assert_close(got, reference(input_ids=tokens).logits, rtol=0, atol=0)
+            assert (got - wide(input_ids=tokens).logits).abs().max() > 1e-2
+            ids = torch.tensor([[0] * 5 + [1] * 19] * tokens.shape[0])  # two documents per row
+            split = model(tokens, documents=Documents.whole(ids))
+            torch.testing.assert_close(split[:, 5:], reference(input_ids=tokens[:, 5:]).logits,
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_zero3_units_of_a_family_without_a_plan_are_its_decoder_layers(hf_folders):
     """A transformers family plait has no plan for gets ZeRO-3 units by the classes it names in
     `_no_split_modules` (BLOOM's `BloomBlock`: one unit per layer, not the whole model gathered
@@ -230,8 +258,9 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     assert _refusal(f"model.hf='{tied}'", "parallel.pp=2").startswith(
         "parallel.pp: the model ties its input embedding and output head (tie_word_embeddings)")
     window = write_model(tmp_path / "window", "mistral", sliding_window=16)
-    assert _refusal(f"model.hf='{window}'", "data.seq_len=32").startswith(
-        "data.seq_len: 32 exceeds the model's sliding window (16)")
+    assert _refusal(f"model.hf='{window}'", "data.seq_len=32", "parallel.cp=2", nproc=2) == \
+        "parallel.cp: data.seq_len 32 exceeds the model's sliding window (16), which plait's " \
+        "context-parallel kernels do not apply; set cp = 1, or seq_len <= 16"
     assert _refusal(f"model.hf='{bloom}'", "model.attention=flash") == \
         "model.attention: one of auto, sdpa, eager, not 'flash'"
     assert _refusal("model.attention=eager") == \

@@ -6,6 +6,7 @@ import torch
 from plait.config.schema import DataConfig, TrainConfig
 from plait.data.batches import ByteTokenizer, TokenData
 from plait.model import PRESETS, build_model, count_params
+from plait.model.shape import Shape
 from plait.optim.build import lr_at, peak_lr
 from plait.train.metrics import flops_per_token
 from plait.train.verify import Verdict
@@ -70,8 +71,9 @@ def test_flops_per_token_is_6n_plus_attention():
     args = PRESETS["tiny"]
     n = count_params(build_model(args, seed=0))
     expected = 6 * (n - args.vocab_size * args.dim) + 12 * args.n_layers * 64 * args.dim
-    assert flops_per_token(args, n, 64) == expected
-    assert math.isclose(6 * n, flops_per_token(args, n, 0), rel_tol=0.2)
+    shape = Shape.of_llama(args)
+    assert flops_per_token(shape, n, 64) == expected
+    assert math.isclose(6 * n, flops_per_token(shape, n, 0), rel_tol=0.2)
 
 
 def test_the_tracer_records_only_while_on_and_hands_events_over_once():

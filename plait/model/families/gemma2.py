@@ -1,7 +1,8 @@
 """transformers' Gemma2: Gemma's decoder (embeddings scaled by sqrt(hidden), kept by the
 vocabulary-parallel embedding) with a norm before and after each half, attention scores
 soft-capped (c tanh(s / c), in the family's own eager attention: transformers has no SDPA for
-it) on alternating sliding windows (refused where shorter than `data.seq_len`), and the logits
+it), on every other layer within a sliding window (plait's attention entry narrows the mask to
+it: `plait/model/hf.py: windowed`), and the logits
 soft-capped too (`final_logit_softcapping`: the head's `logit_softcap`, which plait's loss and
 `HFCausalLM.head` apply). Context parallelism's kernels compute no soft-capped scores: refused."""
 
