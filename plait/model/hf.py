@@ -38,7 +38,7 @@ from plait.model.hf_config import (  # noqa: F401  (the folder's reading, torch-
     hf_args,
     read_config,
 )
-from plait.model.materialize import SafetensorsFile, Stacked, params_on_meta
+from plait.model.materialize import Rows, SafetensorsFile, Stacked, params_on_meta
 
 ATTENTION = "plait"  # the name of plait's entry in transformers' AttentionInterface
 
@@ -328,20 +328,39 @@ def load_hf_sharded(folder: str | Path, device: torch.device | str = "cpu",
 
     if not has_weights(folder):
         return None
-    family = family_for(read_config(folder))
-    if family is not None and (family.fused or family.conv1d):  # held otherwise than filed
-        return None
     with params_on_meta():
         model = load_hf(folder, 0, device, weights=False, attention=attention)
     family = model.family if isinstance(model, HFCausalLM) else None
     source = SafetensorsFile(folder, None, device)
-    keys = {name: file_key(hf_name(name, family), source.where) for name, _ in
+    keys = {name: filed_as(name, family, model.args, source) for name, _ in
             model.named_parameters()}
     source.rename = keys.__getitem__
     for name, p in model.named_parameters():
         if source.shape(keys[name], p.shape[0] if p.dim() else 0) != tuple(p.shape):
             return None
     return model, source
+
+
+def filed_as(name: str, family: Family | None, config, source: SafetensorsFile):
+    """Where a folder's file holds plait's parameter `name`: under transformers' name for it
+    (`file_key`), or, for a fused projection's part or a Conv1D's weight (held otherwise than
+    filed: `Family.fused`, `Family.conv1d`), as its rows of the file's tensor (`Rows`)."""
+    part = re.search(r"\.parts\.(\d+)\.", name)  # `FusedLinear`'s
+    whole = name if part is None else f"{name[:part.start()]}.{name[part.end():]}"
+    key = file_key(hf_name(whole, family), source.where)
+    if family is None or isinstance(key, Stacked):
+        return key
+    path = whole.split(".", 2)[-1].rpartition(".")[0]  # block-relative (a block's linear)
+    transposed = whole.endswith(".weight") and path in family.conv1d
+    if part is None:
+        return Rows(key, transposed=True) if transposed else key
+    shape = source.shape(key)
+    if shape is None:
+        return key
+    counts = [getattr(config, f) for f in family.fused[path]]
+    rows = shape[-1 if transposed else 0] // sum(counts)  # per count
+    i = int(part.group(1))
+    return Rows(key, rows * sum(counts[:i]), rows * counts[i], transposed)
 
 
 # Names a file may hold instead of the modules' (transformers renames and stacks them on load):

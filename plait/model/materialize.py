@@ -11,7 +11,8 @@ just the elements of the box that the rank's flat slice covers (`elements`). Two
   slice equals the slice of a one-process init with the same seed;
 - `SafetensorsFile`: a Hugging Face folder's weights, each rank reading its rows through
   `safe_open(...).get_slice` (the file is memory-mapped; nothing else is read), a stacked
-  experts tensor assembled from the file's per-expert tensors of the experts the rank holds.
+  experts tensor assembled from the file's per-expert tensors of the experts the rank holds, a
+  fused projection's part from its rows of the fused tensor, a Conv1D's weight from its columns.
 
 So no rank holds a tensor it does not hold in training, and the weights equal a one-process
 build's from step 0. Replicas are equal by construction (the same seed and name, or the same
@@ -115,9 +116,22 @@ class Stacked:
     parts: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows [start, start + count) of a file's tensor `key` (a fused projection's part: plait
+    holds each part as a linear of its own, `plait/model/fused.py`), of its transpose where
+    `transposed` (a `Conv1D`'s weight, which the file stores (in, out) and plait holds as a
+    linear's (out, in)); `count` None: to the end."""
+
+    key: str
+    start: int = 0
+    count: int | None = None
+    transposed: bool = False
+
+
 class SafetensorsFile(Source):
     """A Hugging Face folder's safetensors (one file or an index of shards), read by slices;
-    `rename` maps plait's parameter names to the file's (a name, or `Stacked`)."""
+    `rename` maps plait's parameter names to the file's (a name, `Stacked` or `Rows`)."""
 
     def __init__(self, folder: str | Path, rename, device: torch.device | str = "cpu"):
         # here, not at the top: safetensors only for a Hugging Face folder
@@ -138,6 +152,13 @@ class SafetensorsFile(Source):
                 return None
             per = shapes[:len(key.parts)]
             return (experts, sum(s[0] for s in per), *per[0][1:])
+        if isinstance(key, Rows):
+            shape = self.shape(key.key)
+            if shape is None:
+                return None
+            shape = shape[::-1] if key.transposed else shape
+            count = shape[0] - key.start if key.count is None else key.count
+            return (count, *shape[1:]) if key.start + count <= shape[0] else None
         return tuple(self.where[key].get_slice(key).get_shape()) if key in self.where else None
 
     def rows(self, name, shape, lo, hi):
@@ -145,6 +166,12 @@ class SafetensorsFile(Source):
         if isinstance(key, Stacked):  # each expert of [lo, hi) assembled from its parts
             return torch.stack([torch.cat([self.rows_of(part.format(e=e), 0, None)
                                            for part in key.parts]) for e in range(lo, hi)])
+        if isinstance(key, Rows):  # rows [lo, hi) of the part: its rows (or columns) in the file
+            if key.key not in self.where:
+                raise KeyError(f"{key.key} is in no safetensors file of the folder")
+            part = self.where[key.key].get_slice(key.key)
+            lo, hi = key.start + lo, key.start + hi
+            return (part[:, lo:hi].t() if key.transposed else part[lo:hi]).float()
         return self.rows_of(key, lo, hi) if len(shape) else self.rows_of(key, None, None)
 
     def rows_of(self, key: str, lo: int | None, hi: int | None) -> torch.Tensor:

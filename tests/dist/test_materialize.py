@@ -17,8 +17,6 @@ from training import held_params, tiny_config
 from plait.train.checks import validate
 from plait.mesh import build_mesh
 from plait.model import build_configured
-from plait.model.families import family_of
-from plait.model.hf import architecture, hf_name, read_config
 from plait.model.llama import BLOCK
 from plait.train.trainer import Trainer
 
@@ -63,14 +61,19 @@ def test_each_rank_materializes_the_one_process_init(ranks, overrides):
     ("llama", 2, ["parallel.tp=2"]),
     # Mixtral's file holds each expert apart; the modules stack them: each ep rank reads its own.
     ("mixtral", 2, ["parallel.ep=2"]),
+    # Held otherwise than filed: Phi3's fused qkv and gate-up projections, one linear per part
+    # (each part's rows of the file's tensor); GPT-2's Conv1Ds as linears (their columns).
+    ("phi3", 2, ["parallel.tp=2"]),
+    ("gpt2", 2, ["parallel.tp=2"]),
 ])
 def test_a_hugging_face_folder_is_read_by_slices(tmp_path, family, ranks, overrides):
-    from transformers import AutoModelForCausalLM
+    from plait.model.hf import load_hf, load_hf_sharded
 
     folder = write_model(tmp_path / family, family)
+    assert load_hf_sharded(folder) is not None  # by slices, not built whole on each rank
     cfg = hf_config(folder, *overrides)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     results = run_world(_built, ranks, cfg)
-    family = family_of(architecture(read_config(folder)))
-    whole = {hf: reference[hf_name(hf, family)] for held in results for hf in held}
+    # transformers' from_pretrained reads the whole file; load_hf holds its modules as plait
+    # does (parts apart, Conv1Ds as linears): the one-process model by plait's names.
+    whole = {n: p.detach() for n, p in load_hf(folder).named_parameters()}
     _check(results, whole)
