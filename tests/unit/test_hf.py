@@ -116,8 +116,8 @@ def test_plaits_pieces_of_a_transformers_model_compute_its_forward(hf_folders, f
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2", "stablelm", "starcoder2", "gpt-neox",
-                                    "olmo2", "phi3", "gpt2", "falcon", "mixtral"])
+@pytest.mark.parametrize("family", ["mistral", "gemma", "gemma2", "stablelm", "starcoder2",
+                                    "gpt-neox", "olmo2", "phi3", "gpt2", "falcon", "mixtral"])
 def test_a_checkpoint_of_each_family_exports_to_a_folder_transformers_loads(hf_folders, family,
                                                                             tmp_path, capsys):
     """`plait convert --to hf` of a `model.hf` checkpoint: transformers loads the folder with no
