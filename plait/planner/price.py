@@ -396,6 +396,8 @@ def layout_degrees(cfg: Config, dims: ParallelDims) -> dict:
     return {"dp": dims.dp, "dp_shard": par.dp_shard, "tp": dims.tp, "pp": dims.pp,
             "cp": dims.cp, "ep": dims.ep, "zero": par.zero, "cp_method": par.cp_method,
             "microbatches": microbatches(par, dims), "pp_schedule": par.pp_schedule,
+            "pp_virtual": par.pp_virtual if dims.pp > 1 and par.pp_schedule == "interleaved"
+            else 1,
             "activation_checkpointing": cfg.train.activation_checkpointing,
             "sequence_parallel": par.sequence_parallel, "offload": par.offload}
 

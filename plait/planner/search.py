@@ -66,6 +66,16 @@ def data_parallel_choices(rows: int, dp: int, pp: int, tp: int, gpus_per_node: i
             "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else [])}
 
 
+MAX_VIRTUAL = 8  # virtual stages searched at most (Megatron's runs: 2 to 8; 405B's: 7 of 126)
+
+
+def virtual_stages(layers: int, pp: int) -> list[int]:
+    """The virtual stages per pipeline rank (`pp_virtual`) the interleaved schedule is tried
+    with: 2, and each count up to MAX_VIRTUAL that cuts the layers into equal chunks (more
+    chunks divide the bubble by more, for one more round of sends each)."""
+    return [2] + [v for v in range(3, MAX_VIRTUAL + 1) if layers % (pp * v) == 0]
+
+
 def hybrid_needs_zero(zero: int, dp_shard: int) -> bool:
     """Whether a layout's hybrid sharding (`dp_shard`) has the ZeRO stage it shards by."""
     return not dp_shard or zero > 0
@@ -97,12 +107,14 @@ def _tried(cfg: Config, cluster: Cluster, fixed: dict):
     virtual stages (`pp_virtual` > 1) are the interleaved schedule's: the others ignore them."""
     schedules = ["interleaved"] if fixed.get("pp_virtual", 1) > 1 else [
         "1f1b", "interleaved", "zb1"]
+    layers = cfg.model.shape().layers
     for tp, pp, cp, ep, dp in meshes(cfg, cluster, fixed):
         rows = cfg.train.global_batch // (dp * ep) or 1
         choice = {
             "tp": [tp], "pp": [pp], "cp": [cp], "ep": [ep],
             "cp_method": ["ring", "ulysses"] if cp > 1 else ["ring"],
             "pp_schedule": schedules if pp > 1 else ["1f1b"],
+            "pp_virtual": virtual_stages(layers, pp) if pp > 1 else [cfg.parallel.pp_virtual],
             "sequence_parallel": [tp > 1],
             **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node),
             "offload": ["none"],  # `rank_plans` searches it where nothing fits without
@@ -112,8 +124,10 @@ def _tried(cfg: Config, cluster: Cluster, fixed: dict):
         keys = list(choice)
         for values in itertools.product(*(choice[k] for k in keys)):
             d = dict(zip(keys, values, strict=True))
-            if not hybrid_needs_zero(d["zero"], d["dp_shard"]):
-                continue
+            interleaved = d["pp_schedule"] == "interleaved"
+            if not hybrid_needs_zero(d["zero"], d["dp_shard"]) or \
+                    not interleaved and d["pp_virtual"] != choice["pp_virtual"][0]:
+                continue  # (virtual stages are the interleaved schedule's alone)
             c = with_degrees(cfg, **d, dp=0)
             try:
                 yield c, check_layout(c, cluster.gpus)

@@ -25,6 +25,13 @@ def layout_text(p: PricedLayout) -> str:
             + f"{d['activation_checkpointing']} checkpointing")
 
 
+def schedule(d: dict) -> str:
+    """A plan's pipeline schedule as the table shows it: its virtual stages with interleaving."""
+    if d["pp"] == 1:
+        return "-"
+    return f"{d['pp_schedule']} x{d['pp_virtual']}" if d["pp_virtual"] > 1 else d["pp_schedule"]
+
+
 def print_plans(plans: list[PricedLayout], cluster: Cluster, top: int, params: int) -> None:
     console = Console(width=170)
     table = Table(title=f"plait plan: {params / 1e9:.2f}B parameters on {cluster.gpus} x "
@@ -40,7 +47,7 @@ def print_plans(plans: list[PricedLayout], cluster: Cluster, top: int, params: i
                       str(d["zero"]),
                       str(d["dp_shard"] or "-"), "-" if d["offload"] == "none" else d["offload"],
                       str(d["microbatches"]),
-                      d["pp_schedule"] if d["pp"] > 1 else "-", d["activation_checkpointing"],
+                      schedule(d), d["activation_checkpointing"],
                       "yes" if d["sequence_parallel"] else "-",
                       f"{p.peak_memory_bytes / 1e9:.1f}", f"{p.startup_bytes / 1e9:.1f}",
                       f"{p.step_time_s:.3f}",
@@ -67,8 +74,8 @@ def write_recipe(path: str, cfg: Config, plan: PricedLayout, cluster: Cluster) -
     sections = {
         "model": {"preset": cfg.model.preset, **cfg.model.overrides},
         "parallel": {k: d[k] for k in ("tp", "pp", "cp", "ep", "zero", "dp_shard",
-                                       "microbatches", "pp_schedule", "sequence_parallel",
-                                       "cp_method", "offload")},
+                                       "microbatches", "pp_schedule", "pp_virtual",
+                                       "sequence_parallel", "cp_method", "offload")},
         "train": {"global_batch": cfg.train.global_batch, "precision": cfg.train.precision,
                   "activation_checkpointing": d["activation_checkpointing"]},
         "data": {"seq_len": cfg.data.seq_len},
