@@ -237,9 +237,10 @@ def representative(dims, rank: int) -> int:
 def trace_class(cfg, dims, rank: int) -> RankTrace:
     """`trace_rank` of `representative(dims, rank)`, cached per configuration as far as its
     activations and FLOPs depend on it, which is what its callers read (the planner, the dry
-    run): ZeRO's stages 1, 2 and 3, and whether stage 3 reshards after forward, keep the same
-    tensors for backward and run the same FLOPs (measured alike in fp32 and bf16, with and
-    without recomputation), so the planner traces one of them, not four."""
+    run; its collectives are not kept): ZeRO's stages 1, 2 and 3, and whether stage 3 reshards
+    after forward, keep the same tensors for backward and run the same FLOPs (measured alike in
+    fp32 and bf16, with and without recomputation), so the planner traces one of them, not
+    four; and without a pipeline one micro-batch is traced, not each (`first_stands_for_all`)."""
     same, par = cfg, cfg.parallel
     if par.zero:
         same = dataclasses.replace(cfg, parallel=dataclasses.replace(
@@ -248,27 +249,40 @@ def trace_class(cfg, dims, rank: int) -> RankTrace:
     if key not in _TRACES:
         if len(_TRACES) >= 256:  # the planner prices many layouts; keep the recent ones
             _TRACES.clear()
-        _TRACES[key] = trace_rank(cfg, dims, key[-1])
+        _TRACES[key] = trace_rank(cfg, dims, key[-1], first_only=True)
     return _TRACES[key]
 
 
 _TRACES: dict[tuple, RankTrace] = {}
 
 
-def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
+def first_stands_for_all(cfg, dims) -> bool:
+    """Whether a step's first micro-batch stands for all of them: where they run one after
+    another, each freeing what it saved before the next (no pipeline), and nothing but them
+    computes matmuls (no compression's low-rank products), the step's activations are the
+    first's (its inputs views of the whole batch's windows, as each one's are) and its FLOPs
+    that many times the first's (`tests/dist` compares each row's dry run with its
+    measurement; measured equal with 2 and 4 micro-batches, fp32 and bf16, ZeRO-3)."""
+    return dims.pp == 1 and cfg.parallel.compression == "none"
+
+
+def trace_rank(cfg, dims, rank: int, device: str = "cpu", first_only: bool = False) -> RankTrace:
     """The training step of rank `rank` of the configuration `cfg` (a `plait.config.schema.Config`)
     on `dims`, as `plait train` would run it: the model it names, built on `meta` and faked, placed
     and wrapped by `parallelize`, fed this rank's rows of a global batch of token windows as the
     trainer cuts them (inputs and targets views of one (rows, seq + 1) tensor; and the inputs'
-    documents under `data.document_mask`: the masks' shapes, whatever their values)."""
+    documents under `data.document_mask`: the masks' shapes, whatever their values). `first_only`:
+    where the first micro-batch stands for all (`first_stands_for_all`), it alone, its FLOPs
+    times their number, and no collectives."""
 
     M = microbatches(cfg.parallel, dims)
+    first_only = first_only and M > 1 and first_stands_for_all(cfg, dims)
     meta = cfg.model.build(cfg.train.seed, "meta")
     with fake_world(rank, dims.world_size):
         mesh = build_mesh(dims, torch.device(device).type)
         with FakeTensorMode() as mode:
             parallelized = parallelize(fake_module(meta, device, mode), mesh, cfg.parallel, Options(
-                microbatches=M, precision=cfg.train.precision,
+                microbatches=1 if first_only else M, precision=cfg.train.precision,
                 param_dtype=cfg.train.param_dtype,
                 activation_checkpointing=cfg.train.activation_checkpointing,
                 scaler=LossScaler.of(cfg.train)))
@@ -276,5 +290,8 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu") -> RankTrace:
             window = torch.empty(cfg.train.global_batch // rows, cfg.data.seq_len + 1,
                                  dtype=torch.int64, device=device)
             documents = torch.empty_like(window[:, :-1]) if cfg.data.document_mask else None
-            return trace_step(parallelized, parallelized.split(window[:, :-1], window[:, 1:], M,
-                                                               documents))
+            batches = parallelized.split(window[:, :-1], window[:, 1:], M, documents)
+            if not first_only:
+                return trace_step(parallelized, batches)
+            first = trace_step(parallelized, batches[:1])
+            return RankTrace(first.activation_bytes, first.flops * M)  # no collectives

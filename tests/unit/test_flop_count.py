@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
 import torch
 import torch.distributed as dist
 from harness import run_world
@@ -80,3 +81,25 @@ def test_a_counter_that_fails_falls_back_to_the_formula_with_a_note(tmp_path):
     assert flops == cfg.train.global_batch * cfg.data.seq_len * flops_per_token(
         cfg.model.shape(), n_params, cfg.data.seq_len)
     assert "plait: note: the FLOP count" in note and "AssertionError" in note, note
+
+
+@pytest.mark.parametrize("overrides,ranks", [
+    (["parallel.microbatches=4"], 2),
+    (["parallel.microbatches=2", "parallel.zero=3", "train.precision=bf16",
+      "data.document_mask=true"], 2),
+    (["parallel.microbatches=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+      "train.activation_checkpointing=selective"], 4),
+], ids=["dp2-accum4", "zero3-bf16-documents-accum2", "tp2-sp-selective-accum2"])
+def test_without_a_pipeline_the_first_micro_batch_stands_for_the_step(overrides, ranks):
+    """The planner and the dry run (`trace.trace_class`) trace a step's first micro-batch
+    alone where there is no pipeline: its peak activations are the step's (its inputs views of
+    the whole batch's windows, as every micro-batch's are) and its FLOPs, times the number of
+    micro-batches, the step's, exactly as tracing every one (each row's dry run is also compared
+    with its measured run in tests/dist)."""
+    from training import tiny_config
+
+    cfg = tiny_config(*overrides)
+    dims = validate(cfg, ranks)
+    every, first = (trace.trace_rank(cfg, dims, 0, first_only=f) for f in (False, True))
+    assert (first.activation_bytes, first.flops) == (every.activation_bytes, every.flops)
+    assert trace.first_stands_for_all(cfg, dims)
