@@ -175,7 +175,6 @@ class HFCausalLM(nn.Module):
         if not family.own_attention:  # else its attention is transformers' own (`block_args`)
             _through_plait(hf.config)
 
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(tokens)
         learned = getattr(self, "position_embeddings", None)  # GPT-2's, where the family has them
