@@ -95,10 +95,8 @@ def _eager(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
     import sys
 
     eager = sys.modules[type(module).__module__].eager_attention_forward
-    s_q, s_k = query.shape[-2], key.shape[-2]
     if mask is None:
-        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device)
-        mask = mask.tril(s_k - s_q)[None, None]
+        mask = causal_mask(query.shape[-2], key.shape[-2], query.dtype, query.device)
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device) \
             .masked_fill(~mask, float("-inf"))
@@ -122,10 +120,11 @@ def _hidden_states(module: nn.Module, args: tuple, out):
     return out[0]  # (hidden states, attention weights) -> the hidden states
 
 
-def causal_mask(seq_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The additive causal mask (1, 1, s, s): 0 where a query sees a key, -inf elsewhere."""
-    seen = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    return torch.zeros(1, 1, seq_len, seq_len, dtype=dtype, device=device) \
+def causal_mask(queries: int, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive causal mask (1, 1, queries, keys), the queries the last of the keys: 0 where
+    a query sees a key, -inf elsewhere."""
+    seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return torch.zeros(1, 1, queries, keys, dtype=dtype, device=device) \
         .masked_fill(~seen, float("-inf"))
 
 
@@ -247,7 +246,7 @@ def _own_mask(config, seq_len: int, h: torch.Tensor,
         return documents.additive(h.dtype)
     if config._attn_implementation == "sdpa":
         return None
-    return causal_mask(seq_len, h.dtype, h.device)
+    return causal_mask(seq_len, seq_len, h.dtype, h.device)
 
 
 def _with_loss(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor):

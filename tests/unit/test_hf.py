@@ -296,10 +296,9 @@ def test_falcons_configs_its_plan_does_not_cover_are_refused_or_run_without_it(h
         "parallel.cp: FalconForCausalLM's attention computes itself (SDPA called in its " \
         "module), where plait's context-parallel kernels cannot go; set cp = 1"
     alibi = write_model(tmp_path / "alibi", "falcon-classic", alibi=True)
-    assert _refusal(f"model.hf='{alibi}'", "parallel.pp=2", nproc=2).startswith(
-        "parallel.pp: FalconForCausalLM has no plait plan (planned: ")
-    assert ", but not with alibi set); it trains with dp and ZeRO-1/2/3: set pp = 1" in \
-        _refusal(f"model.hf='{alibi}'", "parallel.pp=2", nproc=2)
+    refused = _refusal(f"model.hf='{alibi}'", "parallel.pp=2", nproc=2)
+    assert refused.startswith("parallel.pp: FalconForCausalLM has no plait plan (planned: ")
+    assert ", but not with alibi set); it trains with dp and ZeRO-1/2/3: set pp = 1" in refused
     assert isinstance(load_hf(alibi), PlainCausalLM)
 
 
