@@ -24,6 +24,7 @@ import torch
 from harness import run_world
 from hf_models import hf_config, train_reference, write_model
 from matrix import held
+from torch._dynamo.utils import counters
 from training import assert_params_close, run_steps, tiny_config
 
 from plait.parallel.compile import compiled_graphs, graph_breaks
@@ -44,7 +45,15 @@ def config(*overrides):
     return tiny_config(*BASE, *overrides)
 
 
+def as_a_new_process() -> None:
+    """Dynamo's caches and counters as a new process has them: a rank is forked from the pytest
+    process, which may have compiled or counted before (another test file, in the same worker)."""
+    torch._dynamo.reset()
+    counters.clear()
+
+
 def with_compile_counts(cfg):
+    as_a_new_process()
     out = run_steps(cfg)
     out["graphs"], (out["breaks"], _) = compiled_graphs(), graph_breaks()
     return out
@@ -95,6 +104,7 @@ SAME_LAYOUT = [
 def eager_then_compiled(eager, compiled):
     from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER  # compilations per frame
 
+    as_a_new_process()
     out = run_steps(eager), with_compile_counts(compiled)
     out[1]["most_compiles"] = max(FRAME_COMPILE_COUNTER.values())
     return out
