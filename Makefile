@@ -24,19 +24,11 @@ demo: $(BIN)/plait
 AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 CAPABILITY = $(shell $(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
 
-# Two pytest workers, a test file each at a time (its module fixtures, such as the matrix's
-# single-process references, computed once): while one worker's test waits on processes it
-# started, or runs the parent's single-threaded checks, the other's fills the second core
-# (docs/tests.md). The tests marked `serial` run after, alone.
-PYTEST := $(BIN)/python -m pytest -q
-SHARED := -n 2 --dist loadfile
-
 test: $(BIN)/plait
-	$(PYTEST) $(SHARED) -m "not serial" --durations=15
-	$(PYTEST) -m serial
+	$(BIN)/python -m pytest -q --durations=15
 	@if echo "$(CAPABILITY)" | grep -q AVX512; then \
 		echo "make test: the kernels rows again under AVX2 kernels (this CPU: $(CAPABILITY))"; \
-		$(AVX2) $(PYTEST) $(SHARED) -m kernels -p no:cacheprovider; \
+		$(AVX2) $(BIN)/python -m pytest -q -m kernels -p no:cacheprovider; \
 	else echo "make test: the kernels rows ran under this CPU's own $(CAPABILITY) kernels"; fi
 
 lint: $(BIN)/plait

@@ -323,7 +323,6 @@ def _listening(pids: set[int]) -> list[str]:
     return found
 
 
-@pytest.mark.serial  # bounds the wait for a timeout in seconds: alone, no other test's load
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_job_listens_on_loopback_only_and_names_a_stopped_rank(tmp_path, rank):

@@ -18,9 +18,6 @@ from plait.checkpoint.rank_state import load_full
 from plait.nodes import EmulatedNodes, available
 
 WHY = available()
-# Alone (`make test` runs the rest on two pytest workers): the nodes are the machine's network
-# namespaces, and each test asserts that none is left behind.
-pytestmark = pytest.mark.serial
 RUN = [*TINY, "train.peak_tflops=1.0"]
 
 
