@@ -261,10 +261,8 @@ def _flops(cfg: Config, dims: ParallelDims, record, chunks,
            stage: int = 0) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs incl. recomputation) of one step on this stage's rank."""
     traced = traced_stage(cfg, dims, stage)
-    if traced is not None:  # the model's own, and without recomputation for the model FLOPs
-        plain = traced if cfg.train.activation_checkpointing == "none" else \
-            traced_stage(with_degrees(cfg, activation_checkpointing="none"), dims, stage)
-        return float(plain.flops), float(traced.flops)
+    if traced is not None:  # the model's own; the model FLOPs are those less recomputation's
+        return float(traced.flops - traced.recomputed_flops), float(traced.flops)
     tokens = cfg.train.global_batch * cfg.data.seq_len / dims.batch
     routed = _routed(cfg.model.shape(), dims)
     matmul = {n: p.local_numel * (routed if ".experts." in n else 1)

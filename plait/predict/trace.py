@@ -48,6 +48,7 @@ from plait.config.schema import microbatches
 from plait.mesh import build_mesh, rows_share
 from plait.optim.loss_scaling import LossScaler
 from plait.parallel import Options, Parallelized, cross_entropy, parallelize
+from plait.parallel.activation_checkpoint import recomputing
 from plait.predict.activation_memory import SavedActivations
 from plait.predict.routing import fake_experts, grouped_mm_flops
 
@@ -62,6 +63,7 @@ class RankTrace:
 
     activation_bytes: int  # peak bytes saved for backward (the `activation_bytes` metric's count)
     flops: int  # FLOPs this rank executes in the step (FlopCounterMode; recomputation included)
+    recomputed_flops: int = 0  # of those, the ones activation checkpointing's recomputation ran
     calls: dict[Op, int] = field(default_factory=dict)  # collectives issued, per operation
     bytes: dict[Op, Fraction] = field(default_factory=dict)  # bus bytes moved, per operation
 
@@ -113,15 +115,21 @@ def fake_module(model: nn.Module, device: torch.device | str, mode: FakeTensorMo
 
 
 class _Global:
-    """A module tracker that knows one place, the whole step: FLOPs are counted in total."""
+    """A module tracker that knows two places: the whole step, where FLOPs are counted in total,
+    and activation checkpointing's recomputations in it (`recomputing()`), counted apart too."""
 
-    parents = frozenset({"Global"})
+    @property
+    def parents(self) -> frozenset[str]:
+        return _RECOMPUTED if recomputing() else _STEP
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+_STEP, _RECOMPUTED = frozenset({"Global"}), frozenset({"Global", "Recomputed"})
 
 
 def _heads_broadcast(query_shape, key_shape, value_shape):
@@ -221,7 +229,8 @@ def trace_step(parallelized: Parallelized, microbatches: list[tuple]) -> RankTra
         parallelized.run_schedule(microbatches)
     parallelized.grad_norm_sq()  # one float64 all-reduce per axis whose ranks hold pieces
     parallelized.finish_step()  # ZeRO: the updated slices gathered back
-    return RankTrace(counter.peak, flops.get_total_flops(), dict(LEDGER.calls),
+    recomputed = sum(flops.get_flop_counts().get("Recomputed", {}).values())
+    return RankTrace(counter.peak, flops.get_total_flops(), recomputed, dict(LEDGER.calls),
                      dict(LEDGER.bytes_by_op))
 
 
@@ -240,11 +249,18 @@ def trace_class(cfg, dims, rank: int) -> RankTrace:
     run; its collectives are not kept): ZeRO's stages 1, 2 and 3, and whether stage 3 reshards
     after forward, keep the same tensors for backward and run the same FLOPs (measured alike in
     fp32 and bf16, with and without recomputation), so the planner traces one of them, not
-    four; and without a pipeline one micro-batch is traced, not each (`first_stands_for_all`)."""
-    same, par = cfg, cfg.parallel
+    four; and without a pipeline one micro-batch is traced, not each (`first_stands_for_all`).
+    The run's device (`train.device`) is not part of it either: a trace runs on fake CPU tensors
+    whatever it names (the planner prices a GPU cluster's layouts with "cuda", and its warnings
+    asked again with the configuration as given: a second trace of every layout, a fifth of
+    `plait plan`'s time for a Hugging Face model). Nor is ZeRO's offload, which moves model
+    state to host memory, not what the step keeps for backward or computes (the planner's
+    search for the leanest layout tries three offloads of each mesh)."""
+    par = dataclasses.replace(cfg.parallel, offload="none")
     if par.zero:
-        same = dataclasses.replace(cfg, parallel=dataclasses.replace(
-            par, zero=1, reshard_after_forward=True))
+        par = dataclasses.replace(par, zero=1, reshard_after_forward=True)
+    same = dataclasses.replace(cfg, parallel=par,
+                               train=dataclasses.replace(cfg.train, device="cpu"))
     key = (repr(same), dims, representative(dims, rank))
     if key not in _TRACES:
         if len(_TRACES) >= 256:  # the planner prices many layouts; keep the recent ones
@@ -294,4 +310,5 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu", first_only: bool = Fal
             if not first_only:
                 return trace_step(parallelized, batches)
             first = trace_step(parallelized, batches[:1])
-            return RankTrace(first.activation_bytes, first.flops * M)  # no collectives
+            return RankTrace(first.activation_bytes, first.flops * M,  # no collectives
+                             first.recomputed_flops * M)

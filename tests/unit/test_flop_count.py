@@ -103,3 +103,42 @@ def test_without_a_pipeline_the_first_micro_batch_stands_for_the_step(overrides,
     every, first = (trace.trace_rank(cfg, dims, 0, first_only=f) for f in (False, True))
     assert (first.activation_bytes, first.flops) == (every.activation_bytes, every.flops)
     assert trace.first_stands_for_all(cfg, dims)
+    assert first.recomputed_flops == every.recomputed_flops
+
+
+@pytest.mark.parametrize("overrides,ranks", [
+    (["train.activation_checkpointing=full"], 1),
+    (["train.activation_checkpointing=selective", "parallel.tp=2"], 2),
+    (["train.activation_checkpointing=full", "parallel.pp=2", "parallel.microbatches=2",
+      "parallel.pp_schedule=1f1b"], 2),
+], ids=["full", "tp2-selective", "pp2-1f1b-full"])
+def test_recomputation_is_counted_apart(overrides, ranks):
+    """A trace counts the FLOPs that activation checkpointing's recomputation runs apart
+    (`RankTrace.recomputed_flops`): the step's FLOPs less those are the same step's without
+    recomputation, exactly (the planner's model FLOPs, MFU's numerator, from one trace where it
+    took two), on every pipeline stage."""
+    from training import tiny_config
+
+    cfg = tiny_config(*overrides)
+    dims = validate(cfg, ranks)
+    plain_cfg = tiny_config(*overrides, "train.activation_checkpointing=none")
+    for stage in range(dims.pp):
+        rank = dims.rank(pp=stage)
+        kept, plain = (trace.trace_rank(c, dims, rank) for c in (cfg, plain_cfg))
+        assert kept.recomputed_flops > 0 and plain.recomputed_flops == 0
+        assert kept.flops - kept.recomputed_flops == plain.flops, stage
+
+
+def test_a_trace_stands_for_every_zero_stage_offload_and_device():
+    """`trace_class` keys its cache without ZeRO's stage, offload and the run's device: each
+    keeps the same tensors for backward and runs the same FLOPs, as traced here (tp2, so that
+    the stages' buckets and slices differ)."""
+    from training import tiny_config
+
+    base = ["parallel.tp=2", "parallel.microbatches=2"]
+    dims, traced = validate(tiny_config(*base), 4), {}  # (as the planner prices a GPU's)
+    for extra in ([], ["parallel.zero=2", "parallel.offload=optimizer"],
+                  ["parallel.zero=3", "parallel.offload=params", "train.device=cuda"]):
+        t = trace.trace_rank(tiny_config(*base, *extra), dims, 0)
+        traced[" ".join(extra)] = (t.activation_bytes, t.flops)
+    assert len(set(traced.values())) == 1, traced
