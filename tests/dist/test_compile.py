@@ -47,7 +47,7 @@ def config(*overrides):
 
 def as_a_new_process() -> None:
     """Dynamo's caches and counters as a new process has them: a rank is forked from the pytest
-    process, which may have compiled or counted before (another test file, in the same worker)."""
+    process, which may have compiled or counted before (an earlier test, in its own process)."""
     torch._dynamo.reset()
     counters.clear()
 
@@ -104,8 +104,7 @@ SAME_LAYOUT = [
 def eager_then_compiled(eager, compiled):
     from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER  # compilations per frame
 
-    as_a_new_process()
-    out = run_steps(eager), with_compile_counts(compiled)
+    out = run_steps(eager), with_compile_counts(compiled)  # (which starts as a new process)
     out[1]["most_compiles"] = max(FRAME_COMPILE_COUNTER.values())
     return out
 
