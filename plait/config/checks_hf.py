@@ -41,11 +41,7 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
         if not supports_sdpa(config):
             raise ConfigError("model.attention", f"transformers computes {arch} with its own "
                               "attention only (no SDPA); use 'auto' or 'eager'")
-    if plan is not None and cfg.parallel.wrap:
-        raise ConfigError("parallel.wrap", f"{arch}'s plait plan makes its ZeRO-3 units (one "
-                          "block each); wrap chooses them for a family without a plan: leave "
-                          "it empty")
-    if plan is None and cfg.parallel.wrap and not cfg.parallel.wrap.isdigit():
+    if cfg.parallel.wrap and not cfg.parallel.wrap.isdigit():
         _check_wrap_classes(arch, config.model_type, cfg.parallel.wrap)
     if family is not None and "position_embeddings" in family.modules and \
             cfg.data.document_mask:

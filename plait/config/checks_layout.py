@@ -26,7 +26,7 @@ from plait.config.schema import (
     microbatches,
 )
 from plait.mesh import AXES, ParallelDims, dp_per_node, ranks_per_node
-from plait.model.llama_plan import LLAMA
+from plait.model.llama_plan import LLAMA, MODULE_CLASSES
 from plait.model.plan import tp_misfit
 from plait.model.shape import Shape
 
@@ -52,10 +52,7 @@ def check_layout(cfg: Config, world_size: int) -> ParallelDims:
     _check_context(cfg, dims, cfg.model.shape())
     _check_moe(cfg, dims, cfg.model.shape())
     _check_parallel(cfg.parallel, cfg.train.precision)
-    if cfg.parallel.wrap and not cfg.model.hf:
-        raise ConfigError("parallel.wrap", "plait's Llama is cut into ZeRO-3 units by its plan "
-                          "(one block each); wrap chooses them for a model without a plan: "
-                          "leave it empty")
+    _check_llama_wrap(cfg)
     _check_nodes(cfg.parallel, dims)
     _check_compression(cfg.parallel, dims)
     check_train(cfg.train, dims)
@@ -145,6 +142,31 @@ def _check_hybrid(par: ParallelConfig, dims: ParallelDims) -> ParallelDims:
     return dataclasses.replace(dims, dp_shard=par.dp_shard or dims.dp)
 
 
+def _check_llama_wrap(cfg) -> None:
+    """`parallel.wrap`'s class names against plait's Llama's (a Hugging Face family's are checked
+    against its modeling module, `checks_hf`)."""
+    wrap = cfg.parallel.wrap
+    if not wrap or wrap.isdigit() or cfg.model.hf:
+        return
+    missing = [n.strip() for n in wrap.split(",") if n.strip() not in MODULE_CLASSES]
+    if missing:
+        raise ConfigError("parallel.wrap", f"plait's Llama has no module class "
+                          f"{', '.join(missing)}; its classes: {', '.join(MODULE_CLASSES)}")
+
+
+def _check_live(par: ParallelConfig) -> None:
+    if par.max_live_params < 0:
+        raise ConfigError("parallel.max_live_params", "a number of parameter elements, 0 for no "
+                          f"bound, got {par.max_live_params}")
+    if par.max_live_params and par.zero != 3:
+        raise ConfigError("parallel.max_live_params", "it bounds what ZeRO-3 prefetches: set "
+                          "parallel.zero = 3, or leave it 0")
+    if par.max_live_params and not par.reshard_after_forward:
+        raise ConfigError("parallel.max_live_params", "with parallel.reshard_after_forward = "
+                          "false every unit stays gathered through the step, which no bound "
+                          "lowers: set one of them back")
+
+
 def _check_parallel(par: ParallelConfig, precision: str) -> None:
     if par.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", f"a ZeRO stage is 0, 1, 2 or 3, got {par.zero}")
@@ -153,6 +175,7 @@ def _check_parallel(par: ParallelConfig, precision: str) -> None:
             and not all(n.isidentifier() for n in names):
         raise ConfigError("parallel.wrap", f"module class names separated by commas (e.g. "
                           f"'GPT2Block') or a positive parameter count, got {par.wrap!r}")
+    _check_live(par)
     if par.reduce_dtype not in ("fp32", *HALF_PRECISIONS):
         raise ConfigError("parallel.reduce_dtype",
                           f"'fp32', 'bf16' or 'fp16', got '{par.reduce_dtype}'")

@@ -101,13 +101,15 @@ class ParallelConfig:
     sequence_parallel: bool = False  # with tp > 1: norms and residual on sequence shards
     zero: int = 0  # ZeRO stage of the data parallelism: 0 (plain DDP), 1, 2, 3 (FSDP)
     dp_shard: int = 0  # under ZeRO: shard over groups of this many dp ranks (HSDP); 0 = all of dp
-    wrap: str = ""  # ZeRO-3's units of a model with no plan: class names ("GPT2Block,Other") or
-    # a parameter count (each module holding that many); "": a transformers family's own
+    wrap: str = ""  # ZeRO-3's units: class names ("GPT2Block,Other") or a parameter count (each
+    # module holding that many); "": a plan's blocks, else a transformers family's own
     # `_no_split_modules` (one unit per decoder layer), else the whole model one unit
     unused_parameters: bool = False  # a parameter no gradient reaches in a step: zero gradient
     # (DDP's find_unused_parameters) instead of an error naming it
     reshard_after_forward: bool = True  # ZeRO-3: free each unit after use (False: keep it whole
     # from its first use in a step to its gradient reduction, one gather per step)
+    max_live_params: int = 0  # ZeRO-3: prefetch a unit only while the gathered parameters stay
+    # within this many elements (DeepSpeed's stage3_max_live_parameters); 0: no bound
     reduce_dtype: str = "fp32"  # ZeRO gradient reductions: "fp32", or train.precision's half dtype
     offload: str = "none"  # ZeRO on a GPU: "optimizer" or "params" (stage 3) in host memory
     pp_schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zb1"

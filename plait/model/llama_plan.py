@@ -31,3 +31,10 @@ LLAMA = ModelPlan(
     recompute=("attention_norm", "attention.core", "ffn_norm"),
     moe="feed_forward",
 )
+
+# The classes of plait's Llama's modules that `parallel.wrap` can name (ZeRO-3's units below a
+# block: "Attention,FeedForward,MoEFeedForward"), checked before launch without importing torch;
+# the root and its containers are never chosen (`parallel/wrap.py`). tests/unit/test_config.py
+# compares them with a built model's.
+MODULE_CLASSES = ("Attention", "AttentionCore", "Block", "CausalAttention", "Embedding",
+                  "FeedForward", "Linear", "MoEFeedForward", "RootMeanSquareNorm")

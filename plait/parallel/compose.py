@@ -342,12 +342,14 @@ def _executors(model: nn.Module, chunks: nn.ModuleDict, schedule, axes: dict[str
 
 
 def unit_policy(model: nn.Module, cfg: ParallelConfig, wrap: WrapPolicy | None) -> WrapPolicy:
-    """ZeRO-3's units of a model with no plan: the caller's policy (`Options.wrap`), else
-    `parallel.wrap`'s, else the model's own (`wrap.policy_of`)."""
-    if cfg.wrap and has_plan(model):
-        raise ValueError("parallel.wrap: this model's plan makes its ZeRO-3 units (one block "
-                         "each); wrap chooses them for a model without a plan: leave it empty")
-    return wrap or policy_of(model, cfg.wrap)
+    """ZeRO-3's units where the plan's blocks are not (`units.unit_modules`): the caller's policy
+    (`Options.wrap`), else `parallel.wrap`'s, else, for a model with no plan, the model's own
+    (`wrap.policy_of`); empty for a planned model whose run names none (its blocks)."""
+    if wrap:
+        return wrap
+    if has_plan(model) and not cfg.wrap:
+        return WrapPolicy()
+    return policy_of(model, cfg.wrap)
 
 
 def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbatches: int,

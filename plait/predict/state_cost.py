@@ -194,24 +194,28 @@ def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params:
                  param_b: int) -> int:
     """The most parameter bytes held during a step. ZeRO-1/2: the whole replica, always.
     ZeRO-3: the slices plus the units gathered at once: a unit and the next one (prefetched, in
-    the forward; the previous one in the backward) in each chunk, plus the chunk's first unit
-    where it spans the chunk (tied embeddings, a wrap policy's leftover); every unit of the stage
-    when they are kept from forward to backward (`reshard_after_forward = false`)."""
+    the forward; the previous one in the backward) in each chunk, unless the two would hold more
+    than `parallel.max_live_params` elements with what else is gathered (then the unit alone),
+    plus the chunk's first unit where it spans the chunk (tied embeddings, a wrap policy's
+    leftover); every unit of the stage when they are kept from forward to backward
+    (`reshard_after_forward = false`)."""
     if par.zero < 3:
         return params
-    gathered = [0] * len(record.units)
+    numel = [0] * len(record.units)
     for (_, _, padded), unit in zip(flats, groups, strict=True):
-        gathered[unit] += padded * param_b
+        numel[unit] += padded
     if not par.reshard_after_forward:
-        return params + sum(gathered)
+        return params + param_b * sum(numel)
+    bound = par.max_live_params or sum(numel)
     most = 0
     for chunk in sorted({z.chunk for z in record.units}):
         mine = [u for u, z in enumerate(record.units) if z.chunk == chunk]
-        span = gathered[mine[0]] if record.units[mine[0]].spans else 0
-        rest = [gathered[u] for u in mine if not (u == mine[0] and span)]
-        pairs = [a + b for a, b in zip(rest, rest[1:], strict=False)] or rest or [0]
-        most = max(most, span + max(pairs))
-    return params + most
+        span = numel[mine[0]] if record.units[mine[0]].spans else 0
+        rest = [numel[u] for u in mine if not (u == mine[0] and span)] or [0]
+        pairs = [a + b if span + a + b <= bound else max(a, b)
+                 for a, b in zip(rest, rest[1:], strict=False)]
+        most = max(most, span + max(pairs + rest))
+    return params + param_b * most
 
 
 def _grads_peak(record: PlacementRecord, flats, groups: list[int], zero: int,

@@ -245,20 +245,20 @@ def representative(dims, rank: int) -> int:
 
 def trace_class(cfg, dims, rank: int) -> RankTrace:
     """`trace_rank` of `representative(dims, rank)`, cached per configuration as far as its
-    activations and FLOPs depend on it, which is what its callers read (the planner, the dry
-    run; its collectives are not kept): ZeRO's stages 1, 2 and 3, and whether stage 3 reshards
-    after forward, keep the same tensors for backward and run the same FLOPs (measured alike in
-    fp32 and bf16, with and without recomputation), so the planner traces one of them, not
-    four; and without a pipeline one micro-batch is traced, not each (`first_stands_for_all`).
-    The run's device (`train.device`) is not part of it either: a trace runs on fake CPU tensors
-    whatever it names (the planner prices a GPU cluster's layouts with "cuda", and its warnings
-    asked again with the configuration as given: a second trace of every layout, a fifth of
-    `plait plan`'s time for a Hugging Face model). Nor is ZeRO's offload, which moves model
-    state to host memory, not what the step keeps for backward or computes (the planner's
-    search for the leanest layout tries three offloads of each mesh)."""
+    activations and FLOPs depend on it, which is what its callers read (the planner, the dry run;
+    its collectives are not kept): ZeRO's stages 1, 2 and 3, whether stage 3 reshards after forward,
+    and what it prefetches (`max_live_params`), keep the same tensors for backward and run the same
+    FLOPs (measured alike in fp32 and bf16, with and without recomputation), so the planner traces
+    one of them, not four; and without a pipeline one micro-batch is traced, not each
+    (`first_stands_for_all`). The run's device (`train.device`) is not part of it either: a trace
+    runs on fake CPU tensors whatever it names (the planner prices a GPU cluster's layouts with
+    "cuda", and its warnings asked again with the configuration as given: a second trace of every
+    layout, a fifth of `plait plan`'s time for a Hugging Face model). Nor is ZeRO's offload, which
+    moves model state to host memory, not what the step keeps for backward or computes (the
+    planner's search for the leanest layout tries three offloads of each mesh)."""
     par = dataclasses.replace(cfg.parallel, offload="none")
     if par.zero:
-        par = dataclasses.replace(par, zero=1, reshard_after_forward=True)
+        par = dataclasses.replace(par, zero=1, reshard_after_forward=True, max_live_params=0)
     same = dataclasses.replace(cfg, parallel=par,
                                train=dataclasses.replace(cfg.train, device="cpu"))
     key = (repr(same), dims, representative(dims, rank))

@@ -92,6 +92,16 @@ ROWS = [
                              "train.activation_checkpointing=full"]),
     ("3d-sp-ac-full", 8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                           "train.activation_checkpointing=full"]),
+    # ZeRO-3 units below a block (a wrap policy on a planned model): the embedding, each
+    # attention and feed-forward, the head, and the norms left over; prefetching bounded at
+    # 48,000 elements, which lets attention + feed-forward (46,080) be gathered together but not
+    # feed-forward + head (50,176): a peak below the unbounded one, asserted by the formulas.
+    ("dp2-zero3-sub-block-live", 2, ["parallel.zero=3",
+                                     "parallel.wrap=Attention,FeedForward,Embedding,Linear",
+                                     "parallel.max_live_params=48000"]),
+    ("pp2-dp2-zero3-sub-block-ac-full", 4, ["parallel.pp=2", "parallel.zero=3",
+                                            "parallel.wrap=Attention,FeedForward",
+                                            "train.activation_checkpointing=full"]),
 ]
 BF16_ROWS = [
     ("dp2-bf16", 2, []),

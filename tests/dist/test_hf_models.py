@@ -48,6 +48,10 @@ ROWS = [
     ("llama-dp2-cp2-ulysses", "llama", 4, ["parallel.cp=2", "parallel.cp_method=ulysses"]),
     ("qwen2-tp2", "qwen2", 2, ["parallel.tp=2"]),
     ("llama-tied-dp2-zero3", "llama-tied", 2, ["parallel.zero=3"]),
+    # ZeRO-3 units below a decoder layer: its attention and its MLP (a wrap policy on a planned
+    # family); the norms, the embedding and the head left over, gathered for the whole forward.
+    ("llama-dp2-zero3-sub-block", "llama", 2, ["parallel.zero=3",
+                                               "parallel.wrap=LlamaAttention,LlamaMLP"]),
     ("llama-tied-tp2-sp", "llama-tied", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),

@@ -111,7 +111,11 @@ BAD_INPUT = [
     (["parallel.microbatches=3"], "parallel.microbatches"),
     (["parallel.dp_shard=3"], "parallel.dp_shard"),
     (["parallel.wrap='Block, 2x'"], "parallel.wrap"),  # neither class names nor a count
-    (["parallel.wrap=TransformerBlock", "parallel.zero=3"], "parallel.wrap"),  # Llama: its plan
+    (["parallel.wrap=TransformerBlock", "parallel.zero=3"], "parallel.wrap"),  # not Llama's
+    (["parallel.max_live_params=-1", "parallel.zero=3"], "parallel.max_live_params"),
+    (["parallel.max_live_params=1000"], "parallel.max_live_params"),  # not ZeRO-3
+    (["parallel.max_live_params=1000", "parallel.zero=3",
+      "parallel.reshard_after_forward=false"], "parallel.max_live_params"),
     (["parallel.dp_shard=2"], "parallel.dp_shard"),  # hybrid sharding without ZeRO
     (["train.activation_checkpointing=some"], "train.activation_checkpointing"),
     (["train.device=tpu"], "train.device"),
@@ -719,3 +723,18 @@ def test_an_output_path_made_meanwhile_by_another_node_is_creatable_and_left_alo
     target.write_text("the other node's")
     assert creatable(target, tmp_path, folder=False) is None
     assert target.read_text() == "the other node's"
+
+
+def test_the_llama_classes_a_wrap_policy_can_name_are_the_models():
+    """`parallel.wrap` is checked before launch against `llama_plan.MODULE_CLASSES`, without
+    torch: they are the classes of a built Llama's modules, dense and mixture of experts, less
+    the root and its containers (never chosen: `parallel/wrap.py`)."""
+    from plait.config.schema import ModelConfig
+    from plait.model.llama_plan import MODULE_CLASSES
+    from plait.parallel.wrap import callable_
+
+    built = set()
+    for overrides in ({}, {"moe_experts": 4}):
+        model = ModelConfig(overrides=overrides).build(0, "meta")
+        built |= {type(m).__name__ for m in model.modules() if m is not model and callable_(m)}
+    assert built == set(MODULE_CLASSES)

@@ -237,8 +237,9 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     assert _refusal(f"model.hf='{bloom}'", "parallel.zero=3", "parallel.wrap=BloomLayer") == \
         "parallel.wrap: BloomForCausalLM has no module class BloomLayer; its decoder layer is " \
         "BloomBlock"
-    assert _refusal(f"model.hf='{llama}'", "parallel.zero=3", "parallel.wrap=Block").startswith(
-        "parallel.wrap: LlamaForCausalLM's plait plan makes its ZeRO-3 units")
+    assert _refusal(f"model.hf='{llama}'", "parallel.zero=3", "parallel.wrap=Block") == \
+        "parallel.wrap: LlamaForCausalLM has no module class Block; its decoder layer is " \
+        "LlamaDecoderLayer"
     assert _refusal(f"model.hf='{bloom}'", "data.document_mask=true").startswith(
         "data.document_mask: BloomForCausalLM has no plait plan (planned: ")
     assert _refusal(f"model.hf='{hf_folders['gpt2']}'", "data.document_mask=true") == \

@@ -80,7 +80,8 @@ def _engine(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                                         replicate=replicate,
                                         reshard_after_forward=cfg.reshard_after_forward,
                                         compression=compression, overrides=overrides,
-                                        wrap=wrap, fill=fill, **classes)
+                                        wrap=wrap, max_live=cfg.max_live_params, fill=fill,
+                                        **classes)
     return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
                             offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
                             compression=compression, overrides=overrides, **classes)

@@ -1,8 +1,9 @@
 """ZeRO-3's units: where a model or pipeline chunk is cut into the groups of parameters that are
 gathered and freed together (`zero3.py` runs them; `compose.py` and `placement.py` name them for
 the placement record and the formulas). With a plan: the modules with parameters before its
-blocks, each block, the modules after them; without one, a wrap policy's choice (`wrap.py`) and
-the unit of what it leaves over."""
+blocks, each block, the modules after them; without one, or where a run names a wrap policy
+(units below a block: `parallel.wrap = "Attention,FeedForward"`), the policy's choice (`wrap.py`)
+and the unit of what it leaves over."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from plait.parallel.wrap import WrapPolicy, wrapped_modules
 def unit_modules(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[list[nn.Module]]:
     """A model's (or pipeline chunk's) units in execution order. With a plan: the modules with
     parameters before its blocks (the embedding), each block, the modules with parameters after
-    them (the final norm and the head), each where the chunk has them. Without one: `[chunk]`
-    first, the unit of whatever `wrap` leaves over (gathered for the whole forward), then each
-    module the policy chooses (`wrap.py`)."""
+    them (the final norm and the head), each where the chunk has them. Without one, or with a
+    policy (`wrap`, not empty): `[chunk]` first, the unit of whatever `wrap` leaves over
+    (gathered for the whole forward), then each module the policy chooses (`wrap.py`)."""
     return _cut(chunk, wrap)[0]
 
 
@@ -29,7 +30,7 @@ def first_unit_spans(chunk: nn.Module, wrap: WrapPolicy | None = None) -> bool:
 
 
 def _cut(chunk: nn.Module, wrap: WrapPolicy | None) -> tuple[list[list[nn.Module]], bool]:
-    if not has_plan(chunk):
+    if not has_plan(chunk) or wrap:
         chosen = wrapped_modules(chunk, wrap or WrapPolicy())
         owners = _owners(chunk, chosen)
         rest = any(owners[id(p)] is None for p in chunk.parameters())

@@ -16,8 +16,11 @@ optimizer steps that slice.
 
 Freeing resizes the buffer's storage to zero rather than dropping the tensor, so the parameter
 views (and what autograd saved of them) stay valid and are refilled in place by the next gather.
-At most two units are gathered at once. Communication per step: two all-gathers and a
-reduce-scatter of Psi elements, 1.5 times ZeRO-1/2's (section 7.2.2 of the paper).
+At most two units are gathered at once (a wrap policy's leftover unit, or tied embeddings', beside
+them); `max_live` (`parallel.max_live_params`, DeepSpeed's `stage3_max_live_parameters`) bounds
+the elements a prefetch may bring the gathered units to: a unit beyond it is gathered when it
+runs, not before, trading the overlap of its gather for its memory. Communication per step: two
+all-gathers and a reduce-scatter of Psi elements, 1.5 times ZeRO-1/2's (section 7.2.2 of the paper).
 
 `reshard_after_forward=False` (FSDP's name for it) keeps each unit gathered from its first use in
 a step until its gradients are reduce-scattered, instead of freeing it after every forward and
@@ -75,6 +78,7 @@ class Unit:
         self.versions = None  # the buffers' version counters before the gather in flight
         self.reduced = False  # this step's gradients are on their way to the slices
         self.ran = False  # its module's forward ran this step (it was gathered for it)
+        self.numel = sum(f.full.numel() for f in self.flats)  # gathered, padding included
 
 
 def _versions(unit: Unit):
@@ -104,6 +108,7 @@ class Zero3DataParallel(ShardedEngine):
         compression: Compression | None = None,
         overrides: dict[str, Axis] | None = None,
         wrap: WrapPolicy | None = None,
+        max_live: int = 0,
         fill=None,
         matrices: frozenset[str] = frozenset(),
         groups: dict[str, str] | None = None,
@@ -113,6 +118,7 @@ class Zero3DataParallel(ShardedEngine):
         self._init_sharding(chunks, dp_size, shard, replicate, reduce_dtype, compression,
                             overrides, matrices, groups)
         self.reshard_after_forward = reshard_after_forward
+        self.max_live = max_live  # parameter elements gathered at most by a prefetch (0: any)
         names = {p: n for n, p in chunks.named_parameters()}
         cpu = torch.device("cpu")
         flat_args = (param_dtype, cpu if offload != "none" else None, True,
@@ -130,6 +136,7 @@ class Zero3DataParallel(ShardedEngine):
         # A unit built from whole parameters starts gathered, and is freed just below.
         self.gathered_bytes = sum(f.full_bytes for u in self.units if u.gathered
                                   for f in u.flats)
+        self.gathered_numel = sum(u.numel for u in self.units if u.gathered)
         self.peak_gathered_bytes = 0  # measured from the first step on
         for index, unit in enumerate(self.units):
             self._free(unit)
@@ -166,6 +173,7 @@ class Zero3DataParallel(ShardedEngine):
             shard = flat.slice.shard.to(flat.full.device, non_blocking=True)  # offloaded: H2D
             unit.pending.append(all_gather(flat.full, shard, flat.group, async_op=True))
         self.gathered_bytes += sum(f.full_bytes for f in unit.flats)
+        self.gathered_numel += unit.numel
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         self._note_peak()
 
@@ -184,6 +192,16 @@ class Zero3DataParallel(ShardedEngine):
                 self.buffers.detach(flat.full.untyped_storage())
             unit.gathered = False
             self.gathered_bytes -= sum(f.full_bytes for f in unit.flats)
+            self.gathered_numel -= unit.numel
+
+    def _prefetch(self, unit: Unit | None) -> None:
+        """Start gathering `unit` ahead of its use, unless that would hold more than `max_live`
+        parameter elements gathered at once (then its own hook gathers it when it runs)."""
+        if unit is None or unit.gathered or unit.pending:
+            return
+        if self.max_live and self.gathered_numel + unit.numel > self.max_live:
+            return
+        self._gather(unit)
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -193,9 +211,8 @@ class Zero3DataParallel(ShardedEngine):
         def hook(module, args):
             unit.ran = True
             self._wait(unit)
-            following = self._neighbour(index, +1)
-            if following is not None and not recomputing():  # the backward runs the other way
-                self._gather(following)  # prefetch the next unit
+            if not recomputing():  # the backward runs the other way
+                self._prefetch(self._neighbour(index, +1))
 
         return hook
 
@@ -222,7 +239,7 @@ class Zero3DataParallel(ShardedEngine):
             # Prefetch the previous unit, unless its backward is over (the leftover unit of a
             # model with no plan runs first and last: its gradients may be reduced already).
             if previous is not None and not previous.reduced:
-                self._gather(previous)
+                self._prefetch(previous)
             return grad
 
         return hook
