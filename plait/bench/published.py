@@ -10,11 +10,12 @@ Sources (each row names its own):
   (1 + s / 6h + V / 16lh) FLOPs per batch. The schedule is not named per row: the interleaved one
   (the paper's own) is assumed where pp > 1; micro-batches are the planner's best for the
   layout. Megatron-LM fused its elementwise kernels and all-reduced the gradients after the
-  backward (its "local" DDP of 2021), on half parameters (no autocast casts):
-  `Engine("megatron-2021", FUSED_PASSES, overlap_dp=False, autocast=False)`.
+  backward (its "local" DDP of 2021), on half parameters (no autocast casts), without
+  sequence parallelism (Korthikanti et al. 2022 came later: pinned off): `megatron-2021`.
 - Llama 3: Llama Team 2024, "The Llama 3 Herd of Models", Table 4: 405B at 8,192 tokens on
   H100 SXM 80 GB, tp 8, pp 16, ZeRO-1; MFU 43% and 41% (model FLOPs per token 6N + 6 l s d, as
-  plait counts). Recomputation and micro-batches are the planner's best that fit.
+  plait counts). Recomputation and micro-batches are the planner's best that fit; priced as
+  `megatron` (sequence parallelism, reductions overlapped with the backward).
 - torchtitan: benchmarks/llama3_h100_202412_torchtitan.md (Tables 1-6, December 2024) and
   benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (the vanilla-TP rows) in
   github.com/pytorch/torchtitan: Llama 3.1 8B / 70B / 405B at 8,192 tokens (or as the row
@@ -81,7 +82,8 @@ def _megatron(params, heads, dim, layers, tp, pp, gpus, batch, tflops) -> Publis
     model = (f"model.dim={dim}", f"model.n_layers={layers}", f"model.n_heads={heads}",
              f"model.n_kv_heads={heads}", "model.vocab_size=51200", "model.max_seq_len=2048",
              f"model.intermediate_size={round(8 * dim / 3 / 128) * 128}")
-    pins = {"tp": tp, "pp": pp, "cp": 1, "zero": 0, "activation_checkpointing": "full"}
+    pins = {"tp": tp, "pp": pp, "cp": 1, "zero": 0, "activation_checkpointing": "full",
+            "sequence_parallel": False}  # (2021: before Korthikanti et al. 2022)
     if pp > 1:
         pins["pp_schedule"] = "interleaved"
     return Published(f"Megatron-LM {params}B", MEGATRON,
@@ -158,9 +160,12 @@ def _cluster(row: Published):
 
 
 def engine_of(row: Published) -> str:
-    """The `plait plan --engine` a row is priced as: Megatron-LM's fused kernels, or
+    """The `plait plan --engine` a row is priced as: Megatron-LM's fused kernels (of 2021 for its
+    paper's rows; with sequence parallelism and overlapped reductions for Llama 3's), or
     torchtitan's torch of 2024-2025 (whose SDPA ran FlashAttention-2)."""
-    return "megatron-2021" if row.engine == "fused" else "torchtitan"
+    if row.engine != "fused":
+        return "torchtitan"
+    return "megatron-2021" if row.source == MEGATRON else "megatron"
 
 
 def plan_command(row: Published) -> list[str]:
@@ -202,6 +207,7 @@ def published_row(row: Published) -> dict:
     flops_per_token = mine.mfu * row.gpus * peak * mine.step_time_s / tokens
     return {"name": row.name, "source": row.source, "params": mine.params, "gpus": row.gpus,
             "gpu": cluster.device.name, "layout": layout, "engine": row.engine,
+            "engine_name": engine_of(row),
             "precision": row.precision, "fits": mine.fits,
             "rank": (ranked.index(layout) + 1 if layout in ranked else None) if ranked else None,
             "top": ranked[:3] if ranked else [], "predicted": mine.tokens_per_s,
@@ -222,23 +228,30 @@ def errors(rows: list[dict]) -> list[float]:
     return [r["predicted"] / r["published"] - 1 for r in rows]
 
 
+def _sp(row: dict) -> str:
+    """Sequence parallelism as priced: "on", "off", or "-" without tp."""
+    if row["layout"][0] == 1:
+        return "-"
+    return "on" if row["degrees"]["sequence_parallel"] else "off"
+
+
 def print_published(rows: list[dict]) -> None:
     table = Table(title="plait bench plan: published runs, each layout pinned as published "
                         "(tokens/s per GPU; memory: peak GiB per GPU)")
-    for col in ("run", "source", "GPUs", "tp/pp/cp", "engine", "its rank", "planner's top 3",
+    for col in ("run", "source", "GPUs", "tp/pp/cp", "sp", "engine", "its rank", "planner's top 3",
                 "published", "predicted", "error", "GiB published", "GiB predicted"):
         table.add_column(col, justify="left" if col in ("run", "source") else "right")
     for r, e in zip(rows, errors(rows), strict=True):
         table.add_row(r["name"], r["source"], f"{r['gpus']:,} {r['gpu']}",
-                      "/".join(map(str, r["layout"])), f"{r['engine']} {r['precision']}",
+                      "/".join(map(str, r["layout"])), _sp(r),
+                      f"{r['engine_name']}: {r['engine']} {r['precision']}",
                       str(r["rank"] or "-") if r["top"] else "-",
                       ", ".join("/".join(map(str, t)) for t in r["top"]),
                       f"{r['published'] / r['gpus']:,.0f}", f"{r['predicted'] / r['gpus']:,.0f}",
                       f"{e:+.1%}", f"{r['published_gib']:.1f}" if r["published_gib"] else "-",
                       f"{r['memory_gib']:.1f}" + ("" if r["fits"] else " (does not fit)"))
     absolute = [abs(e) for e in errors(rows)]
-    table.add_row("median |error|", "", "", "", "", "", "", "", "",
-                  f"{statistics.median(absolute):.1%}", "", "", style="bold")
-    table.add_row("worst |error|", "", "", "", "", "", "", "", "", f"{max(absolute):.1%}", "",
-                  "", style="bold")
+    table.add_row("median |error|", *[""] * 9, f"{statistics.median(absolute):.1%}", "", "",
+                  style="bold")
+    table.add_row("worst |error|", *[""] * 9, f"{max(absolute):.1%}", "", "", style="bold")
     Console(width=200).print(table)

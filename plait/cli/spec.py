@@ -213,8 +213,12 @@ PLAN = Command("plan", "choose the layout for a model on a cluster: memory, time
     arg("--gpu", default="h100",
         help=f"{', '.join(DEVICES)}, or cpu (this machine)"),
     arg("--engine", default="plait", choices=list(ENGINES),
-        help="the implementation priced: plait (default: plait as it runs now), megatron-2021 "
-        "(fused kernels, half parameters), torchtitan (eager blocks, FlashAttention-2), "
+        help="the implementation priced: plait (default: plait as it runs now), megatron "
+        "(fused kernels, half parameters, sequence parallelism, overlapped reductions), "
+        "megatron-2021 (the same without sequence parallelism, reducing after the backward), "
+        "deepspeed (eager, half parameters, ZeRO-3 gathering each module's own parameters, "
+        "at most 1e9 at once), "
+        "torchtitan (eager blocks, FlashAttention-2), "
         "plait-2026-11-26 (plait's eager step of that day)"),
     arg("--gpu-memory-gb", type=float,
         help="the device's memory in GB, for a device of another size"),

@@ -207,7 +207,16 @@ class Engine:
     engine on FlashAttention-2.
     `autocast`: half precision by autocast over fp32 parameters where the layout keeps them
     whole (plait's), which casts sequence parallelism's gathered inputs
-    (`activations.regathered_bytes`); Megatron-LM keeps half parameters and casts nothing.
+    (`activations.regathered_bytes`); Megatron-LM keeps half parameters and casts nothing: its
+    runs are priced as plait's half parameters (`train.param_dtype`, `planned_precision`), whose
+    residual stream, tensor-parallel reductions and pipeline sends are half too.
+    `sequence_parallel`: whether the engine can shard the norms and the residual over tp (the
+    search tries it where tp > 1); Megatron-LM of 2021 could not (Korthikanti et al. 2022 added
+    it), so its layouts are priced with the norms whole on every tp rank.
+    `zero3_wrap`, `max_live_params`: ZeRO-3's units and its bound on the parameters gathered at
+    once, where the run does not set them: DeepSpeed gathers each module's own parameters
+    (every module holding any: `parallel.wrap = "1"`), at most `stage3_max_live_parameters`
+    (its default 1e9) at once; plait and torchtitan (FSDP2 per block) gather a block.
     `compiled_passes`: the elementwise passes when the blocks and the loss are compiled
     (`train.compile`, on for CUDA by default), None where compilation is not modeled (the
     engine's passes).
@@ -225,6 +234,9 @@ class Engine:
     compiled_passes: float | None = None
     optimizer_bytes: float = 96.0  # AdamW foreach (torch's default), measured on the H200
     compile_s: float = 0.0
+    sequence_parallel: bool = True
+    zero3_wrap: str = ""  # ZeRO-3's units: `parallel.wrap` ("": the plan's blocks)
+    max_live_params: int = 0  # ZeRO-3's bound on gathered elements (`parallel.max_live_params`)
 
 
 FUSED_PASSES = 4.0
@@ -250,12 +262,19 @@ PLAIT = Engine("plait", compiled_passes=COMPILED_PASSES, optimizer_bytes=FUSED_A
 PLAIT_2026_11_26 = Engine("plait-2026-11-26")
 # The engines a plan can be priced as (`plait plan --engine`), as the published rows ran
 # (plait/bench/published.py names their sources): Megatron-LM of 2021 fused its elementwise
-# kernels and all-reduced gradients after the backward, on half parameters; torchtitan's
+# kernels and all-reduced gradients after the backward, on half parameters, without sequence
+# parallelism; Megatron-LM since (and the Llama 3 runs' engine) with both, the reductions
+# overlapped with the backward (its distributed optimizer's buckets); DeepSpeed's ZeRO on half
+# parameters, eager, gathering each module's parameters under its live bound; torchtitan's
 # torch of 2024-2025 ran FlashAttention-2 under eager blocks.
 ENGINES = {
     "plait": PLAIT,
     "plait-2026-11-26": PLAIT_2026_11_26,
-    "megatron-2021": Engine("megatron-2021", FUSED_PASSES, overlap_dp=False, autocast=False),
+    "megatron-2021": Engine("megatron-2021", FUSED_PASSES, overlap_dp=False, autocast=False,
+                            sequence_parallel=False),
+    "megatron": Engine("megatron", FUSED_PASSES, autocast=False),
+    "deepspeed": Engine("deepspeed", autocast=False, sequence_parallel=False, zero3_wrap="1",
+                        max_live_params=10**9),
     "torchtitan": Engine("torchtitan", attention_kernel=FLASH2_SHARE),
 }
 
@@ -323,8 +342,14 @@ def check_options(args) -> None:
 def planned_precision(cfg, cluster: Cluster):
     """(cfg, cluster) as priced: `train.precision = "fp8"` is bf16's model state and activations
     with the linear layers' matmuls in fp8 (torchtitan's float8 training: Float8Linear keeps bf16
-    weights and activations between layers), on a device that has fp8 tensor cores."""
+    weights and activations between layers), on a device that has fp8 tensor cores. An engine
+    without autocast holds its parameters in the half precision (`train.param_dtype`, where the
+    run leaves it "auto")."""
 
+    if not cluster.engine.autocast and cfg.train.param_dtype == "auto" and \
+            cfg.train.precision in ("bf16", "fp16", "fp8"):
+        half = "bf16" if cfg.train.precision == "fp8" else cfg.train.precision
+        cfg = replace(cfg, train=replace(cfg.train, param_dtype=half))
     if cfg.train.precision != "fp8":
         return cfg, cluster
     if not cluster.device.fp8:

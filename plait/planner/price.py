@@ -95,14 +95,15 @@ def _stages(shape: Shape, pp: int, sizes: tuple) -> list[tuple[list[ChunkLayout]
 
 @functools.lru_cache(maxsize=1024)
 def _placed(model: ModelConfig, pp: int, tp: int, ep: int, sizes: tuple, stage: int,
-            sp: bool = False):
+            sp: bool = False, wrap: str = ""):
     """One stage's placement record (what the formulas need), the chunks cut as `sizes` says;
-    `sp`: sequence parallelism (which parameters' gradients are partial over tp)."""
+    `sp`: sequence parallelism (which parameters' gradients are partial over tp); `wrap`:
+    ZeRO-3's units where they are not the plan's blocks (`parallel.wrap`)."""
 
     virtual = len(sizes) // pp
     par = ParallelConfig(pp=pp, tp=tp, ep=ep, pp_schedule="interleaved" if virtual > 1 else "1f1b",
                          pp_virtual=virtual, pp_split=list(sizes) if len(sizes) > 1 else [],
-                         sequence_parallel=sp and tp > 1)
+                         sequence_parallel=sp and tp > 1, wrap=wrap)
     degrees = {"pp": pp, "tp": tp, "ep": ep}
     axes = {a: Axis.dry(a, stage if a == "pp" else 0, degrees.get(a, 1)) for a in AXES}
     axes["batch"] = batch_axis(axes)
@@ -291,6 +292,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
     """Price one configuration (validated for dims.world_size)."""
     if not cluster.device.gloo and cfg.train.device != "cuda":  # the engine's GPU path
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="cuda"))
+    cfg = engine_zero3(cfg, cluster.engine)
     par, dev, shape = cfg.parallel, cluster.device, cfg.model.shape()
     M = microbatches(par, dims)
     schedule = par.pp_schedule if dims.pp > 1 else "1f1b"
@@ -302,7 +304,7 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
     for stage, (chunks, kind) in enumerate(_stages(shape, dims.pp, sizes)):
         if kind not in priced:
             record = _placed(cfg.model, dims.pp, dims.tp, dims.ep, sizes, stage,
-                             par.sequence_parallel)
+                             par.sequence_parallel, par.wrap if par.zero == 3 else "")
             traffic = cost.step_traffic(cfg, dims, record, chunks)
             routed_traffic(traffic, cfg, dims, chunks)
             model_flops, flops = _flops(cfg, dims, record, chunks, stage)
@@ -345,6 +347,18 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
                 host_memory_bytes=host, fits=fits,
                 compile_s=0.0 if dev.gloo else _compile_seconds(cfg, dims, cluster.engine, shape,
                                                                   sizes))
+
+
+def engine_zero3(cfg: Config, engine) -> Config:
+    """ZeRO-3 as the engine runs it where the run leaves it to the engine (no `parallel.wrap`, no
+    `parallel.max_live_params`): the engine's units and its bound on live gathered parameters
+    (`Engine.zero3_wrap`, `Engine.max_live_params`)."""
+    par = cfg.parallel
+    if par.zero != 3 or par.wrap or par.max_live_params or \
+            not (engine.zero3_wrap or engine.max_live_params):
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        par, wrap=engine.zero3_wrap, max_live_params=engine.max_live_params))
 
 
 def _compile_seconds(cfg: Config, dims: ParallelDims, engine, shape: Shape,

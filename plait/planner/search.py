@@ -115,7 +115,7 @@ def _tried(cfg: Config, cluster: Cluster, fixed: dict):
             "cp_method": ["ring", "ulysses"] if cp > 1 else ["ring"],
             "pp_schedule": schedules if pp > 1 else ["1f1b"],
             "pp_virtual": virtual_stages(layers, pp) if pp > 1 else [cfg.parallel.pp_virtual],
-            "sequence_parallel": [tp > 1],
+            "sequence_parallel": [tp > 1 and cluster.engine.sequence_parallel],
             **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node),
             "offload": ["none"],  # `rank_plans` searches it where nothing fits without
             "activation_checkpointing": ["none", "selective", "full"],

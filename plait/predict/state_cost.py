@@ -147,7 +147,9 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
         schedule = stage_schedule(par, dims.pp, microbatches(par, dims), checked=False)
         kind = Kind.W if schedule.split_backward else Kind.B
         passes = [a.chunk for a in schedule.actions[record.coords["pp"]] if a.kind is kind]
-        state["peak"] = rest + _params_peak(record, flats, groups, par, state["params"], param_b) \
+        full = cfg.train.activation_checkpointing == "full"
+        state["peak"] = rest + _params_peak(record, flats, groups, par, state["params"], param_b,
+                                            full) \
             + _grads_peak(record, flats, groups, par.zero, passes, param_b, reduce_b)
     return state
 
@@ -191,14 +193,16 @@ def startup_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> i
 
 
 def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params: int,
-                 param_b: int) -> int:
+                 param_b: int, full: bool = False) -> int:
     """The most parameter bytes held during a step. ZeRO-1/2: the whole replica, always.
     ZeRO-3: the slices plus the units gathered at once: a unit and the next one (prefetched, in
     the forward; the previous one in the backward) in each chunk, unless the two would hold more
     than `parallel.max_live_params` elements with what else is gathered (then the unit alone),
     plus the chunk's first unit where it spans the chunk (tied embeddings, a wrap policy's
     leftover); every unit of the stage when they are kept from forward to backward
-    (`reshard_after_forward = false`)."""
+    (`reshard_after_forward = false`). Under full recomputation (`full`), units below a block
+    (a wrap policy's) are gathered by the block's forward run again inside its last unit's
+    backward, and kept for their own backward: all of the block's at once."""
     if par.zero < 3:
         return params
     numel = [0] * len(record.units)
@@ -215,7 +219,25 @@ def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params:
         pairs = [a + b if span + a + b <= bound else max(a, b)
                  for a, b in zip(rest, rest[1:], strict=False)]
         most = max(most, span + max(pairs + rest))
+        if full:
+            blocks: dict[str, int] = {}
+            for u in mine:
+                key = _block_of(record.units[u].names)
+                if key is not None:
+                    blocks[key] = blocks.get(key, 0) + numel[u]
+            most = max(most, span + max(blocks.values(), default=0))
     return params + param_b * most
+
+
+def _block_of(names) -> str | None:
+    """The block a unit's parameters all belong to (their names up to the first index,
+    `layers.3`), or None (the unit of what a wrap policy leaves over, the embedding, the head)."""
+    keys = set()
+    for name in names:
+        parts = name.split(".")
+        index = next((k for k, p in enumerate(parts) if p.isdigit()), None)
+        keys.add(None if index is None else ".".join(parts[:index + 1]))
+    return keys.pop() if len(keys) == 1 else None
 
 
 def _grads_peak(record: PlacementRecord, flats, groups: list[int], zero: int,

@@ -96,11 +96,13 @@ ROWS = [
     # attention and feed-forward, the head, and the norms left over; prefetching bounded at
     # 48,000 elements, which lets attention + feed-forward (46,080) be gathered together but not
     # feed-forward + head (50,176): a peak below the unbounded one, asserted by the formulas.
+    # Then each module's own parameters a unit (DeepSpeed's cut, `parallel.wrap = "1"`) under
+    # full recomputation, which gathers a block's units at once inside its last one's backward.
     ("dp2-zero3-sub-block-live", 2, ["parallel.zero=3",
                                      "parallel.wrap=Attention,FeedForward,Embedding,Linear",
                                      "parallel.max_live_params=48000"]),
     ("pp2-dp2-zero3-sub-block-ac-full", 4, ["parallel.pp=2", "parallel.zero=3",
-                                            "parallel.wrap=Attention,FeedForward",
+                                            "parallel.wrap='1'",
                                             "train.activation_checkpointing=full"]),
 ]
 BF16_ROWS = [

@@ -6,6 +6,7 @@ measurements are data."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -187,7 +188,34 @@ def test_plait_plan_reproduces_every_published_row_from_the_command_line(publish
         got = json.loads(capsys.readouterr().out)[0]
         assert got["tokens_per_s"] == pytest.approx(want["predicted"], rel=1e-12), row.name
         engines.add(plan_command(row)[plan_command(row).index("--engine") + 1])
-    assert engines == {"megatron-2021", "torchtitan"}
+    assert engines == {"megatron-2021", "megatron", "torchtitan"}
+
+
+def test_each_published_row_is_priced_as_its_run_ran():
+    """Megatron-LM's Table 1 ran in 2021, before sequence parallelism (Korthikanti et al. 2022),
+    on half parameters: its rows pin sequence parallelism off, and its engine's search never
+    offers it; an engine without autocast is priced on plait's half parameters (its residual,
+    tp reductions and pipeline sends half too), which plait's own engine is not unless the run
+    says so. torchtitan's tp rows shard the norms, as its plan does."""
+    from plait.bench.published import MEGATRON, PUBLISHED, _cluster, engine_of
+    from plait.planner.hardware import ENGINES, planned_precision
+    from plait.planner.search import candidates
+
+    for row in PUBLISHED:
+        sp = row.pins.get("sequence_parallel", row.pins["tp"] > 1)
+        assert sp == (row.source != MEGATRON and row.pins["tp"] > 1), row.name
+        assert ENGINES[engine_of(row)].sequence_parallel == (row.source != MEGATRON), row.name
+    table = next(r for r in PUBLISHED if r.source == MEGATRON and r.pins["tp"] == 8)
+    cfg = load_config(None, [*table.model, f"train.global_batch={table.batch}",
+                             "train.precision='bf16'"])
+    priced, cluster = planned_precision(cfg, _cluster(table))
+    assert priced.train.param_dtype == "bf16"
+    layouts = [c for c, _ in candidates(priced, cluster, {"pp": 1, "tp": 8})]
+    assert layouts and not any(c.parallel.sequence_parallel for c in layouts)
+    own, _ = planned_precision(cfg, dataclasses.replace(cluster, engine=ENGINES["plait"]))
+    assert own.train.param_dtype == "auto"
+    assert any(c.parallel.sequence_parallel for c, _ in candidates(
+        own, dataclasses.replace(cluster, engine=ENGINES["plait"]), {"pp": 1, "tp": 8}))
 
 
 def test_sequence_parallel_gathers_cost_only_autocasts_cast():
@@ -208,3 +236,32 @@ def test_sequence_parallel_gathers_cost_only_autocasts_cast():
         assert regathered_bytes(cfg, ParallelDims(tp=1, dp=8), rows, 2) == 0
     cfg = load_config(None, [*base, "train.precision='bf16'"])
     assert regathered_bytes(cfg, dims, rows, 2, moe=1) == (7 + 4) * rows * 256 * 192 * 6
+
+
+def test_deepspeeds_zero3_is_priced_with_its_own_units_and_bound():
+    """DeepSpeed's ZeRO-3 gathers each module's own parameters, at most
+    `stage3_max_live_parameters` (1e9) at once: the `deepspeed` engine prices a ZeRO-3 layout
+    as plait's engine cut so (`parallel.wrap = "1"`, `parallel.max_live_params`: the formulas the
+    composition matrix holds plait's engine to), which holds less than the same engine gathering
+    whole blocks (two 70B blocks and their gradients' staging); a run that names its own units
+    or bound keeps them, and ZeRO-1/2 have none."""
+    from plait.planner.hardware import ENGINES, Cluster, device
+    from plait.planner.price import engine_zero3
+    from plait.planner.search import rank_plans
+
+    base = ["model.preset='70b'", "data.seq_len=4096", "train.global_batch=64",
+            "train.precision='bf16'"]
+    cfg = load_config(None, [*base, "parallel.zero=3"])
+    deepspeed = ENGINES["deepspeed"]
+    priced = engine_zero3(cfg, deepspeed).parallel
+    assert (priced.wrap, priced.max_live_params) == ("1", 10**9)
+    own = load_config(None, [*base, "parallel.zero=3", "parallel.wrap='Block'"])
+    assert engine_zero3(own, deepspeed) == own
+    one = load_config(None, [*base, "parallel.zero=1"])
+    assert engine_zero3(one, deepspeed) == one
+    pins = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "microbatches": 1, "offload": "none",
+            "activation_checkpointing": "full"}
+    peaks = [rank_plans(cfg, Cluster(64, 8, device("a100"), engine), pins)[0].memory_bytes["peak"]
+             for engine in (deepspeed, dataclasses.replace(deepspeed, zero3_wrap="",
+                                                           max_live_params=0))]
+    assert peaks[0] < peaks[1] - 4 * 2**30, peaks
