@@ -49,6 +49,7 @@ from plait.mesh import build_mesh, rows_share
 from plait.optim.loss_scaling import LossScaler
 from plait.parallel import Options, Parallelized, cross_entropy, parallelize
 from plait.parallel.activation_checkpoint import recomputing
+from plait.parallel.pipeline import fewest_microbatches
 from plait.predict.activation_memory import SavedActivations
 from plait.predict.routing import fake_experts, grouped_mm_flops
 
@@ -250,12 +251,13 @@ def trace_class(cfg, dims, rank: int) -> RankTrace:
     and what it prefetches (`max_live_params`), keep the same tensors for backward and run the same
     FLOPs (measured alike in fp32 and bf16, with and without recomputation), so the planner traces
     one of them, not four; and without a pipeline one micro-batch is traced, not each
-    (`first_stands_for_all`). The run's device (`train.device`) is not part of it either: a trace
-    runs on fake CPU tensors whatever it names (the planner prices a GPU cluster's layouts with
-    "cuda", and its warnings asked again with the configuration as given: a second trace of every
-    layout, a fifth of `plait plan`'s time for a Hugging Face model). Nor is ZeRO's offload, which
-    moves model state to host memory, not what the step keeps for backward or computes (the
-    planner's search for the leanest layout tries three offloads of each mesh)."""
+    (`first_stands_for_all`), with one as many as the stage holds at its fullest. The run's device
+    (`train.device`) is not part of it either: a trace runs on fake CPU tensors whatever it names
+    (the planner prices a GPU cluster's layouts with "cuda", and its warnings asked again with the
+    configuration as given: a second trace of every layout, a fifth of `plait plan`'s time for a
+    Hugging Face model). Nor is ZeRO's offload, which moves model state to host memory, not what the
+    step keeps for backward or computes (the planner's search for the leanest layout tries three
+    offloads of each mesh)."""
     par = dataclasses.replace(cfg.parallel, offload="none")
     if par.zero:
         par = dataclasses.replace(par, zero=1, reshard_after_forward=True, max_live_params=0)
@@ -282,23 +284,36 @@ def first_stands_for_all(cfg, dims) -> bool:
     return dims.pp == 1 and cfg.parallel.compression == "none"
 
 
+def _traced_microbatches(cfg, dims, rank: int, M: int) -> int:
+    """How many of a step's M micro-batches a trace that keeps no collectives runs: where they
+    stand for all (no compression's per-step products), the first alone without a pipeline
+    (`first_stands_for_all`), with one as many as the rank's stage holds at its fullest
+    (`pipeline.fewest_microbatches`: a 1F1B stage at most its distance from the last, plus one;
+    GPipe all); else all."""
+    if M == 1 or cfg.parallel.compression != "none":
+        return M
+    if first_stands_for_all(cfg, dims):
+        return 1
+    return fewest_microbatches(cfg.parallel, dims.pp, M, dims.coords(rank)["pp"])
+
+
 def trace_rank(cfg, dims, rank: int, device: str = "cpu", first_only: bool = False) -> RankTrace:
     """The training step of rank `rank` of the configuration `cfg` (a `plait.config.schema.Config`)
     on `dims`, as `plait train` would run it: the model it names, built on `meta` and faked, placed
     and wrapped by `parallelize`, fed this rank's rows of a global batch of token windows as the
     trainer cuts them (inputs and targets views of one (rows, seq + 1) tensor; and the inputs'
     documents under `data.document_mask`: the masks' shapes, whatever their values). `first_only`:
-    where the first micro-batch stands for all (`first_stands_for_all`), it alone, its FLOPs
-    times their number, and no collectives."""
+    the fewest micro-batches that stand for all of them (`_traced_microbatches`; the name is
+    older than pipelines' share of it), their FLOPs scaled to the step's, and no collectives."""
 
     M = microbatches(cfg.parallel, dims)
-    first_only = first_only and M > 1 and first_stands_for_all(cfg, dims)
+    run = _traced_microbatches(cfg, dims, rank, M) if first_only else M
     meta = cfg.model.build(cfg.train.seed, "meta")
     with fake_world(rank, dims.world_size):
         mesh = build_mesh(dims, torch.device(device).type)
         with FakeTensorMode() as mode:
             parallelized = parallelize(fake_module(meta, device, mode), mesh, cfg.parallel, Options(
-                microbatches=1 if first_only else M, precision=cfg.train.precision,
+                microbatches=run, precision=cfg.train.precision,
                 param_dtype=cfg.train.param_dtype,
                 activation_checkpointing=cfg.train.activation_checkpointing,
                 scaler=LossScaler.of(cfg.train)))
@@ -307,8 +322,8 @@ def trace_rank(cfg, dims, rank: int, device: str = "cpu", first_only: bool = Fal
                                  dtype=torch.int64, device=device)
             documents = torch.empty_like(window[:, :-1]) if cfg.data.document_mask else None
             batches = parallelized.split(window[:, :-1], window[:, 1:], M, documents)
-            if not first_only:
+            if run == M:
                 return trace_step(parallelized, batches)
-            first = trace_step(parallelized, batches[:1])
-            return RankTrace(first.activation_bytes, first.flops * M,  # no collectives
-                             first.recomputed_flops * M)
+            fewer = trace_step(parallelized, batches[:run])
+            return RankTrace(fewer.activation_bytes, fewer.flops * M // run,  # no collectives
+                             fewer.recomputed_flops * M // run)

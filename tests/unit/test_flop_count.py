@@ -107,6 +107,36 @@ def test_without_a_pipeline_the_first_micro_batch_stands_for_the_step(overrides,
 
 
 @pytest.mark.parametrize("overrides,ranks", [
+    (["parallel.pp=2", "parallel.microbatches=8"], 2),
+    (["parallel.pp=2", "parallel.microbatches=8", "parallel.pp_schedule=interleaved",
+      "model.n_layers=4", "train.activation_checkpointing=full"], 2),
+    (["parallel.pp=2", "parallel.microbatches=6", "parallel.pp_schedule=zb1",
+      "train.global_batch=12", "parallel.tp=2", "parallel.sequence_parallel=true"], 4),
+    (["parallel.pp=3", "parallel.microbatches=6", "model.n_layers=3", "train.precision=bf16",
+      "train.global_batch=12"], 3),
+], ids=["pp2-1f1b-m8", "pp2-interleaved-m8-full", "pp2-zb1-m6-tp2-sp", "pp3-1f1b-m6-bf16"])
+def test_a_pipeline_stage_is_traced_with_the_micro_batches_it_holds_at_its_fullest(overrides,
+                                                                                   ranks):
+    """With a pipeline, the planner and the dry run trace each stage with the fewest
+    micro-batches whose schedule holds, at its fullest, what the step's does
+    (`pipeline.fewest_microbatches`): fewer than the step's here on every stage, and the same
+    peak activations, FLOPs and recomputed FLOPs as tracing them all, exactly."""
+    from training import tiny_config
+
+    from plait.parallel.pipeline import fewest_microbatches
+
+    cfg = tiny_config(*overrides)
+    dims = validate(cfg, ranks)
+    for stage in range(dims.pp):
+        rank = dims.rank(pp=stage)
+        assert fewest_microbatches(cfg.parallel, dims.pp, cfg.parallel.microbatches, stage) < \
+            cfg.parallel.microbatches
+        every, fewer = (trace.trace_rank(cfg, dims, rank, first_only=f) for f in (False, True))
+        assert (fewer.activation_bytes, fewer.flops, fewer.recomputed_flops) == \
+            (every.activation_bytes, every.flops, every.recomputed_flops), stage
+
+
+@pytest.mark.parametrize("overrides,ranks", [
     (["train.activation_checkpointing=full"], 1),
     (["train.activation_checkpointing=selective", "parallel.tp=2"], 2),
     (["train.activation_checkpointing=full", "parallel.pp=2", "parallel.microbatches=2",

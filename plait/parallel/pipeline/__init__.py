@@ -69,3 +69,51 @@ def apply_pp(model: nn.Module, pp: Axis, cfg: ParallelConfig, microbatches: int,
 
 
 __all__ = ["PipelineExecutor", "StageModules", "apply_pp", "forward_only", "stage_schedule"]
+
+
+def fewest_microbatches(cfg: ParallelConfig, stages: int, microbatches: int, stage: int) -> int:
+    """The fewest micro-batches whose schedule holds on `stage`, at its fullest, what the step's
+    schedule of `microbatches` holds: per action (its kind and chunk, at its start and at its
+    end) the same most-held sets of micro-batches in flight per chunk (between their F and B,
+    and between B and W where the backward is split). What a stage keeps for backward is, at
+    any moment, a sum over the micro-batches in flight of what each keeps on its chunk, plus
+    what the action under way holds (a recomputation, the forward being saved), so a step
+    traced with that many keeps the same activations at its peak, whatever each chunk's
+    micro-batch keeps, and runs the step's FLOPs times that many / `microbatches` (a 1F1B stage
+    holds at most `stages` micro-batches whatever the step's number). `microbatches` where no
+    fewer do."""
+    want = _fullest(stage_schedule(cfg, stages, microbatches, checked=False), stage)
+    for fewer in range(1, microbatches):
+        try:
+            schedule = stage_schedule(cfg, stages, fewer)
+        except ValueError:  # not a count this schedule runs (ScheduleError)
+            continue
+        if _fullest(schedule, stage) == want:
+            return fewer
+    return microbatches
+
+
+def _fullest(schedule: Schedule, stage: int) -> dict:
+    """Per (action kind, chunk, "start" | "end"), the maximal (by inclusion of counts) states of
+    what the stage holds then: per (chunk, kind of the last pass run) its micro-batches."""
+    held: dict[tuple, int] = {}
+    seen: dict[tuple, set] = {}
+
+    def note(key):
+        seen.setdefault(key, set()).add(frozenset((k, v) for k, v in held.items() if v))
+
+    for a in schedule.actions[stage]:
+        note((a.kind.value, a.chunk, "start"))
+        if a.kind.value != "F":
+            held[(a.chunk, "F" if a.kind.value == "B" else "B")] -= 1
+        if a.kind.value != "W" and (a.kind.value == "F" or schedule.split_backward):
+            held[(a.chunk, a.kind.value)] = held.get((a.chunk, a.kind.value), 0) + 1
+        note((a.kind.value, a.chunk, "end"))
+    return {key: frozenset(s for s in states if not any(_below(s, t) for t in states))
+            for key, states in seen.items()}
+
+
+def _below(s: frozenset, t: frozenset) -> bool:
+    """Whether state `s` is strictly inside `t` (no count above t's, and not equal)."""
+    counts = dict(t)
+    return s != t and all(v <= counts.get(k, 0) for k, v in s)
