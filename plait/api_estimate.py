@@ -111,8 +111,9 @@ def _add_step_time(ranks: list[dict], cfg: Config, dims, model: nn.Module, gpu: 
     for r in ranks:
         traffic = cost.step_traffic(cfg, dims, r["_record"], [cost.ChunkLayout(0, 0, True, True)])
         compute = r["flops"] / (cluster.device.peak_flops * PEAK_SHARE["bf16"])
-        r["step_time_s"], r["comm_s"] = stage_seconds(compute, traffic, cfg.parallel.zero,
-                                                      dims, cluster)
+        r["step_time_s"], r["comm_s"] = stage_seconds(
+            compute, traffic, cfg.parallel.zero, dims, cluster,
+            unprefetched=cost.unprefetched_share(cfg, dims, r["_record"]))
 
 
 def plan(model: nn.Module, example_batch, gpus: int, gpu: str, *,

@@ -217,14 +217,16 @@ def _local_matrix(place) -> tuple[int, int]:
 
 def stage_seconds(compute: float, traffic, zero: int, dims: ParallelDims, cluster: Cluster,
                   node: int = 1, bubble: float = 0.0,
-                  host: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
+                  host: tuple[float, float] = (0.0, 0.0),
+                  unprefetched: float = 0.0) -> tuple[float, float]:
     """(step seconds, communication seconds not hidden) of a rank that computes for `compute`
     seconds and moves `traffic` (a `cost.Traffic`) in a step: tensor-, pipeline-, context- and
     expert-parallel traffic on the critical path, data-parallel reductions hidden behind the
     backward (ZeRO-3: the whole step) as far as it lasts where the engine overlaps them
     (`Engine.overlap_dp`), ZeRO-1/2's all-gather after the step exposed; a pipeline's `bubble`
     stretching the pipelined part; `host`: offload's seconds on the critical path and those that
-    hide like data-parallel traffic."""
+    hide like data-parallel traffic; `unprefetched`: ZeRO-3's share of the gathers no prefetch
+    starts ahead (`cost.unprefetched_share`), exposed."""
     dev = cluster.device
     comm = _comm_seconds(traffic, dims, cluster, node)
     data = sum(t for g, t in comm.items() if g.startswith("dp") or g == "batch")
@@ -233,11 +235,16 @@ def stage_seconds(compute: float, traffic, zero: int, dims: ParallelDims, cluste
     after = sum(_comm_seconds(traffic, dims, cluster, node, Op.ALL_GATHER).get(g, 0.0)
                 for g in comm if g.startswith("dp")) if zero in (1, 2) else 0.0
     data -= after
-    data += host[1]  # parameter slices copied in before their gathers
+    # ZeRO-3's units gathered when they run, not before (each pass's first in a chunk, those
+    # `max_live_params` holds back): nothing computes beside their transfer.
+    first = unprefetched * sum(_comm_seconds(traffic, dims, cluster, node, Op.ALL_GATHER)
+                               .get(g, 0.0) for g in comm if g.startswith("dp")) \
+        if zero == 3 else 0.0
+    data += host[1] - first  # parameter slices copied in before their gathers
     overlap = dev.overlap and cluster.engine.overlap_dp
     hidden = 0.0 if not overlap else compute if zero == 3 else compute * 2 / 3
     exposed = sum(t for g, t in comm.items() if g in ("tp", "pp", "cp", "ep"))
-    waited = exposed / (1 - bubble) + max(0.0, data - hidden) + after
+    waited = exposed / (1 - bubble) + max(0.0, data - hidden) + after + first
     return compute / (1 - bubble) + waited + host[0], waited
 
 
@@ -315,7 +322,8 @@ def estimate(cfg: Config, dims: ParallelDims, cluster: Cluster) -> PricedLayout:
             compute = cpu_compute_seconds(flops, dev, M * share) if dev.gloo else \
                 gpu_compute_seconds(cfg, dims, record, chunks, flops, state, cluster)
             time, waited = stage_seconds(compute, traffic, par.zero, dims, cluster, node,
-                                         bubble, (host_s, hidden_host_s))
+                                         bubble, (host_s, hidden_host_s),
+                                         cost.unprefetched_share(cfg, dims, record))
             priced[kind] = (state, traffic, model_flops, time, offloaded,
                             cost.startup_bytes(cfg, dims, record), waited)
         state, traffic, model_flops, time, offloaded, startup, waited = priced[kind]

@@ -63,6 +63,7 @@ from plait.predict.state_cost import (  # noqa: F401 - re-exported
     padded_numel,
     startup_bytes,
     state_bytes,
+    unprefetched_share,
 )
 
 

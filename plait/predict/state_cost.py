@@ -205,9 +205,7 @@ def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params:
     backward, and kept for their own backward: all of the block's at once."""
     if par.zero < 3:
         return params
-    numel = [0] * len(record.units)
-    for (_, _, padded), unit in zip(flats, groups, strict=True):
-        numel[unit] += padded
+    numel = _unit_numel(record, flats, groups)
     if not par.reshard_after_forward:
         return params + param_b * sum(numel)
     bound = par.max_live_params or sum(numel)
@@ -227,6 +225,45 @@ def _params_peak(record: PlacementRecord, flats, groups: list[int], par, params:
                     blocks[key] = blocks.get(key, 0) + numel[u]
             most = max(most, span + max(blocks.values(), default=0))
     return params + param_b * most
+
+
+def _unit_numel(record: PlacementRecord, flats, groups: list[int]) -> list[int]:
+    """The elements each ZeRO-3 unit gathers (its flat buffers, padded)."""
+    numel = [0] * len(record.units)
+    for (_, _, padded), unit in zip(flats, groups, strict=True):
+        numel[unit] += padded
+    return numel
+
+
+def unprefetched_share(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> float:
+    """ZeRO-3: the share of a step's all-gathered elements that no prefetch starts before its
+    unit runs, whose transfer nothing computes beside: per chunk, each pass's first unit (the
+    forward's first, the backward's last, a spanning unit's both: nothing runs before them in
+    the chunk to prefetch them) and each unit whose prefetch `parallel.max_live_params` holds
+    back (`zero3.Zero3DataParallel._prefetch`). 0 below stage 3."""
+    par = cfg.parallel
+    if par.zero != 3 or not record.units:
+        return 0.0
+    flats = [(s, K, padded_numel(members_numel(s), K)) for _, K, s in
+             flat_buffers(cfg, dims, record)]
+    numel = _unit_numel(record, flats, [u for *_, u in flat_layouts(record, 3, par.bucket_mb)])
+    passes = 2 if par.reshard_after_forward else 1  # kept whole: gathered once, forward
+    exposed = 0
+    for chunk in sorted({z.chunk for z in record.units}):
+        mine = [u for u, z in enumerate(record.units) if z.chunk == chunk]
+        span = numel[mine[0]] if record.units[mine[0]].spans else 0
+
+        def held_back(now: int, unit: int) -> bool:
+            return bool(par.max_live_params) and now + numel[unit] > par.max_live_params
+
+        exposed += numel[mine[0]] + sum(numel[b] for a, b in zip(mine, mine[1:], strict=False)
+                                        if held_back(span * (a != mine[0]) + numel[a], b))
+        if passes == 2:
+            rest = mine[1:] if span else mine
+            exposed += span + numel[rest[-1]] if rest else span
+            exposed += sum(numel[b] for a, b in zip(rest[::-1], rest[-2::-1], strict=False)
+                           if held_back(span + numel[a], b))
+    return exposed / (passes * sum(numel))
 
 
 def _block_of(names) -> str | None:

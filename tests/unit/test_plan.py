@@ -523,3 +523,40 @@ def test_plans_rank_fits_then_speed_with_the_simplest_near_the_fastest_first():
     assert ranked(list(rows), rows.get) == ["zero3", "ddp", "slow", "big"]
     none = {k: (False, *v[1:]) for k, v in rows.items()}
     assert ranked(list(none), none.get) == ["big", "zero3", "ddp", "slow"]
+
+
+def test_zero3_gathers_no_prefetch_starts_are_priced_exposed():
+    """`cost.unprefetched_share`: of a ZeRO-3 step's gathered elements, those no prefetch starts
+    ahead, which the planner prices exposed (`price.stage_seconds`). The tiny Llama of 4 blocks
+    (embedding 16,384, block 46,208, norm + head 16,448 elements): per unit a block, the
+    forward's first (the embedding) and the backward's first (the head). Cut below the blocks
+    (norms left over, 576, spanning; attention 12,288, feed-forward 33,792) with prefetching
+    bounded at 48,000: the norms in both passes, the head in both (feed-forward + head would
+    pass the bound in the forward; in the backward it runs first), and in the backward the last
+    feed-forward, which the head's 16,384 beside it holds back. ZeRO-1: nothing gathered."""
+    from training import tiny_config
+
+    from plait.planner.price import _placed
+    from plait.predict import cost
+    from plait.train.checks import validate
+
+    def share(*overrides):
+        cfg = tiny_config("model.n_layers=4", *overrides)
+        record = _placed(cfg.model, 1, 1, 1, (4,), 0, False, cfg.parallel.wrap)
+        return cost.unprefetched_share(cfg, validate(cfg, 2), record)
+
+    blocks = 16384 + 4 * 46208 + 16448
+    assert share("parallel.zero=3") == (16384 + 16448) / (2 * blocks)
+    below = 576 + 16384 + 4 * (12288 + 33792) + 16384
+    assert share("parallel.zero=3", "parallel.wrap='Attention,FeedForward,Embedding,Linear'",
+                 "parallel.max_live_params=48000") == \
+        (576 + 16384 + 576 + 16384 + 33792) / (2 * below)
+    assert share("parallel.zero=1") == 0.0
+    # Priced exposed: a 70B at ZeRO-3 whose compute hides all its gathers when prefetched
+    # waits for them all when none is (a bound of one element).
+    base = ["model.preset='70b'", "data.seq_len=4096", "train.global_batch=1024",
+            "train.precision='bf16'", "parallel.zero=3", "parallel.microbatches=16"]
+    cluster = Cluster(64, 8, DEVICES["a100"])
+    free, bound = (estimate(c, validate(c, 64), cluster) for c in (
+        load_config(None, base), load_config(None, [*base, "parallel.max_live_params=1"])))
+    assert bound.comm_s > free.comm_s and bound.step_time_s > free.step_time_s
