@@ -18,6 +18,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from plait.model.args import PRESETS, ModelArgs, model_args  # noqa: F401 - re-exported
 from plait.model.documents import Documents
@@ -35,10 +36,40 @@ class RootMeanSquareNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 even under bf16 autocast: the mean of squares loses too much in bf16.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        if isinstance(x, DTensor) or isinstance(self.weight, DTensor):
+            # The plain composition: torch's sequence parallelism (bench step's peer) gives it
+            # DTensors. (torch.compile traces `Normalize`, its backward too.)
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return xf.type_as(x) * self.weight
+        return Normalize.apply(x, self.weight, self.eps)
+
+
+class Normalize(torch.autograd.Function):
+    """x / rms(x) * weight, normalized in fp32 even under bf16 (the mean of squares loses too
+    much in bf16), keeping for backward what a fused norm keeps: x and each row's 1 / rms(x) in
+    fp32. Autograd's composition of the same operations kept x / rms(x) too (fp32, and a bf16
+    copy where x is bf16); the backward makes it again from x, by the same operations on the
+    same values (the same bits), and differentiates by hand: d weight = sum(g * x / rms(x)),
+    dx = (gn - x / rms(x) * mean(gn * x / rms(x))) / rms(x) with gn = g * weight in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        inverse = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, inverse)
+        return (x.float() * inverse).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, inverse = ctx.saved_tensors
+        unit = x.float() * inverse
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            rows = tuple(range(grad.dim() - 1))
+            grad_weight = (grad * unit.type_as(x)).sum(rows).to(weight.dtype)
+        gn = (grad * weight).float()
+        grad_x = (gn - unit * (gn * unit).mean(-1, keepdim=True)) * inverse
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 def sequence_positions(seq_len: int, device) -> torch.Tensor:

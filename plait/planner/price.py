@@ -177,7 +177,8 @@ def gpu_compute_seconds(cfg: Config, dims: ParallelDims, record, chunks, flops: 
     # Compiled blocks fuse their elementwise work, and the loss fused with the head its own
     # (`vocab_parallel.compiled_kernels`); the embedding's lookup is the same few bytes either way.
     moved = elementwise_passes(cfg, engine) * sum(
-        microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe) for c in chunks)
+        microbatch_bytes(plain, dims, c.layers, c.first, c.last, rows, c.moe, priced=True)
+        for c in chunks)
     if engine.autocast:
         moved += sum(regathered_bytes(plain, dims, rows, c.layers, c.moe) for c in chunks)
     moved *= 4 / 3 if recompute == "full" else 1  # the forward's share again

@@ -5,7 +5,8 @@ the planner and `--dry-run`, checked against measurement in the composition matr
 Per micro-batch of r rows and s tokens, with A = r s dim elements, F = r s ffn_dim, T = tp and
 S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
 
-    none       per norm its input and x / rms(x) (A / S each) and its output as the matmuls
+    none       per norm its input (A / S; `model.llama.Normalize` makes x / rms(x) again in
+               backward, as a fused norm does) and its output as the matmuls
                read it (A; under sequence parallelism its shard, A / S, which the
                column-parallel linears gather again in backward:
                `parallel/sequence_parallel.py`); q and the attention output (2 A / T), k
@@ -19,16 +20,15 @@ S = T under sequence parallelism (else 1), one transformer block keeps, in fp32:
     full       the block input (A / S)
 
 In bf16 (`_Sizes`; fp16 the same): matmul outputs take 2 bytes; under autocast over fp32 weights
-each matmul keeps its own bf16 cast of its input (three of the attention norm's output, two of
-the feed-forward norm's) and of its weight (but w2, which keeps its fp32 weight; under sequence
-parallelism only wo: the column-parallel linears keep the fp32 shard and weight); with bf16
-weights (ZeRO) the residual stream is bf16 and each norm keeps its fp32 upcast and a bf16 x /
-rms(x). Each chunk's forward keeps the rotary tables; the first chunk the embedding's indices,
-the last chunk the final norm, a log-sum-exp per token and the targets (the cross-entropy fused
-with the head never keeps the logits; where a micro-batch's are one run at most, 2^24 on a CPU
-and 2^28 on a GPU, its softmax, fp32, as the unfused loss). A stage holds what its schedule has
-in flight: the peak, walking its actions, of what each F adds and each B (W under a split
-backward) frees.
+each matmul keeps its own bf16 cast of its input (three of the attention norm's output, two of the
+feed-forward norm's) and of its weight (but w2, which keeps its fp32 weight; under sequence
+parallelism only wo: the column-parallel linears keep the fp32 shard and weight); with bf16 weights
+(ZeRO) the residual stream is bf16, as each norm's input. Each chunk's forward keeps the rotary
+tables; the first chunk the embedding's indices, the last chunk the final norm, a log-sum-exp per
+token and the targets (the cross-entropy fused with the head never keeps the logits; where a micro-
+batch's are one run at most, 2^24 on a CPU and 2^28 on a GPU, its softmax, fp32, as the unfused
+loss). A stage holds what its schedule has in flight: the peak, walking its actions, of what each F
+adds and each B (W under a split backward) frees.
 
 The composition matrix asserts these equal to the measured peak on every rank of every row.
 """
@@ -61,13 +61,21 @@ class _Sizes:
     """Bytes per element of what a block keeps, by precision: `stream` for the residual stream
     (the parameters' dtype), `matmul` for matmul outputs (bf16 under autocast), and per norm
     `norm_local` (per element of its sequence shard) and `norm_out` (what the matmuls read,
-    gathered under sequence parallelism)."""
+    gathered under sequence parallelism). `norm_work`: per element, what the norm's autograd
+    composition kept (its input and x / rms(x), and their casts), which the planner's
+    elementwise passes were fitted to and still price (`block_bytes(priced=True)`): the norm
+    keeps less now, and does the same work and more (x / rms(x) made again in backward)."""
 
     stream: int
     matmul: int
-    norm_local: int
     norm_out: int
     weight_casts: bool  # autocast over fp32 weights keeps a bf16 copy of each matmul weight
+    norm_work: int
+
+    @property
+    def norm_local(self) -> int:
+        """What a norm keeps per element: its input, in the residual stream's dtype."""
+        return self.stream
 
     @property
     def norm_outs(self) -> int:
@@ -78,15 +86,17 @@ class _Sizes:
 
 def _sizes(cfg: Config) -> _Sizes:
     if cfg.train.precision not in HALF:  # bf16 and fp16 keep the same sizes
-        return _Sizes(4, 4, 8, 4, False)  # the norm keeps its input and x / rms(x) (fp32)
-    if half_params(cfg):  # bf16 parameters: the norm's fp32 upcast and its bf16 x / rms(x)
-        return _Sizes(2, 2, 6, 2, False)
-    return _Sizes(4, 2, 8, 2, True)  # autocast: the matmul reads a bf16 cast of the norm output
+        return _Sizes(4, 4, 4, False, 8)  # norm work: its input and x / rms(x) (fp32)
+    if half_params(cfg):  # bf16 parameters; norm work: the fp32 upcast and a bf16 x / rms(x)
+        return _Sizes(2, 2, 2, False, 6)
+    return _Sizes(4, 2, 2, True, 8)  # autocast: the matmul reads a bf16 cast of the norm output
 
 
-def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
-    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C."""
+def block_bytes(cfg: Config, T: int, rows: int, C: int = 1, priced: bool = False) -> int:
+    """What one block keeps for one micro-batch of `rows` rows on a rank of tp = T, cp = C
+    (`priced`: with the norms' work as the planner's elementwise passes price it, `_Sizes`)."""
     shape, mode, b = cfg.model.shape(), cfg.train.activation_checkpointing, _sizes(cfg)
+    local = b.norm_work if priced else b.norm_local
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
     shards = S > 1
     tokens = rows * cfg.data.seq_len // C
@@ -119,7 +129,7 @@ def block_bytes(cfg: Config, T: int, rows: int, C: int = 1) -> int:
         attention = 2 + 2 * kv
         if C > 1 and cfg.parallel.cp_method == "ulysses":
             attention = 5 if shape.kv_heads // T % C else 3 + 2 * kv
-        kept = (2 * b.norm_local * Fraction(A, S) + norm_outs
+        kept = (2 * local * Fraction(A, S) + norm_outs
                 + b.matmul * Fraction(attention * A + 2 * Ff, T)
                 + 4 * Fraction(2 * tokens, S) + 4 * Fraction(tokens * shape.heads, T))
     return int(kept) + casts
@@ -162,14 +172,15 @@ def moe_extra_bytes(cfg: Config, dims: ParallelDims, rows: int) -> int:
 
 
 def microbatch_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, last: bool,
-                     rows: int, moe: int) -> int:
+                     rows: int, moe: int, priced: bool = False) -> int:
     """One chunk's activations for one micro-batch of `rows` rows; `moe` of its blocks are
-    mixtures of experts."""
+    mixtures of experts (`priced`: `block_bytes`'s)."""
     shape, T, C, b = cfg.model.shape(), dims.tp, dims.cp, _sizes(cfg)
+    local = b.norm_work if priced else b.norm_local
     S = T if cfg.parallel.sequence_parallel and T > 1 else 1
     tokens = rows * cfg.data.seq_len // C
     A = tokens * shape.hidden
-    total = layers * block_bytes(cfg, T, rows, C) + moe * moe_extra_bytes(cfg, dims, rows)
+    total = layers * block_bytes(cfg, T, rows, C, priced) + moe * moe_extra_bytes(cfg, dims, rows)
     if layers:  # the rotary tables (cos, sin: seq / C x head_dim / 2 each), one pair per forward
         total += 4 * cfg.data.seq_len // C * shape.head_dim
     if first and T > 1:  # vocabulary-parallel lookup: local indices (int64) and the mask (bool)
@@ -180,13 +191,13 @@ def microbatch_bytes(cfg: Config, dims: ParallelDims, layers: int, first: bool, 
         # log-sum-exp of the logits (never kept: `vocab_parallel.linear_cross_entropy`) and the
         # targets, an int64 copy where the rows are not contiguous (one row, or context
         # parallelism's contiguous copy: a view, counted in `activation_bytes`).
-        total += b.norm_local * A // S + b.stream * A + 4 * tokens // S + 4 * tokens
+        total += local * A // S + b.stream * A + 4 * tokens // S + 4 * tokens
         total += 8 * tokens if rows > 1 and C == 1 else 0
     elif last:  # logits of one run at most, kept as the unfused loss keeps them
         # Final norm (as a block's), the head's weight cast under autocast, the fp32 softmax
         # of the logits, and the targets: at tp = 1 a contiguous int64 copy (and a float32
         # scalar), vocabulary-parallel the local target (int64) and its mask (bool).
-        total += (b.norm_local * A // S + b.norm_out * A + 4 * tokens // S
+        total += (local * A // S + b.norm_out * A + 4 * tokens // S
                   + 4 * tokens * shape.vocab // T)
         total += 2 * shape.hidden * shape.vocab // T if b.weight_casts else 0
         total += 9 * tokens if T > 1 else (8 * tokens if rows > 1 and C == 1 else 0) + 4
