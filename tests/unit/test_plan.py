@@ -328,7 +328,7 @@ def test_the_issues_pinned_command_is_shown_with_status_1(capsys):
                   "parallel.tp=1", "parallel.pp=1", "parallel.zero=0", "parallel.cp=1",
                   "parallel.ep=1"])
     out = capsys.readouterr().out
-    assert exit_.value.code == 1 and "does not fit: 120.8 GB per GPU of 80 GB" in out
+    assert exit_.value.code == 1 and "does not fit: 120.7 GB per GPU of 80 GB" in out
 
 
 def test_four_24gb_gpus_train_7b_only_with_offload():
