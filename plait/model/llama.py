@@ -48,10 +48,11 @@ class RootMeanSquareNorm(nn.Module):
 class Normalize(torch.autograd.Function):
     """x / rms(x) * weight, normalized in fp32 even under bf16 (the mean of squares loses too
     much in bf16), keeping for backward what a fused norm keeps: x and each row's 1 / rms(x) in
-    fp32. Autograd's composition of the same operations kept x / rms(x) too (fp32, and a bf16
-    copy where x is bf16); the backward makes it again from x, by the same operations on the
-    same values (the same bits), and differentiates by hand: d weight = sum(g * x / rms(x)),
-    dx = (gn - x / rms(x) * mean(gn * x / rms(x))) / rms(x) with gn = g * weight in fp32."""
+    fp32. Autograd's composition of the same operations also kept x / rms(x) (fp32, and a bf16
+    copy where x is bf16); the backward makes it again from x and runs autograd's own formulas
+    for those operations, in its order (mul, rsqrt, mean, pow: torch's derivatives.yaml), so
+    its gradients are the composition's, an overflow's NaN included (a diverging run's norm of
+    squares turns inf: 1 / rms(x) is 0, and inf times 0 is what stops the run)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,13 +63,17 @@ class Normalize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, inverse = ctx.saved_tensors
-        unit = x.float() * inverse
+        xf = x.float()
         grad_weight = None
         if ctx.needs_input_grad[1]:
             rows = tuple(range(grad.dim() - 1))
-            grad_weight = (grad * unit.type_as(x)).sum(rows).to(weight.dtype)
-        gn = (grad * weight).float()
-        grad_x = (gn - unit * (gn * unit).mean(-1, keepdim=True)) * inverse
+            grad_weight = (grad * (xf * inverse).type_as(x)).sum(rows).to(weight.dtype)
+        gn = (grad * weight).float()  # through `* weight`, then `type_as`
+        # through `xf * inverse`: to xf directly, and to inverse (summed over the row)
+        grad_inverse = (gn * xf).sum(-1, keepdim=True)
+        grad_mean = -0.5 * grad_inverse * inverse.pow(3)  # rsqrt's
+        grad_square = grad_mean.expand(xf.shape) / xf.shape[-1]  # mean's
+        grad_x = gn * inverse + grad_square * (2 * xf.pow(1))  # + pow's
         return grad_x.to(x.dtype), grad_weight, None
 
 
