@@ -172,3 +172,28 @@ def test_a_trace_stands_for_every_zero_stage_offload_and_device():
         t = trace.trace_rank(tiny_config(*base, *extra), dims, 0)
         traced[" ".join(extra)] = (t.activation_bytes, t.flops)
     assert len(set(traced.values())) == 1, traced
+
+
+@pytest.mark.parametrize("family", ["plait", "mixtral"])
+def test_counting_without_decomposition_tries_counts_as_torchs_counter(tmp_path, monkeypatch,
+                                                                      family):
+    """`trace._Counting` runs an operation that has no decomposition at once instead of first
+    trying to decompose it (torch's counter tries every one): a step's FLOPs, recomputed FLOPs
+    and activations equal what torch's own dispatch counts, on a pipeline stage of plait's Llama
+    with tp2 + sp and recomputation, and on transformers' Mixtral (attention's kernel, grouped
+    matmuls, an experts loop) at dp2."""
+    from training import tiny_config
+
+    if family == "plait":
+        cfg = tiny_config("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                          "parallel.microbatches=2", "train.activation_checkpointing=selective")
+    else:
+        cfg = hf_config(write_model(tmp_path / family, family))
+    dims = validate(cfg, 4 if family == "plait" else 2)
+    fast = trace.trace_rank(cfg, dims, dims.world_size - 1)
+    monkeypatch.setattr(trace._Counting, "__torch_dispatch__",
+                        flop_counter._FlopCounterMode.__torch_dispatch__)
+    torchs = trace.trace_rank(cfg, dims, dims.world_size - 1)
+    assert fast.flops > 0
+    assert (fast.flops, fast.recomputed_flops, fast.activation_bytes) == \
+        (torchs.flops, torchs.recomputed_flops, torchs.activation_bytes)
