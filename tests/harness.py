@@ -4,7 +4,8 @@
 
 Workers are forked (no re-import of torch, and `fn` may be a closure), each with 1 intra-op thread,
 and inherit what this process has cached: the standard library's file list, the corpus of most
-tests, is listed here once (`plait.data.corpus.stdlib_files`), not by every rank. The parent holds
+tests, is listed here once (`plait.data.corpus.stdlib_files`), not by every rank, and so is each
+configuration's model FLOP count (`plait.predict.trace.model_flops`). The parent holds
 the rendezvous store on a free loopback port, so worlds never collide; it opens the store only after
 forking, because a child forked while the store's server thread runs can inherit a lock that thread
 holds, and hang. If any rank raises, the others are killed and the failing rank's traceback is
@@ -13,6 +14,7 @@ raised here; a world that outlives `timeout` is killed too. No worker outlives t
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -24,7 +26,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from plait.config.schema import Config
 from plait.data.corpus import stdlib_files
+from plait.predict.trace import model_flops
 
 
 class WorldFailed(AssertionError):
@@ -53,8 +57,19 @@ def _worker(fn, rank, world_size, port, results, args, kwargs):
     os._exit(0)  # skip the atexit handlers inherited from pytest
 
 
+def _count_models(args) -> None:
+    """Each configuration's model FLOPs (MFU's numerator, `trace.model_flops`), counted here once
+    per model: a trainer's rank 0 traced its whole model at every fit, 1-2 s of every world
+    (the file list and the counts are cached, so the forked ranks read them from memory)."""
+    for cfg in args:
+        if isinstance(cfg, Config):
+            with contextlib.suppress(Exception):  # a rank that needs it says why, as in a run
+                model_flops(cfg)
+
+
 def run_world(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
     stdlib_files()  # cached: the forked ranks read the corpus's file list from memory
+    _count_models(args)
     ctx = mp.get_context("fork")
     results, port = ctx.Queue(), ctx.Value("i", 0)
     procs = [

@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -247,8 +248,25 @@ def model_flops(cfg) -> float:
     """MFU's numerator: the FLOPs of one training step of the model whole, in one process, as
     `FlopCounterMode` counts them on fake tensors -- the forward and backward of the global batch
     of `cfg` (a `plait.config.schema.Config`), without recomputation or what a layout repeats on
-    several ranks. Raises `Untraceable` where the step reads values."""
+    several ranks. Raises `Untraceable` where the step reads values.
 
+    Counted once per model, global batch and sequence length in a process (`MODEL_FLOPS`; no
+    layout, precision or seed changes them; a Hugging Face folder's per version of its
+    config.json), and inherited by the processes it forks: a trainer traced its model at every
+    run's start (1-2 s of one core on a small model, while the other ranks waited), and
+    tests/harness.py counts each world's model once before forking its ranks."""
+    folder = cfg.model.hf  # a folder's model as its config.json is now
+    version = os.stat(os.path.join(folder, "config.json")).st_mtime_ns if folder else 0
+    key = repr((cfg.model.key(), version, cfg.train.global_batch, cfg.data.seq_len))
+    if key not in MODEL_FLOPS:
+        MODEL_FLOPS[key] = _count_model_flops(cfg)
+    return MODEL_FLOPS[key]
+
+
+MODEL_FLOPS: dict[str, float] = {}
+
+
+def _count_model_flops(cfg) -> float:
     meta = cfg.model.build(cfg.train.seed, "meta")
     with FakeTensorMode() as mode:
         model = fake_module(meta, "cpu", mode)

@@ -1,8 +1,10 @@
 """Pipeline parallelism trains what one process trains, for every schedule.
 
 Tolerances as in test_data_parallel: losses relative 1e-5; first-step gradients relative 1e-5,
-absolute 1e-8; parameters after 5 steps absolute 1e-5. A pipeline only changes where each layer
-runs and the order in which micro-batch gradients are summed.
+absolute 1e-8; parameters after 3 steps absolute 1e-5. A pipeline only changes where each layer
+runs and the order in which micro-batch gradients are summed: the first step's gradients decide
+a schedule's correctness, and 3 optimizer steps (not the helpers' 5) keep the 26 worlds' time
+down (the file took 164 s of the suite with 5).
 """
 
 import pytest
@@ -12,7 +14,8 @@ from training import assert_params_close, tiny_config, train_here
 
 from plait.comm import Op
 
-BASE = ["model.n_layers=8", "train.global_batch=16"]
+STEPS = 3
+BASE = ["model.n_layers=8", "train.global_batch=16", f"train.steps={STEPS}"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def _compare(results, reference):
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-8, msg=name)
         for name, p in params.items():
-            assert_params_close(p, ref_params[name], name)
+            assert_params_close(p, ref_params[name], name, steps=STEPS)
     # Together, the stages hold every parameter exactly once.
     held = [n for _, _, params, *_ in results for n in params]
     return held
