@@ -85,7 +85,8 @@ def test_dp2_tp2_sp_recipe(tmp_path):
 
     metrics = tmp_path / "m.jsonl"
     proc = plait_here("train", "--config", "dp2_tp2_sp", "--nproc", "4", "--metrics", str(metrics),
-                      "train.steps=4", "train.eval_every=0")
+                      "train.steps=4", "train.eval_every=0", "train.eval_batches=1",
+                      "train.peak_tflops=1.0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
@@ -102,7 +103,8 @@ def test_default_recipe_on_two_workers_and_a_short_run(tmp_path):
     the world size), and a run shorter than the recipe's warm-up (clipped, said once). With no
     --nproc, one worker: test_one_worker_unless_told."""
     metrics = tmp_path / "m.jsonl"
-    proc = plait_here("train", "--nproc", "2", "--metrics", str(metrics), "train.steps=3")
+    proc = plait_here("train", "--nproc", "2", "--metrics", str(metrics), "train.steps=3",
+                      "train.eval_batches=1", "train.peak_tflops=1.0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("warm-up clipped to 3 steps") == 1  # said by the command, once
     records = read_metrics(metrics)
@@ -116,7 +118,8 @@ def test_3d_recipe(tmp_path):
     bytes of every step equal what the dry run predicts for rank 0 from one process."""
     metrics = tmp_path / "m.jsonl"
     proc = plait_here("train", "--config", "3d", "--nproc", "8", "--metrics", str(metrics),
-                      "train.steps=4", "train.eval_every=0")
+                      "train.steps=4", "train.eval_every=0", "train.eval_batches=1",
+                      "train.peak_tflops=1.0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(metrics)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
