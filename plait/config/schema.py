@@ -56,8 +56,13 @@ class ModelConfig:
     def shape(self) -> Shape:
         """What the formulas read of the model, whichever family (`plait/model/shape.py`)."""
         if self.hf:  # read once per folder and version of its config.json
-            return _hf_shape(self.hf, (Path(self.hf) / "config.json").stat().st_mtime_ns)
+            return _hf_shape(self.hf, self.version())
         return Shape.of_llama(self.args())
+
+    def version(self) -> int:
+        """Which version of the model's folder this names (its config.json's mtime; 0 for a
+        preset): what a count cached per model keys on besides `key()`."""
+        return (Path(self.hf) / "config.json").stat().st_mtime_ns if self.hf else 0
 
     def key(self) -> tuple:
         """The model this section names, hashable (for what builds it once per model)."""

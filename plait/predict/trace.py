@@ -27,7 +27,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -258,9 +257,7 @@ def model_flops(cfg) -> float:
     config.json), and inherited by the processes it forks: a trainer traced its model at every
     run's start (1-2 s of one core on a small model, while the other ranks waited), and
     tests/harness.py counts each world's model once before forking its ranks."""
-    folder = cfg.model.hf  # a folder's model as its config.json is now
-    version = os.stat(os.path.join(folder, "config.json")).st_mtime_ns if folder else 0
-    key = repr((cfg.model.key(), version, cfg.train.global_batch, cfg.data.seq_len))
+    key = repr((cfg.model.key(), cfg.model.version(), cfg.train.global_batch, cfg.data.seq_len))
     if key not in MODEL_FLOPS:
         MODEL_FLOPS[key] = _count_model_flops(cfg)
     return MODEL_FLOPS[key]
