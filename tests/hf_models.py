@@ -6,6 +6,7 @@ parallel code."""
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from plait.config.schema import load_config
 from plait.data.batches import TokenData
 from plait.model.documents import Documents
+from plait.model.fused import part_of
+from plait.model.hf import hf_name, read_config
 from plait.optim.build import build_optimizer, lr_at, set_lr
 
 SHAPE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -128,3 +131,21 @@ def train_reference(folder: Path, cfg, steps: int = 4) -> dict:
         losses.append(loss.item())
     return {"losses": losses, "params": {n: p.detach().clone()
                                          for n, p in model.named_parameters()}}
+
+
+def reference_of(name: str, family, params: dict, folder) -> tuple[torch.Tensor, str]:
+    """(the reference's tensor for plait's parameter `name`, its transformers name): a fused
+    projection's part (`plait/model/fused.py`) is its rows of the fused tensor; a linear
+    transformers keeps as a Conv1D (GPT-2's) its transposed weight."""
+    if family is None:
+        return params[hf_name(name, None)], hf_name(name, None)
+    whole = re.sub(r"\.parts\.\d+\.", ".", name)
+    hf = hf_name(whole, family)
+    tensor = params[hf]
+    path = whole.split(".", 2)[-1].rsplit(".", 1)[0]  # block-relative, for a block's
+    if whole.endswith(".weight") and path in family.conv1d:
+        tensor = tensor.t()
+    if whole != name:
+        counts = [read_config(folder)[f] for f in family.fused[path]]
+        tensor = part_of(name, {whole: tensor}, counts)
+    return tensor, hf

@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 
 from plait.model.plan import has_plan, plan_of
 from plait.parallel.activation_checkpoint import is_checkpointed
-from plait.parallel.wrap import WrapPolicy, wrapped_modules
+from plait.parallel.wrap import WrapPolicy, policy_of, wrapped_modules
 
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
@@ -40,10 +40,11 @@ def compile_enabled(setting: bool | str, device: torch.device) -> bool:
 
 def blocks(chunk: nn.Module, policy: WrapPolicy | None = None) -> list[nn.Module]:
     """The modules compiled one by one: the plan's blocks, or, for a model with no plan, the
-    modules the wrap policy names (ZeRO-3's units)."""
+    modules the wrap policy names, by default the model's own units (a transformers family's
+    decoder layers, as ZeRO-3's units)."""
     if has_plan(chunk):
         return list(chunk.get_submodule(plan_of(chunk).blocks).values())
-    return wrapped_modules(chunk, policy or WrapPolicy())
+    return wrapped_modules(chunk, policy or policy_of(chunk))
 
 
 def apply_compile(chunks: nn.ModuleDict, backend: str = "inductor",

@@ -15,18 +15,15 @@ in the helper).
 
 from __future__ import annotations
 
-import re
-
 import corpora
 import pytest
 import torch
 from harness import run_world
-from hf_models import hf_config, train_reference, write_model
+from hf_models import hf_config, reference_of, train_reference, write_model
 from training import assert_params_close, run_steps
 
 from plait.train.checks import validate
 from plait.model.families import family_for, family_of
-from plait.model.fused import part_of
 from plait.model.hf import architecture, hf_name, read_config
 from plait.planner.price import estimate
 from plait.planner.hardware import DEVICES, Cluster
@@ -89,24 +86,6 @@ def _held(whole: torch.Tensor, placement) -> torch.Tensor:
         if shard is not None and shard.dim is not None:
             whole = whole.chunk(shard.count, dim=shard.dim)[shard.index]
     return whole
-
-
-def _reference_of(name: str, family, params: dict, folder) -> tuple[torch.Tensor, str]:
-    """(the reference's tensor for plait's parameter `name`, its transformers name): a fused
-    projection's part (`plait/model/fused.py`) is its rows of the fused tensor; a linear
-    transformers keeps as a Conv1D (GPT-2's) its transposed weight."""
-    if family is None:
-        return params[hf_name(name, None)], hf_name(name, None)
-    whole = re.sub(r"\.parts\.\d+\.", ".", name)
-    hf = hf_name(whole, family)
-    tensor = params[hf]
-    path = whole.split(".", 2)[-1].rsplit(".", 1)[0]  # block-relative, for a block's
-    if whole.endswith(".weight") and path in family.conv1d:
-        tensor = tensor.t()
-    if whole != name:
-        counts = [read_config(folder)[f] for f in family.fused[path]]
-        tensor = part_of(name, {whole: tensor}, counts)
-    return tensor, hf
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +179,7 @@ def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
                                    rtol=1e-5, atol=0)
         for name, p in r["params"].items():
-            whole, hf = _reference_of(name, planned, ref["params"], cfg.model.hf)
+            whole, hf = reference_of(name, planned, ref["params"], cfg.model.hf)
             assert_params_close(p, _held(whole, r["placements"][name]), name, steps=STEPS)
             seen.add(hf)
     # Every parameter of the transformers model was trained somewhere (a tied head counts once).

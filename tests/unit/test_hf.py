@@ -218,6 +218,17 @@ def test_zero3_units_of_a_family_without_a_plan_are_its_decoder_layers(hf_folder
         policy_of(model, "LlamaDecoderLayer")
 
 
+def test_a_family_without_a_plan_compiles_its_decoder_layers(hf_folders):
+    """`train.compile` (on by default on CUDA) compiles an unplanned family's decoder layers, the
+    units ZeRO-3 gathers: it refused every such model ("no block to compile") until the GPU
+    test of the families (`tests/dist/test_families_gpu.py`) trained BLOOM."""
+    from plait.model.hf import load_hf
+    from plait.parallel.compile import blocks
+
+    model = load_hf(hf_folders["bloom"], device="meta")
+    assert [type(b).__name__ for b in blocks(model)] == ["BloomBlock", "BloomBlock"]
+
+
 def _refusal(*overrides, nproc=4):
     from plait.config.schema import ConfigError
     from plait.train.checks import validate
