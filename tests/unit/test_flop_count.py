@@ -60,7 +60,11 @@ def test_grouped_query_attention_is_counted_with_its_heads_broadcast(tmp_path, m
     meta = build_configured(args, 0, "meta", cfg.model.hf)
     n = sum(p.numel() for p in meta.parameters() if p.dim() == 2) - args.vocab_size * args.dim
     matmuls = 6 * n * cfg.train.global_batch * cfg.data.seq_len  # the embedding is a lookup
-    assert counted == matmuls + attention
+    # transformers before 5.2x made the rotary table as a matmul of the inverse frequencies by
+    # the positions (one table per forward, no gradient: 2 x head_dim / 2 x seq_len), 5.24
+    # elementwise (measured on the GPU machine's transformers 5.17: 256 FLOPs more).
+    rotary = 2 * (args.dim // args.n_heads // 2) * cfg.data.seq_len
+    assert counted - (matmuls + attention) in (0, rotary)
 
 
 def _rates_with_a_failing_counter(cfg):
