@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 # torch.optim imports torch._dynamo when the first optimizer is built (~0.8 s of CPU). Imported
@@ -8,3 +9,20 @@ import torch._dynamo  # noqa: F401, E402
 # One intra-op thread in the test process and, through fork, in every worker it starts: the
 # machine has 2 cores, and oversubscribed ranks are many times slower.
 torch.set_num_threads(1)
+
+
+# What a test measures and prints (never asserts: a timing, a rate) reaches the terminal at the end
+# of the run: under pytest-xdist, as `make test` runs the suite, a worker's own output is not shown.
+@pytest.fixture
+def say(request):
+    """`say(line)`: print `line` in the run's summary, under the heading "measured"."""
+    return lambda line: request.node.user_properties.append(("said", line))
+
+
+def pytest_terminal_summary(terminalreporter):
+    said = [value for report in terminalreporter.stats.get("passed", [])
+            for key, value in report.user_properties if key == "said"]
+    if said:
+        terminalreporter.section("measured")
+        for line in said:
+            terminalreporter.write_line(line)

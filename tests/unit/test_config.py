@@ -645,7 +645,7 @@ def _may_import_torch(argv: list[str], field: str) -> bool:
             or argv[0] == "bench" and not field.startswith("--"))  # a bench's own layouts
 
 
-def test_refusals_import_no_torch_and_say_how_long_they_take(files, capsys):
+def test_refusals_import_no_torch_and_say_how_long_they_take(files, say):
     """Every bad input of both tables, each in a process of its own (`REFUSER`): status 2.
     Importing torch takes seconds here, most of a refusal's time, so those that need no torch
     must not import it. The median time is printed, with what a new interpreter adds (timings
@@ -670,13 +670,12 @@ def test_refusals_import_no_torch_and_say_how_long_they_take(files, capsys):
         startup.append(time.perf_counter() - start)
     seconds = sorted(t for _, t, _ in results)
     slowest = sorted(zip((t for _, t, _ in results), rows, strict=True), key=lambda x: -x[0])[:3]
-    with capsys.disabled():
-        print(f"\n{len(rows)} bad inputs refused: median {statistics.median(seconds):.2f} s, 90th "
-              f"percentile {seconds[int(0.9 * len(seconds))]:.2f} s, slowest {seconds[-1]:.2f} s, "
-              f"each after a new interpreter has imported plait's command line "
-              f"({statistics.median(startup):.2f} s) ({len(imported)} import torch: layouts to "
-              "price); the slowest: " + "; ".join(f"{' '.join(row[0])[:60]} {t:.2f} s"
-                                                  for t, row in slowest))
+    say(f"{len(rows)} bad inputs refused: median {statistics.median(seconds):.2f} s, 90th "
+        f"percentile {seconds[int(0.9 * len(seconds))]:.2f} s, slowest {seconds[-1]:.2f} s, "
+        f"each after a new interpreter has imported plait's command line "
+        f"({statistics.median(startup):.2f} s) ({len(imported)} import torch: layouts to "
+        "price); the slowest: " + "; ".join(f"{' '.join(row[0])[:60]} {t:.2f} s"
+                                            for t, row in slowest))
 
 
 def test_the_compile_backends_named_without_torch_are_the_installed_torchs():
