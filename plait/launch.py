@@ -191,8 +191,10 @@ class _Ends(threading.Thread):
                     continue
                 fds[fd] = f.parent
                 poller.register(fd, select.POLLIN)
-            for fd, _ in poller.poll(50):
-                self.ended[fds.pop(fd)] = time.time_ns()
+            ready = poller.poll(50)
+            now = time.time_ns()  # one time for all seen at once: their order is unknown
+            for fd, _ in ready:
+                self.ended[fds.pop(fd)] = now
                 poller.unregister(fd)
                 os.close(fd)
         for fd in fds:
@@ -223,25 +225,33 @@ def _with_root_cause(error: ChildFailedError, logs: Path,
     only the worker it polled first, and picks a root cause by a timestamp in whole seconds (ties
     go to the first listed). The workers' folders are logs/<run>/attempt_<n>/<local rank>/ (one
     node, so the local rank is the rank): one that raised has its error.json, ordered by its
-    time; one that ended (`ended`) without an error file or returning, before the first error
-    file, died silently and caused the rest (those after it were stopped by the agent)."""
+    time; one that ended (`ended`) without an error file or returning died silently, and caused
+    the rest where it ended before the first error file was written or before the worker that
+    wrote it ended, as `_Ends` saw them (those after were stopped by the agent, which stops them
+    only once it has seen a worker end). The second test is the one that holds on a loaded
+    machine: a killed worker's sockets close before the kernel wakes the watcher, and its peer
+    may write its error in between; it cannot also end before the killed one is seen ended."""
     attempts = sorted(logs.glob("*/attempt_*"), key=lambda d: int(d.name.split("_")[1]))
     folders = sorted(attempts[-1].iterdir()) if attempts else []
     raised = {d: (d / "error.json").stat().st_mtime_ns for d in folders
               if (d / "error.json").is_file()}
-    first = min(raised.values(), default=None)
+    first = min(raised, key=raised.get, default=None)
+
+    def caused(d: Path, t: int) -> bool:
+        return first is None or t < raised[first] or t <= ended.get(first, -1)
+
     silent = {d: t for d, t in ended.items() if d in folders and d not in raised
-              and not (d / "returned").exists() and (first is None or t < first)}
+              and not (d / "returned").exists() and caused(d, t)}
     failures = {}
-    for d, t in sorted({**raised, **silent}.items(), key=lambda item: item[1]):
+    for d, t in sorted(silent.items(), key=lambda item: item[1]):
+        rank = int(d.name)  # torch's record where it polled that worker (its exit status), or ours
+        failures[rank] = error.failures.get(rank) or \
+            _EndedSilently(rank, int((d / "pid").read_text()), "?", "<N/A>")
+        failures[rank].timestamp = min(t, raised.get(first, t)) // 10**9  # first, as it was
+    for d in sorted(raised, key=raised.get):  # pid unknown (-1) unless torch polled that worker
         rank = int(d.name)
-        if d in raised:  # pid unknown (-1) unless torch polled that worker
-            failures[rank] = error.failures.get(rank) or ProcessFailure(rank, -1, 1,
-                                                                         str(d / "error.json"))
-        else:  # torch's record where it polled that worker (its exit status), else ours
-            failures[rank] = error.failures.get(rank) or \
-                _EndedSilently(rank, int((d / "pid").read_text()), "?", "<N/A>")
-            failures[rank].timestamp = t // 10**9  # when it ended: first, as it was
+        failures[rank] = error.failures.get(rank) or ProcessFailure(rank, -1, 1,
+                                                                     str(d / "error.json"))
     for rank, failure in error.failures.items():  # one torch saw and we did not
         failures.setdefault(rank, failure)
     return ChildFailedError(error.name, failures)
