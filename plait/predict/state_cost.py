@@ -18,6 +18,7 @@ from plait.config.schema import Config, microbatches
 from plait.mesh import ParallelDims
 from plait.model.llama import BLOCK
 from plait.parallel.engines.flat import optimizer_classes
+from plait.parallel.engines.units import block_of
 from plait.parallel.engines.zero import flat_groups
 from plait.parallel.expert_parallel import expert_overrides
 from plait.parallel.pipeline import stage_schedule
@@ -267,13 +268,9 @@ def unprefetched_share(cfg: Config, dims: ParallelDims, record: PlacementRecord)
 
 
 def _block_of(names) -> str | None:
-    """The block a unit's parameters all belong to (their names up to the first index,
-    `layers.3`), or None (the unit of what a wrap policy leaves over, the embedding, the head)."""
-    keys = set()
-    for name in names:
-        parts = name.split(".")
-        index = next((k for k, p in enumerate(parts) if p.isdigit()), None)
-        keys.add(None if index is None else ".".join(parts[:index + 1]))
+    """The block a unit's parameters all belong to (`units.block_of`), or None (the unit of what
+    a wrap policy leaves over, the embedding, the head)."""
+    keys = {block_of(name) for name in names}
     return keys.pop() if len(keys) == 1 else None
 
 

@@ -104,6 +104,14 @@ def unit_names(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[tuple[s
     return [tuple(names[id(p)] for p in params) for params in unit_params(modules)]
 
 
+def block_of(name: str) -> str | None:
+    """The block a parameter belongs to, its name up to the first index (`layers.3`), or None
+    (a parameter before or after the blocks)."""
+    parts = name.split(".")
+    index = next((k for k, p in enumerate(parts) if p.isdigit()), None)
+    return None if index is None else ".".join(parts[:index + 1])
+
+
 def unit_prefixes(names) -> list[tuple[str, ...]]:
     """The parameter-name prefixes of each unit, in the order of `unit_modules`, for parameters
     named as in the single-device model (`names` in execution order): a block's parameters are
@@ -111,9 +119,8 @@ def unit_prefixes(names) -> list[tuple[str, ...]]:
     first block and after the last form one unit each."""
     out, seen, loose = [], set(), []
     for name in names:
-        parts = name.split(".")
-        index = next((k for k, p in enumerate(parts) if p.isdigit()), None)
-        if index is None:  # before or after the blocks: grouped until the next block
+        block = block_of(name)
+        if block is None:  # before or after the blocks: grouped until the next block
             prefix = name.rsplit(".", 1)[0] + "." if "." in name else name
             if prefix not in loose:
                 loose.append(prefix)
@@ -121,7 +128,7 @@ def unit_prefixes(names) -> list[tuple[str, ...]]:
         if loose:
             out.append(tuple(loose))
             loose = []
-        key = (".".join(parts[:index + 1]) + ".",)
+        key = (block + ".",)
         if key not in seen:
             seen.add(key)
             out.append(key)
