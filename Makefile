@@ -24,16 +24,11 @@ demo: $(BIN)/plait
 AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 CAPABILITY = $(shell $(BIN)/python -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')
 
-# Two pytest workers (pytest-xdist), each given whole files (`loadfile`: a file's shared
-# references are built once): the suite spends much of its time waiting (worlds starting,
-# processes ending), so two overlap to 2.2x faster on 2 cores (docs/tests.md).
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
-
 test: $(BIN)/plait
-	$(PYTEST) --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 	@if echo "$(CAPABILITY)" | grep -q AVX512; then \
 		echo "make test: the kernels rows again under AVX2 kernels (this CPU: $(CAPABILITY))"; \
-		$(AVX2) $(PYTEST) -m kernels -p no:cacheprovider; \
+		$(AVX2) $(BIN)/python -m pytest -q -m kernels -p no:cacheprovider; \
 	else echo "make test: the kernels rows ran under this CPU's own $(CAPABILITY) kernels"; fi
 
 lint: $(BIN)/plait

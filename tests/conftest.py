@@ -11,8 +11,8 @@ import torch._dynamo  # noqa: F401, E402
 torch.set_num_threads(1)
 
 
-# What a test measures and prints (never asserts: a timing, a rate) reaches the terminal at the end
-# of the run: under pytest-xdist, as `make test` runs the suite, a worker's own output is not shown.
+# What a test measures and prints (never asserts: a timing, a rate) is said at the end of the run,
+# in a section of its own, whatever runs the test (a pytest-xdist worker's own output is lost).
 @pytest.fixture
 def say(request):
     """`say(line)`: print `line` in the run's summary, under the heading "measured"."""
