@@ -230,7 +230,9 @@ def _with_root_cause(error: ChildFailedError, logs: Path,
     wrote it ended, as `_Ends` saw them (those after were stopped by the agent, which stops them
     only once it has seen a worker end). The second test is the one that holds on a loaded
     machine: a killed worker's sockets close before the kernel wakes the watcher, and its peer
-    may write its error in between; it cannot also end before the killed one is seen ended."""
+    may write its error in between; it cannot also end before the killed one is seen ended. (A
+    stopped worker ends a poll of the agent's, up to `monitor_interval`, after the first raiser:
+    only a watcher asleep through both would count it a cause.)"""
     attempts = sorted(logs.glob("*/attempt_*"), key=lambda d: int(d.name.split("_")[1]))
     folders = sorted(attempts[-1].iterdir()) if attempts else []
     raised = {d: (d / "error.json").stat().st_mtime_ns for d in folders
