@@ -1,3 +1,5 @@
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -5,6 +7,7 @@ import torch
 # once here, it is inherited by every rank the harness forks, which would each import it again
 # (as plait's launcher preloads it into its forkserver): the dist tests took 40% longer.
 import torch._dynamo  # noqa: F401, E402
+import torch.distributed as dist
 
 # One intra-op thread in the test process and, through fork, in every worker it starts: the
 # machine has 2 cores, and oversubscribed ranks are many times slower.
@@ -26,3 +29,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in said:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def nccl_world_of_one():
+    """A process group of this process alone over NCCL, for the tests that need a CUDA device."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()

@@ -13,12 +13,9 @@ a tensor's elements by ~lr)."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from hf_models import families, hf_config, reference_of, train_reference, write_model
 from torch._dynamo.utils import counters
 from training import assert_params_close, held_params
@@ -33,15 +30,6 @@ from plait.train.trainer import Trainer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def nccl_world_of_one():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 def compiled_run_equals_reference(folder, device: torch.device) -> int:

@@ -2,11 +2,8 @@
 trains what the unsharded model trains; offload keeps masters and optimizer state in host memory, the update on
 the CPU, the same training as without offload. Runs where CUDA exists; skipped elsewhere."""
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 from training import assert_params_close, held_params, tiny_config
 
 from plait.train.checks import validate
@@ -15,15 +12,6 @@ from plait.parallel.engines import buffer_pool
 from plait.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def nccl_world_of_one():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    yield
-    dist.destroy_process_group()
 
 
 def _train(cfg):
