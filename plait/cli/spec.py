@@ -239,8 +239,9 @@ REPORT = Command("report", "PNGs of a run's metrics: loss, throughput, communica
         help="a metrics file (plait train --metrics), or the folder holding it"),
     arg("--out", help="folder for the PNGs (default: report/ beside the file)")))
 
-CONVERT = Command("convert", "a checkpoint to a Hugging Face Llama folder (--to hf OUT CKPT), or "
-                  "one into a checkpoint (--from hf HF_DIR OUT)",
+CONVERT = Command("convert", "a checkpoint to a Hugging Face folder (--to hf OUT CKPT: a model.hf "
+                  "run's as its own family's, plait's Llama as a Llama's), or a Hugging Face "
+                  "Llama folder into a checkpoint of plait's Llama (--from hf HF_DIR OUT)",
                   "plait.cli.commands:cmd_convert", (
     arg("first", metavar="OUT|HF_DIR"), arg("second", metavar="CKPT|OUT_CKPT")), exclusive=(
     arg("--to", choices=["hf"], help="export CKPT (any layout) into the folder OUT"),
