@@ -258,11 +258,9 @@ class Prepared:
         return WholeMatrices(exchange, par.engine.matrix_tensors(), decay + no_decay, whole, rest)
 
     def save(self, root: str | Path, optimizer: torch.optim.Optimizer, step: int) -> Path:
-        """A sharded checkpoint `root/step-NNNNNNNN` of the model and AdamW's state, each rank
+        """A sharded checkpoint `root/step-NNNNNNNN` of the model and the optimizer's state
+        (AdamW's, SGD's; `Prepared.optimizer`'s: each matrix's whole, from its owner), each rank
         writing what it holds; complete once `COMPLETE` is there."""
-        if isinstance(optimizer, WholeMatrices):
-            raise NotImplementedError("checkpoints of Prepared.optimizer's whole matrices are not "
-                                      "written yet: save the model alone with full_state_dict()")
         path = ckpt.step_path(root, step)
         if self.world.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -285,7 +283,7 @@ class Prepared:
         if found is None:
             raise FileNotFoundError(f"{path}: no complete checkpoint there (a step folder with "
                                     f"{ckpt.MARKER}, or a folder of them, as `save` writes)")
-        return rank_state.load(found, self.parallelized, optimizer)
+        return rank_state.load(found, self.parallelized, optimizer, self.world.group)
 
 
 def _check_arguments(model: nn.Module, precision: str, param_dtype: str,

@@ -34,19 +34,49 @@ class WholeMatrices:
         self.exchange, self.held = exchange, held
         owned = exchange.gather({id(t): t.detach() for t in held}, torch.float32)
         self.matrices = {name: w.clone() for name, w in owned.items()}  # this rank's, whole
-        self.optimizers = [o for o in (whole(list(self.matrices.values())) if self.matrices
-                                       else None, others(rest) if rest else None) if o]
+        self.matrix_optimizer = whole(list(self.matrices.values())) if self.matrices else None
+        self.rest = others(rest) if rest else None  # elementwise, over what the engine holds
+        self.optimizers = [o for o in (self.matrix_optimizer, self.rest) if o]
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
     @property
     def state(self) -> dict:
         return {k: v for o in self.optimizers for k, v in o.state.items()}
 
+    def matrix_state(self) -> dict[tuple[str, str], torch.Tensor]:
+        """The whole-matrix optimizer's state of each matrix this rank owns, by (matrix, key):
+        what a checkpoint holds of it (`plait/checkpoint/rank_state.py`). Every matrix's state
+        lies whole on its owner, so it reshards by ownership alone: a rank of another layout
+        reads the matrices it owns there."""
+        out, optimizer = {}, self.matrix_optimizer
+        for name, w in self.matrices.items():
+            for key, value in (optimizer.state.get(w, {}) if optimizer else {}).items():
+                if isinstance(value, int | float):  # a step count kept as a number
+                    value = torch.tensor(value)
+                if not isinstance(value, torch.Tensor):
+                    raise NotImplementedError(
+                        f"{type(optimizer).__name__}'s state '{key}' of {name} is a "
+                        f"{type(value).__name__}: checkpoints hold tensors and numbers only")
+                out[name, key] = value
+        return out
+
+    def load_matrix_state(self, saved: dict[tuple[str, str], torch.Tensor]) -> None:
+        """Put `saved` (`matrix_state`'s form, read from a checkpoint) into the whole-matrix
+        optimizer's state, and the owned matrices again from the pieces the engine holds (a
+        checkpoint has just been read into them): on every rank at once, as `step`."""
+        for name, w in self.matrices.items():
+            state = {key: t for (matrix, key), t in saved.items() if matrix == name}
+            if state:
+                self.matrix_optimizer.state[w] = state
+        with torch.no_grad():
+            owned = self.exchange.gather({id(t): t.detach() for t in self.held}, torch.float32)
+            for name, w in owned.items():
+                self.matrices[name].copy_(w)
+
     def grads_to_scale(self) -> list[torch.Tensor]:
         """The tensors whose gradients clipping and unscaling multiply before `step` (the pieces
         the engine holds: the whole matrices get theirs in `step`)."""
-        rest = [p for o in self.optimizers[1 if self.matrices else 0:]
-                for g in o.param_groups for p in g["params"]]
+        rest = [p for g in (self.rest.param_groups if self.rest else []) for p in g["params"]]
         return self.held + rest
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -349,12 +349,19 @@ def _whole(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
-def _whole_plait(parallel, wrap, factory, whole=_whole):
+def _whole_plait(parallel, wrap, factory, whole=_whole, tmp=None):
+    """Losses and parameters; with `tmp`, also the refusal to load the checkpoint saved there
+    at the end into Adafactor (the error)."""
     plait.init()
     job = plait.prepare(_model(False), F.cross_entropy, parallel, wrap=wrap, whole=whole)
     optimizer = job.optimizer(factory, lambda ps: torch.optim.AdamW(ps, lr=LR))
     losses = [job.step(*job.local(x, y), optimizer, grad_clip=1.0) for x, y in _batches()]
-    return losses, job.full_state_dict()
+    if tmp is None:
+        return losses, job.full_state_dict()
+    job.save(tmp, optimizer, step=STEPS)
+    with pytest.raises(ValueError) as refused:
+        job.load(tmp, job.optimizer(_adafactor, lambda ps: torch.optim.AdamW(ps, lr=LR)))
+    return losses, job.full_state_dict(), str(refused.value).replace(tmp, "TMP")
 
 
 def _whole_one_process(factory, whole=_whole):
@@ -388,6 +395,85 @@ def test_an_optimizer_of_whole_matrices_equals_one_process(name):
         _assert_same(got, want, f"Adafactor, {name}")
 
 
+def _whole_resumed(tmp):
+    """Adafactor over the whole matrices, AdamW over the rest, under ZeRO-3 (each matrix's
+    state on its one owner, AdamW's in slices): 2 steps, a checkpoint, then a job under DDP
+    loads it and trains 2 more. Loading it into an optimizer of another kind (SGD with
+    momentum, over the same matrices) is refused on every rank, the owners of none too, before
+    anything is read."""
+    plait.init()
+    first = plait.prepare(_model(False), F.cross_entropy, plait.ParallelConfig(zero=3),
+                          wrap=plait.WrapPolicy(classes=(digits.ConvBlock,)), whole=_whole)
+    optimizer = first.optimizer(_adafactor, lambda ps: torch.optim.AdamW(ps, lr=LR))
+    batches = _batches()
+    losses = [first.step(*first.local(x, y), optimizer, grad_clip=1.0) for x, y in batches[:2]]
+    first.save(tmp, optimizer, step=2)
+    second, losses_after = _whole_loaded(tmp, plait.ParallelConfig())
+    return losses + losses_after(), second.full_state_dict(), _refusals(tmp, second)
+
+
+def _refusals(tmp, job) -> list[str]:
+    """What loading `tmp` (Adafactor over the whole matrices) refuses: into SGD with momentum
+    over them; into a job that steps them elementwise; and an elementwise optimizer's checkpoint
+    into `job`'s Adafactor. Each before anything is read, on every rank (owners of none too)."""
+    out = []
+    plain = plait.prepare(_model(False), F.cross_entropy)
+    plain.save(f"{tmp}/plain", adamw := torch.optim.AdamW(plain.parameters(), lr=LR), step=1)
+    for target, root, optimizer in (
+            (job, tmp, job.optimizer(lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+                                     lambda ps: torch.optim.AdamW(ps, lr=LR))),
+            (plain, tmp, adamw),
+            (job, f"{tmp}/plain", job.optimizer(_adafactor, lambda ps: torch.optim.AdamW(ps)))):
+        with pytest.raises(ValueError) as refused:
+            target.load(root, optimizer)
+        out.append(str(refused.value).replace(str(tmp), "TMP"))
+    with pytest.raises(ValueError) as refused:  # AdamW over what a job of whole= gives it
+        job.load(tmp, torch.optim.AdamW(job.parameters(), lr=LR))
+    return out + [str(refused.value)]
+
+
+def _whole_loaded(tmp, parallel):
+    """A job of other weights that loads `tmp` into Adafactor and AdamW; (the job, a function
+    that trains it the last 2 steps)."""
+    torch.manual_seed(5)  # other weights: the checkpoint must replace them all
+    job = plait.prepare(digits.DigitsNet(width=8).eval(), F.cross_entropy, parallel,
+                        whole=_whole)
+
+    def train():
+        optimizer = job.optimizer(_adafactor, lambda ps: torch.optim.AdamW(ps, lr=LR))
+        assert job.load(tmp, optimizer) == 2
+        return [job.step(*job.local(x, y), optimizer, grad_clip=1.0)
+                for x, y in _batches()[2:]]
+
+    return job, train
+
+
+def _whole_loaded_alone(tmp):
+    plait.init()
+    job, train = _whole_loaded(tmp, plait.ParallelConfig(zero=1))
+    return train(), job.full_state_dict()
+
+
+def test_an_optimizer_of_whole_matrices_reshards_through_a_checkpoint(tmp_path):
+    want = _whole_one_process(_adafactor)
+    for got in run_world(_whole_resumed, 2, str(tmp_path)):
+        _assert_same(got, want, "Adafactor, zero3 -> save -> ddp load")
+        assert got[2] == [
+            "TMP/step-00000002 holds Adafactor's state of the whole matrices: load it into the "
+            "optimizer it was saved with",
+            "TMP/step-00000002 holds the state of an optimizer of whole matrices "
+            "(Prepared.optimizer): load it into one",
+            "TMP/plain/step-00000001 holds an elementwise optimizer's state of "
+            "blocks.0.conv.weight, which this optimizer steps whole: load it into the "
+            "optimizer it was saved with",
+            "blocks.0.conv.weight: what this rank holds of it is in no group of the optimizer: "
+            "build the optimizer over the job's parameters() (with prepare(whole=...): "
+            "job.optimizer(...))"]
+    # One process owns every matrix: it reads the state both owners wrote.
+    (losses, params), = run_world(_whole_loaded_alone, 1, str(tmp_path))
+    _assert_same((want[0][:2] + losses, params), want, "Adafactor, zero3 -> save -> one rank")
+
+
 def _matrix(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 2
 
@@ -396,15 +482,19 @@ def _torch_muon(params):
     return torch.optim.Muon(params, lr=LR)
 
 
-def test_torch_muon_through_the_python_api_under_zero3():
+def test_torch_muon_through_the_python_api_under_zero3(tmp_path):
     """A user's `torch.optim.Muon` on the whole head matrix under ZeRO-3 (its one matrix: the
-    other rank owns none), within Muon's tolerances (test_compositions.py's MUON_ROWS say why)."""
+    other rank owns none), within Muon's tolerances (test_compositions.py's MUON_ROWS say why).
+    Its checkpoint loaded into Adafactor is refused on both ranks, the one owning nothing too
+    (which would otherwise wait for the other in the read)."""
     want_losses, want = _whole_one_process(_torch_muon, _matrix)
-    for losses, got in run_world(_whole_plait, 2, plait.ParallelConfig(zero=3), None,
-                                 _torch_muon, _matrix):
+    for losses, got, refused in run_world(_whole_plait, 2, plait.ParallelConfig(zero=3), None,
+                                          _torch_muon, _matrix, str(tmp_path)):
         assert losses == pytest.approx(want_losses, rel=1e-4)
         for name, p in want.items():
             assert (got[name] - p).abs().mean() <= 1e-4, name
+        assert refused == ("TMP/step-00000004 holds Muon's state of the whole matrices: load "
+                           "it into the optimizer it was saved with")
 
 
 # Parameter groups by name (`prepare(groups=...)`, `Prepared.param_groups`): weight decay on the
