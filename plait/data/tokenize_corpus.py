@@ -81,8 +81,11 @@ def _rows(path: Path, field: str) -> Iterator[str]:
     # Only while plait reads: a Python caller's own datasets keep torch.
     torch_available, datasets.config.TORCH_AVAILABLE = datasets.config.TORCH_AVAILABLE, False
     try:
-        rows = datasets.load_dataset(TABLES[path.suffix], data_files=str(path), split="train",
-                                     streaming=True)
+        try:  # it reads the first rows already, for their columns
+            rows = datasets.load_dataset(TABLES[path.suffix], data_files=str(path),
+                                         split="train", streaming=True)
+        except Exception as e:  # noqa: BLE001 -- as `_readable`'s
+            raise _unreadable(path, e, 0) from None
         for i, row in _readable(rows, path):
             if field not in row:
                 raise _no_field(path, field, row)
@@ -103,12 +106,26 @@ def _readable(rows, path: Path) -> Iterator[tuple[int, dict]]:
         except StopIteration:
             return
         except Exception as e:  # datasets raises its readers' errors, of many classes
-            cause = str(e.__cause__ or e).splitlines()[0][:160]
-            read = f" (plait had read {i} row(s) before it)" if i else ""
-            raise ConfigError("SRC", f"{path} does not read as {TABLES[path.suffix]}: "
-                              f"{cause}{read}") from None
+            raise _unreadable(path, e, i) from None
         yield i, row
         i += 1
+
+
+def _unreadable(path: Path, e: Exception, read: int) -> ConfigError:
+    """One line for a table datasets could not read, after `read` rows: pyarrow's error where
+    it is in the chain (datasets falls back to pandas' JSON parser, whose error says less:
+    "Expected object or value"), else the first cause."""
+    chain, cause, seen = [e], e.__cause__ or e, set()
+    while chain:
+        x = chain.pop(0)
+        if type(x).__module__.startswith("pyarrow"):
+            cause = x
+            break
+        seen.add(id(x))
+        chain += [c for c in (x.__cause__, x.__context__) if c is not None and id(c) not in seen]
+    cause = str(cause).splitlines()[0][:160]
+    after = f" (plait had read {read} row(s) before it)" if read else ""
+    return ConfigError("SRC", f"{path} does not read as {TABLES[path.suffix]}: {cause}{after}")
 
 
 def _first_json_line(path: Path, field: str) -> None:

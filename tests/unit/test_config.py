@@ -414,6 +414,8 @@ OTHER_BAD_INPUT = [
     (["data", "prepare", "{files}/tiny.txt", "{files}/o", "--tokenizer", "{files}/tiny.txt"],
      "--tokenizer"),  # not a tokenizer
     (["data", "prepare", "{files}/bad.jsonl", "{files}/o", "--tokenizer", "bytes"], "SRC"),
+    # A blank line, then a row whose text is a number: datasets fails opening it (52 lines)
+    (["data", "prepare", "{files}/mixed.jsonl", "{files}/o", "--tokenizer", "bytes"], "SRC"),
     (["data", "prepare", "{files}/tiny.txt", "/proc/plait-o", "--tokenizer", "bytes"], "OUT"),
     # A launch checks sizes and a sample of ids; checksums are plait data verify's.
     (["data", "verify", "{files}/flipped"], "OUT"),  # fails its checksum
@@ -474,6 +476,7 @@ def _prepared_corpora(root):
     (root / "checksums_garbage" / "checksums.npy").write_bytes(b"not an array")
     (root / "rows.jsonl").write_text('{"body": "a row"}\n')
     (root / "bad.jsonl").write_text('{"text": "a row"}\nnot json\n')
+    (root / "mixed.jsonl").write_text('{"text": "a row"}\n\n{"text": 5}\n')
     (root / "linked").mkdir()
     (root / "linked" / "a.txt").write_text("a document")
     (root / "linked" / "elsewhere.txt").symlink_to(root / "tiny.txt")  # outside linked/
