@@ -8,7 +8,9 @@ collective on a group of one is a no-op in `plait.comm`.
 
 Hybrid sharding (HSDP) splits the `dp` axis further: ranks 0..K-1 of each dp group shard model
 state among themselves (`dp_shard`), and the dp / K such groups replicate it (`dp_replicate`).
-`hsdp_groups` builds those two families of groups.
+Under context parallelism a shard group holds its K dp ranks' cp ranks too (K x cp ranks, which
+together hold whole sequences: torchtitan's `dp_shard_cp`). `hsdp_groups` builds those two
+families of groups.
 
 A transform receives an `Axis`: the one group it communicates on, with this rank's index and the
 axis size. `Axis.dry` describes a coordinate without a process group, so the same transforms can
@@ -61,8 +63,18 @@ class ParallelDims:
 
     @property
     def shard(self) -> int:
-        """Size of a model-state sharding group (dp unless hybrid)."""
+        """The dp ranks of a model-state sharding group (dp unless hybrid)."""
         return self.dp_shard or self.dp
+
+    @property
+    def hybrid(self) -> bool:
+        """Hybrid sharding: the dp ranks shard in groups of `shard` and replicate across them."""
+        return self.shard < self.dp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks of a hybrid sharding group (`hsdp_groups`): its dp ranks' cp ranks too."""
+        return self.shard * self.cp
 
     def coords(self, rank: int) -> dict[str, int]:
         """The rank's index along each axis (row-major, tp fastest)."""
@@ -160,25 +172,34 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
 
 
 def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis]:
-    """(shard, replicate) axes of this rank for hybrid sharding: within a dp group of size dp,
-    consecutive runs of K = dims.shard ranks shard, and ranks K apart replicate. Every rank must
-    call this (groups are created collectively). With K = dp the replicate axis has size 1."""
+    """(shard, replicate) axes of this rank for hybrid sharding. The dp x cp ranks that share
+    this rank's other coordinates, row-major (dp outer), are cut into consecutive runs of
+    S = K x cp (K = dims.shard dp ranks, each with its cp ranks), which shard; ranks S apart
+    replicate. Every rank must call this (groups are created collectively). With K = dp the
+    replicate axis has size 1."""
     # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
     import torch.distributed as dist
 
-    me, K = dist.get_rank(), dims.shard
-    shard_lists, replicate_lists = [], []
-    for rank in range(dims.world_size):
-        c = dims.coords(rank)
-        if c["dp"] == 0:  # one dp group per combination of the other coordinates
-            ranks = dims.group_ranks("dp", rank)
-            shard_lists += [ranks[i : i + K] for i in range(0, dims.dp, K)]
-            replicate_lists += [ranks[i :: K] for i in range(K)]
-    dp_index = dims.coords(me)["dp"]
+    S, c = dims.shard_ranks, dims.coords(dist.get_rank())
+    index = c["dp"] * dims.cp + c["cp"]
+    shard_lists, replicate_lists = hsdp_rank_lists(dims)
     shard, _ = dist.new_subgroups_by_enumeration(shard_lists)
     replicate, _ = dist.new_subgroups_by_enumeration(replicate_lists)
-    return (Axis("dp_shard", shard, dp_index % K, K),
-            Axis("dp_replicate", replicate, dp_index // K, dims.dp // K))
+    return (Axis("dp_shard", shard, index % S, S),
+            Axis("dp_replicate", replicate, index // S, dims.dp // dims.shard))
+
+
+def hsdp_rank_lists(dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
+    """The ranks of every hybrid sharding group and of every replica group (`hsdp_groups`)."""
+    S, shard_lists, replicate_lists = dims.shard_ranks, [], []
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        if c["dp"] == 0 and c["cp"] == 0:  # one dp x cp group per combination of the others
+            ranks = [dims.rank(**{**c, "dp": d, "cp": k}) for d in range(dims.dp)
+                     for k in range(dims.cp)]
+            shard_lists += [ranks[i : i + S] for i in range(0, len(ranks), S)]
+            replicate_lists += [ranks[i :: S] for i in range(S)]
+    return shard_lists, replicate_lists
 
 
 def ranks_per_node(configured: int, world_size: int) -> int:

@@ -294,9 +294,6 @@ def _check_context(cfg: Config, dims: ParallelDims, shape: Shape) -> None:
     elif shape.experts:
         why = ("parallel.cp", "context parallelism with a mixture of experts is not supported "
                "yet; set cp = 1 or model.moe_experts = 0")
-    elif dims.shard < dims.dp:
-        why = ("parallel.dp_shard", "hybrid sharding with cp > 1 is not supported; leave "
-               "dp_shard at 0")
     if why:
         raise ConfigError(*why)
 

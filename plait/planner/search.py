@@ -55,15 +55,18 @@ def meshes(cfg: Config, cluster: Cluster, fixed: dict):
                         yield tp, pp, cp, ep, rest // (cp * ep)
 
 
-def data_parallel_choices(rows: int, dp: int, pp: int, tp: int, gpus_per_node: int) -> dict:
+def data_parallel_choices(rows: int, dp: int, pp: int, tp: int, gpus_per_node: int,
+                          cp: int = 1) -> dict:
     """The data-parallel part of the layouts tried on a mesh of `dp` replicas of `rows` rows
     each: every ZeRO stage, micro-batches of 1, 2, 4 and 8 per stage and of one row, and hybrid
-    sharding within a node where dp spans nodes (with a ZeRO stage: `hybrid_needs_zero`).
+    sharding within a node where dp spans nodes (with a ZeRO stage: `hybrid_needs_zero`; a
+    shard group is its dp ranks' tp x cp ranks, so a node holds G / (tp x cp) of its dp ranks).
     `plait plan` tries them on every mesh, `plait.plan` (a module from Python) on its one."""
-    G = gpus_per_node
+    G, K = gpus_per_node, gpus_per_node // (tp * cp)
+    hybrid = G % (tp * cp) == 0 and (K > 1 or cp > 1) and 0 < K < dp
     return {"zero": [0, 1, 2, 3],
             "microbatches": sorted({pp * k for k in (1, 2, 4, 8)} | {rows}),
-            "dp_shard": [0] + ([G // tp] if G % tp == 0 and 1 < G // tp < dp else [])}
+            "dp_shard": [0] + ([K] if hybrid else [])}
 
 
 MAX_VIRTUAL = 8  # virtual stages searched at most (Megatron's runs: 2 to 8; 405B's: 7 of 126)
@@ -116,7 +119,7 @@ def _tried(cfg: Config, cluster: Cluster, fixed: dict):
             "pp_schedule": schedules if pp > 1 else ["1f1b"],
             "pp_virtual": virtual_stages(layers, pp) if pp > 1 else [cfg.parallel.pp_virtual],
             "sequence_parallel": [tp > 1 and cluster.engine.sequence_parallel],
-            **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node),
+            **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node, cp),
             "offload": ["none"],  # `rank_plans` searches it where nothing fits without
             "activation_checkpointing": ["none", "selective", "full"],
         }

@@ -180,7 +180,7 @@ def muon_routes(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     if not names:
         return None
     c, zero = record.coords, cfg.parallel.zero
-    index = {"dp": c["dp"], "dp_shard": c["dp"] % dims.shard,
+    index = {"dp": c["dp"], "dp_shard": (c["dp"] * dims.cp + c["cp"]) % dims.shard_ranks,
              "batch": (c["dp"] * dims.cp + c["cp"]) * dims.ep + c["ep"]}
     groups, buffers = {}, []
     for group, K, segments in flat_buffers(cfg, dims, record):
@@ -336,7 +336,7 @@ def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: Placement
 def _norm_traffic(t: Traffic, cfg: Config, dims: ParallelDims) -> None:
     """The global gradient norm (every step: clipping, and the non-finite check): over pp, tp,
     ep and, under ZeRO, the sharding group (dp under ep: the dense slices' other axis is ep)."""
-    storage = ("dp_shard", dims.shard) if dims.shard < dims.dp else \
+    storage = ("dp_shard", dims.shard_ranks) if dims.hybrid else \
         ("batch", dims.dp * dims.cp) if dims.cp > 1 else ("dp", dims.dp)
     for group, n in (("pp", dims.pp), ("tp", dims.tp), ("ep", dims.ep),
                      storage if cfg.parallel.zero else ("dp", 1)):

@@ -39,10 +39,12 @@ def padded_numel(numel: int, k: int) -> int:
 def flat_buffers(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     """The data-parallel engine's flat buffers (DDP's buckets, ZeRO's flat parameters), each as
     (the group it is reduced over, that group's size, the layout of its parameters, unpadded):
-    dense parameters over the batch's ranks (dp x cp x ep, or dp_shard under hybrid sharding),
-    experts over dp."""
-    dense = ("batch", dims.batch) if dims.batch > dims.dp else \
-        ("dp_shard" if dims.shard < dims.dp else "dp", dims.shard if cfg.parallel.zero else dims.dp)
+    dense parameters over the batch's ranks (dp x cp x ep, or under hybrid sharding a shard
+    group's: its dp_shard ranks x cp), experts over dp."""
+    if dims.hybrid and cfg.parallel.zero:
+        dense = ("dp_shard", dims.shard_ranks)
+    else:
+        dense = ("batch", dims.batch) if dims.batch > dims.dp else ("dp", dims.dp)
     masters = cfg.parallel.zero == 0 and half_params(cfg)
     return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments, _ in
             flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb, matrices(cfg, record),

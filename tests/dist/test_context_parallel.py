@@ -50,6 +50,12 @@ ROWS = [
                                      "train.activation_checkpointing=selective"]),
     ("ulysses-cp2-ac-full", 2, ["parallel.cp=2", "parallel.cp_method=ulysses",
                                 "train.activation_checkpointing=full"]),
+    # Hybrid sharding: a shard group is its dp ranks with their cp ranks (dp_shard=1: the 2 cp
+    # ranks of a dp rank shard, the 2 dp ranks replicate; dp_shard=2: 2 dp x 2 cp ranks shard).
+    ("ring-cp2-dp2-hsdp-zero3-shard1", 4, ["parallel.cp=2", "parallel.zero=3",
+                                           "parallel.dp_shard=1"]),
+    ("ulysses-cp2-dp4-hsdp-zero1-shard2", 8, ["parallel.cp=2", "parallel.cp_method=ulysses",
+                                              "parallel.zero=1", "parallel.dp_shard=2"]),
 ]
 
 

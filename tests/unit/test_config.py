@@ -238,8 +238,6 @@ BAD_INPUT = [
       "model.n_heads=2", "model.n_kv_heads=2", "model.dim=64"], "parallel.cp"),  # 1 head per tp
     (["parallel.cp_method=zigzag"], "parallel.cp_method"),
     (["parallel.cp=2", "--nproc", "2", "model.preset='tiny-moe'"], "parallel.cp"),
-    (["parallel.cp=2", "--nproc", "4", "parallel.zero=1", "parallel.dp_shard=1"],
-     "parallel.dp_shard"),
     (["parallel.cp=2", "parallel.tp=2", "--nproc", "4", "parallel.cp_method=ulysses",
       "parallel.sequence_parallel=true", "data.seq_len=34"], "parallel.sequence_parallel"),
     (["parallel.ep=2", "--nproc", "2"], "parallel.ep"),  # a dense model: nothing to split

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from plait.mesh import AXES, ParallelDims, node_layout
+from plait.mesh import AXES, ParallelDims, hsdp_rank_lists, node_layout
 
 
 def test_coords_roundtrip_and_tp_innermost():
@@ -40,3 +40,33 @@ def test_group_ranks_partition_the_world():
 def test_which_axes_stay_inside_a_node(dims, node, layout):
     """A node holds consecutive ranks; tp, innermost, stays inside while it fits."""
     assert node_layout(dims, node) == layout
+
+
+@pytest.mark.parametrize("dims", [
+    ParallelDims(dp=4, dp_shard=2),
+    ParallelDims(pp=2, dp=4, tp=2, dp_shard=2),
+    ParallelDims(dp=2, cp=2, dp_shard=1),
+    ParallelDims(pp=2, dp=4, cp=2, tp=2, dp_shard=2),
+])
+def test_hybrid_sharding_groups_hold_their_dp_ranks_cp_ranks(dims):
+    """Each shard group is dp_shard dp ranks with all their cp ranks (one sequence's ranks never
+    split over two groups), one run of the mesh that the planner prices as `_group_shape` says;
+    the replica groups take one rank of each shard group; both families partition the world."""
+    from plait.planner.price import _group_shape
+
+    shards, replicas = hsdp_rank_lists(dims)
+    for lists, size in ((shards, dims.shard_ranks), (replicas, dims.dp // dims.shard)):
+        assert sorted(r for ranks in lists for r in ranks) == list(range(dims.world_size))
+        assert {len(ranks) for ranks in lists} == {size}
+    stride, size = _group_shape(dims, "dp_shard")
+    for ranks in shards:
+        assert ranks == list(range(ranks[0], ranks[0] + stride * size, stride))
+        coords = [dims.coords(r) for r in ranks]
+        assert {c["cp"] for c in coords} == set(range(dims.cp))
+        assert len({c["dp"] for c in coords}) == dims.shard
+        assert all(set(dims.group_ranks("cp", r)) <= set(ranks) for r in ranks)
+    stride, size = _group_shape(dims, "dp_replicate")
+    group_of = {r: i for i, ranks in enumerate(shards) for r in ranks}
+    for ranks in replicas:
+        assert ranks == list(range(ranks[0], ranks[0] + stride * size, stride))
+        assert len({group_of[r] for r in ranks}) == len(ranks)  # each in another shard group

@@ -47,7 +47,8 @@ def _engine(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                         wrap: WrapPolicy | None = None, fill: Filler | None = None,
                         matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
-    hybrid, over groups of `parallel.dp_shard` dp ranks, replicated across the groups), the
+    hybrid, over groups of `parallel.dp_shard` dp ranks and their cp ranks, replicated across
+    the groups), the
     experts over dp, reducing gradients with the `parallel.compression` method. With a `held`
     dtype (half) the parameters are held in it, with fp32 masters; ZeRO reduces gradients in it
     where `parallel.reduce_dtype` names it, DDP in fp32."""
@@ -68,8 +69,8 @@ def _engine(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                             overrides={n: a.group for n, a in overrides.items()}, nodes=nodes,
                             param_dtype=held, **classes)
     shard, replicate = dp, None
-    if cfg.dp_shard and cfg.dp_shard < dp.size:
-        dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
+    dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
+    if dims.hybrid:  # groups of dp_shard dp ranks with their cp ranks, replicated across
         shard, replicate = hsdp_groups(dims)
     precision = {
         "param_dtype": held,
