@@ -8,9 +8,11 @@ collective on a group of one is a no-op in `plait.comm`.
 
 Hybrid sharding (HSDP) splits the `dp` axis further: ranks 0..K-1 of each dp group shard model
 state among themselves (`dp_shard`), and the dp / K such groups replicate it (`dp_replicate`).
-Under context parallelism a shard group holds its K dp ranks' cp ranks too (K x cp ranks, which
-together hold whole sequences: torchtitan's `dp_shard_cp`). `hsdp_groups` builds those two
-families of groups.
+A shard group of the dense parameters holds its K dp ranks' cp and ep ranks too (K x cp x ep
+ranks, a run of the batch axis: the cp ranks of a sequence, the ep ranks whose rows the dense
+parameters also see; torchtitan's `dp_shard_cp`); an expert's parameters, on one ep rank, shard
+over its K dp ranks alone (`dp_shard_experts`). Both replicate across the same dp / K groups.
+`hsdp_groups` builds those families of groups.
 
 A transform receives an `Axis`: the one group it communicates on, with this rank's index and the
 axis size. `Axis.dry` describes a coordinate without a process group, so the same transforms can
@@ -73,8 +75,9 @@ class ParallelDims:
 
     @property
     def shard_ranks(self) -> int:
-        """The ranks of a hybrid sharding group (`hsdp_groups`): its dp ranks' cp ranks too."""
-        return self.shard * self.cp
+        """The ranks of a hybrid sharding group of the dense parameters (`hsdp_groups`): its dp
+        ranks' cp and ep ranks too."""
+        return self.shard * self.cp * self.ep
 
     def coords(self, rank: int) -> dict[str, int]:
         """The rank's index along each axis (row-major, tp fastest)."""
@@ -171,35 +174,46 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> DeviceMesh:
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
 
 
-def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis]:
-    """(shard, replicate) axes of this rank for hybrid sharding. The dp x cp ranks that share
-    this rank's other coordinates, row-major (dp outer), are cut into consecutive runs of
-    S = K x cp (K = dims.shard dp ranks, each with its cp ranks), which shard; ranks S apart
-    replicate. Every rank must call this (groups are created collectively). With K = dp the
-    replicate axis has size 1."""
+def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis, Axis | None]:
+    """(shard, replicate, experts' shard) axes of this rank for hybrid sharding. The dp x cp x
+    ep ranks that share this rank's other coordinates, row-major (dp outer: the batch axis), are
+    cut into consecutive runs of S = K x cp x ep (K = dims.shard dp ranks, each with its cp and
+    ep ranks), which shard the dense parameters; ranks S apart replicate. Under ep the experts
+    shard over runs of K of the dp ranks of one ep rank (None without ep), and replicate across
+    the same groups (a rank S apart in the batch is K apart in dp, on the same ep rank). Every
+    rank must call this (groups are created collectively). With K = dp the replicate axis has
+    size 1."""
     # here, not at the top: the checks before launch import no torch (tests/unit/test_config.py)
     import torch.distributed as dist
 
-    S, c = dims.shard_ranks, dims.coords(dist.get_rank())
-    index = c["dp"] * dims.cp + c["cp"]
-    shard_lists, replicate_lists = hsdp_rank_lists(dims)
+    S, K, c = dims.shard_ranks, dims.shard, dims.coords(dist.get_rank())
+    index = (c["dp"] * dims.cp + c["cp"]) * dims.ep + c["ep"]
+    shard_lists, replicate_lists, expert_lists = hsdp_rank_lists(dims)
     shard, _ = dist.new_subgroups_by_enumeration(shard_lists)
     replicate, _ = dist.new_subgroups_by_enumeration(replicate_lists)
+    experts = None
+    if dims.ep > 1:
+        group, _ = dist.new_subgroups_by_enumeration(expert_lists)
+        experts = Axis("dp_shard_experts", group, c["dp"] % K, K)
     return (Axis("dp_shard", shard, index % S, S),
-            Axis("dp_replicate", replicate, index // S, dims.dp // dims.shard))
+            Axis("dp_replicate", replicate, index // S, dims.dp // K), experts)
 
 
-def hsdp_rank_lists(dims: ParallelDims) -> tuple[list[list[int]], list[list[int]]]:
-    """The ranks of every hybrid sharding group and of every replica group (`hsdp_groups`)."""
-    S, shard_lists, replicate_lists = dims.shard_ranks, [], []
+def hsdp_rank_lists(dims: ParallelDims) -> tuple[list[list[int]], ...]:
+    """The ranks of every hybrid sharding group of the dense parameters, of every replica group
+    and of every experts' sharding group (`hsdp_groups`)."""
+    S, K, shard_lists, replicate_lists, expert_lists = dims.shard_ranks, dims.shard, [], [], []
     for rank in range(dims.world_size):
         c = dims.coords(rank)
-        if c["dp"] == 0 and c["cp"] == 0:  # one dp x cp group per combination of the others
-            ranks = [dims.rank(**{**c, "dp": d, "cp": k}) for d in range(dims.dp)
-                     for k in range(dims.cp)]
+        if c["dp"] == c["cp"] == c["ep"] == 0:  # one batch axis per combination of the others
+            ranks = [dims.rank(**{**c, "dp": d, "cp": k, "ep": e}) for d in range(dims.dp)
+                     for k in range(dims.cp) for e in range(dims.ep)]
             shard_lists += [ranks[i : i + S] for i in range(0, len(ranks), S)]
             replicate_lists += [ranks[i :: S] for i in range(S)]
-    return shard_lists, replicate_lists
+        if c["dp"] == 0:
+            ranks = dims.group_ranks("dp", rank)
+            expert_lists += [ranks[i : i + K] for i in range(0, dims.dp, K)]
+    return shard_lists, replicate_lists, expert_lists
 
 
 def ranks_per_node(configured: int, world_size: int) -> int:

@@ -258,10 +258,7 @@ def _check_moe(cfg: Config, dims: ParallelDims, shape: Shape) -> None:
     if e % dims.ep:
         raise ConfigError("parallel.ep", f"ep={dims.ep} must divide model.moe_experts={e}")
     why = None
-    if dims.shard < dims.dp:
-        why = ("parallel.dp_shard", "hybrid sharding with ep > 1 is not supported; leave "
-               "dp_shard at 0")
-    elif par.compression != "none":
+    if par.compression != "none":
         why = ("parallel.compression", "compressing reductions under ep > 1 is not supported; "
                "set it to 'none'")
     elif dims.pp > 1 and par.pp_schedule == "zb1":

@@ -211,16 +211,15 @@ class Parallelized:
         counts once (placement record: shards everywhere, replicas on the first coordinate of
         each axis summed over), then one all-reduce of one float64 per axis whose ranks hold
         different pieces: pp, tp and ep (experts), and the engine's sharding group under ZeRO
-        (dp x cp; under expert parallelism dp, then ep: together they shard the dense parameters,
-        dp the experts). Plain data parallelism communicates nothing for it: every replica has the
-        whole gradient."""
+        (dp x cp; under expert parallelism the experts' sharding group over dp, then ep:
+        together they shard the dense parameters, the first the experts). Plain data parallelism
+        communicates nothing for it: every replica has the whole gradient."""
         axes = [a for a in (self.axes["pp"], self.axes["tp"], self.axes["ep"]) if a.size > 1]
         over = {a.name for a in axes}
         storage = self.engine.storage_axis
         if storage is not None and storage.size > 1:
             over -= {"ep"}  # the dense slices differ over dp x ep; experts are ep shards
-            ep = storage.name == "batch" and self.axes["ep"].size > 1
-            axes.append(self.axes["dp"] if ep else storage)
+            axes.append(self.engine.expert_axis if self.axes["ep"].size > 1 else storage)
         total = torch.zeros(1, dtype=torch.float64, device=_device(self.module))
         counted = [piece.detach() for name, piece in self.engine.grad_pieces()
                    if self.record.counts_once(name, over)]

@@ -118,8 +118,8 @@ def _group_shape(dims: ParallelDims, group: str, node: int = 1) -> tuple[int, in
     for inner, outer in zip(AXES[::-1], AXES[::-1][1:], strict=False):
         stride[outer] = stride[inner] * getattr(dims, inner)
     K = dims.shard
-    return {"dp_shard": (stride["cp"], dims.shard_ranks),  # K dp ranks x cp, consecutive
-            "dp_replicate": (stride["dp"] * K, dims.dp // K),
+    return {"dp_shard": (stride["ep"], dims.shard_ranks),  # K dp ranks x cp x ep, in a run
+            "dp_shard_experts": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K),
             "dp_node": (stride["dp"], node), "dp_nodes": (stride["dp"] * node, dims.dp // node),
             "batch": (stride["ep"], dims.batch)}.get(  # dp x cp x ep: one run of stride tp
         group, (stride.get(group, 1), getattr(dims, group, 1)))

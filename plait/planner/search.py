@@ -56,14 +56,16 @@ def meshes(cfg: Config, cluster: Cluster, fixed: dict):
 
 
 def data_parallel_choices(rows: int, dp: int, pp: int, tp: int, gpus_per_node: int,
-                          cp: int = 1) -> dict:
+                          cp: int = 1, ep: int = 1) -> dict:
     """The data-parallel part of the layouts tried on a mesh of `dp` replicas of `rows` rows
     each: every ZeRO stage, micro-batches of 1, 2, 4 and 8 per stage and of one row, and hybrid
     sharding within a node where dp spans nodes (with a ZeRO stage: `hybrid_needs_zero`; a
-    shard group is its dp ranks' tp x cp ranks, so a node holds G / (tp x cp) of its dp ranks).
-    `plait plan` tries them on every mesh, `plait.plan` (a module from Python) on its one."""
-    G, K = gpus_per_node, gpus_per_node // (tp * cp)
-    hybrid = G % (tp * cp) == 0 and (K > 1 or cp > 1) and 0 < K < dp
+    shard group is its dp ranks' tp x cp x ep ranks, so a node holds G / (tp x cp x ep) of its
+    dp ranks). `plait plan` tries them on every mesh, `plait.plan` (a module from Python) on its
+    one."""
+    inner = tp * cp * ep
+    G, K = gpus_per_node, gpus_per_node // inner
+    hybrid = G % inner == 0 and (K > 1 or cp * ep > 1) and 0 < K < dp
     return {"zero": [0, 1, 2, 3],
             "microbatches": sorted({pp * k for k in (1, 2, 4, 8)} | {rows}),
             "dp_shard": [0] + ([K] if hybrid else [])}
@@ -119,7 +121,7 @@ def _tried(cfg: Config, cluster: Cluster, fixed: dict):
             "pp_schedule": schedules if pp > 1 else ["1f1b"],
             "pp_virtual": virtual_stages(layers, pp) if pp > 1 else [cfg.parallel.pp_virtual],
             "sequence_parallel": [tp > 1 and cluster.engine.sequence_parallel],
-            **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node, cp),
+            **data_parallel_choices(rows, dp, pp, tp, cluster.gpus_per_node, cp, ep),
             "offload": ["none"],  # `rank_plans` searches it where nothing fits without
             "activation_checkpointing": ["none", "selective", "full"],
         }
@@ -273,8 +275,11 @@ def reasons(p: PricedLayout, cluster: Cluster) -> list[str]:
         out.append(f"expert parallelism {d['ep']}: each GPU holds 1/{d['ep']} of the experts, "
                    "tokens reach them by all-to-all")
     if d["dp"] > 1:
-        out.append(f"data parallelism {d['dp']}" + (f" (hybrid: shards of {d['dp_shard']})"
-                                                    if d["dp_shard"] else ""))
+        hybrid = 0 < d["dp_shard"] < d["dp"]  # dp_shard = dp shards over all of dp
+        out.append(f"data parallelism {d['dp']}" + (
+            f" (hybrid: shards of {d['dp_shard']} dp ranks"
+            + (" with their cp and ep ranks" if d["cp"] * d["ep"] > 1 else "") + ")"
+            if hybrid else ""))
     if p.comm_s:
         out.append(f"communication not hidden: {p.comm_s:.3g} s of the {p.step_time_s:.3g} s "
                    "step")

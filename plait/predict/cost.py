@@ -180,8 +180,9 @@ def muon_routes(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     if not names:
         return None
     c, zero = record.coords, cfg.parallel.zero
-    index = {"dp": c["dp"], "dp_shard": (c["dp"] * dims.cp + c["cp"]) % dims.shard_ranks,
-             "batch": (c["dp"] * dims.cp + c["cp"]) * dims.ep + c["ep"]}
+    batch = (c["dp"] * dims.cp + c["cp"]) * dims.ep + c["ep"]
+    index = {"dp": c["dp"], "dp_shard": batch % dims.shard_ranks,
+             "dp_shard_experts": c["dp"] % dims.shard, "batch": batch}
     groups, buffers = {}, []
     for group, K, segments in flat_buffers(cfg, dims, record):
         sharded = zero > 0 and K > 1
@@ -336,8 +337,10 @@ def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: Placement
 def _norm_traffic(t: Traffic, cfg: Config, dims: ParallelDims) -> None:
     """The global gradient norm (every step: clipping, and the non-finite check): over pp, tp,
     ep and, under ZeRO, the sharding group (dp under ep: the dense slices' other axis is ep)."""
-    storage = ("dp_shard", dims.shard_ranks) if dims.hybrid else \
-        ("batch", dims.dp * dims.cp) if dims.cp > 1 else ("dp", dims.dp)
+    storage = ("batch", dims.dp * dims.cp) if dims.cp > 1 else ("dp", dims.dp)
+    if dims.hybrid:  # the dense shard group, or with ep its dp part, the experts' (then ep)
+        storage = ("dp_shard_experts", dims.shard) if dims.ep > 1 else \
+            ("dp_shard", dims.shard_ranks)
     for group, n in (("pp", dims.pp), ("tp", dims.tp), ("ep", dims.ep),
                      storage if cfg.parallel.zero else ("dp", 1)):
         t.add(group, Op.ALL_REDUCE, n, 8)

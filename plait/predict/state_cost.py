@@ -40,13 +40,14 @@ def flat_buffers(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     """The data-parallel engine's flat buffers (DDP's buckets, ZeRO's flat parameters), each as
     (the group it is reduced over, that group's size, the layout of its parameters, unpadded):
     dense parameters over the batch's ranks (dp x cp x ep, or under hybrid sharding a shard
-    group's: its dp_shard ranks x cp), experts over dp."""
+    group's: its dp_shard ranks x cp x ep), experts over dp (hybrid: over dp_shard ranks)."""
+    experts = ("dp", dims.dp)
     if dims.hybrid and cfg.parallel.zero:
-        dense = ("dp_shard", dims.shard_ranks)
+        dense, experts = ("dp_shard", dims.shard_ranks), ("dp_shard_experts", dims.shard)
     else:
         dense = ("batch", dims.batch) if dims.batch > dims.dp else ("dp", dims.dp)
     masters = cfg.parallel.zero == 0 and half_params(cfg)
-    return [(*(("dp", dims.dp) if experts else dense), segments) for experts, segments, _ in
+    return [(*(experts if expert else dense), segments) for expert, segments, _ in
             flat_layouts(record, cfg.parallel.zero, cfg.parallel.bucket_mb, matrices(cfg, record),
                          masters)]
 

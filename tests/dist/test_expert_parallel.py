@@ -178,6 +178,12 @@ ROWS = [
                               "parallel.zero=1", "parallel.microbatches=2"]),
     ("ep2-dp2-zero3-ac", 4, ["parallel.ep=2", "parallel.zero=3",
                              "train.activation_checkpointing=full"]),
+    # Hybrid sharding: the dense parameters shard over dp_shard dp ranks x ep, the experts over
+    # the dp_shard dp ranks of their ep rank; both replicate across the dp / dp_shard groups.
+    ("ep2-dp2-hsdp-zero1-shard1", 4, ["parallel.ep=2", "parallel.zero=1",
+                                      "parallel.dp_shard=1"]),
+    ("ep2-dp4-hsdp-zero3-shard2", 8, ["parallel.ep=2", "parallel.zero=3",
+                                      "parallel.dp_shard=2"]),
 ]
 
 

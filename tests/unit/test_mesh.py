@@ -47,26 +47,37 @@ def test_which_axes_stay_inside_a_node(dims, node, layout):
     ParallelDims(pp=2, dp=4, tp=2, dp_shard=2),
     ParallelDims(dp=2, cp=2, dp_shard=1),
     ParallelDims(pp=2, dp=4, cp=2, tp=2, dp_shard=2),
+    ParallelDims(dp=4, ep=2, dp_shard=2),
+    ParallelDims(pp=2, dp=4, ep=2, tp=2, dp_shard=1),
 ])
-def test_hybrid_sharding_groups_hold_their_dp_ranks_cp_ranks(dims):
-    """Each shard group is dp_shard dp ranks with all their cp ranks (one sequence's ranks never
-    split over two groups), one run of the mesh that the planner prices as `_group_shape` says;
-    the replica groups take one rank of each shard group; both families partition the world."""
+def test_hybrid_sharding_groups_hold_their_dp_ranks_cp_and_ep_ranks(dims):
+    """Each shard group of the dense parameters is dp_shard dp ranks with all their cp and ep
+    ranks (one sequence's ranks never split over two groups), each experts' shard group dp_shard
+    dp ranks of one ep rank; each one run of the mesh that the planner prices as `_group_shape`
+    says. A replica group takes one rank of each dense shard group, and the ranks of one
+    experts' shard group replicate with those of another of the same ep rank, slice for slice
+    (the same index in both). Each family partitions the world."""
     from plait.planner.price import _group_shape
 
-    shards, replicas = hsdp_rank_lists(dims)
-    for lists, size in ((shards, dims.shard_ranks), (replicas, dims.dp // dims.shard)):
+    shards, replicas, experts = hsdp_rank_lists(dims)
+    for lists, size in ((shards, dims.shard_ranks), (replicas, dims.dp // dims.shard),
+                        (experts, dims.shard)):
         assert sorted(r for ranks in lists for r in ranks) == list(range(dims.world_size))
         assert {len(ranks) for ranks in lists} == {size}
-    stride, size = _group_shape(dims, "dp_shard")
+    for name, lists in (("dp_shard", shards), ("dp_shard_experts", experts),
+                        ("dp_replicate", replicas)):
+        stride, size = _group_shape(dims, name)
+        assert all(ranks == list(range(ranks[0], ranks[0] + stride * size, stride))
+                   for ranks in lists), name
     for ranks in shards:
-        assert ranks == list(range(ranks[0], ranks[0] + stride * size, stride))
         coords = [dims.coords(r) for r in ranks]
-        assert {c["cp"] for c in coords} == set(range(dims.cp))
+        assert {(c["cp"], c["ep"]) for c in coords} == \
+            {(k, e) for k in range(dims.cp) for e in range(dims.ep)}
         assert len({c["dp"] for c in coords}) == dims.shard
-        assert all(set(dims.group_ranks("cp", r)) <= set(ranks) for r in ranks)
-    stride, size = _group_shape(dims, "dp_replicate")
-    group_of = {r: i for i, ranks in enumerate(shards) for r in ranks}
+    for ranks in experts:
+        assert len({dims.coords(r)["ep"] for r in ranks}) == 1
+    shard_of = {r: i for i, ranks in enumerate(shards) for r in ranks}
+    index_in = {r: ranks.index(r) for ranks in experts for r in ranks}
     for ranks in replicas:
-        assert ranks == list(range(ranks[0], ranks[0] + stride * size, stride))
-        assert len({group_of[r] for r in ranks}) == len(ranks)  # each in another shard group
+        assert len({shard_of[r] for r in ranks}) == len(ranks)  # each in another shard group
+        assert len({index_in[r] for r in ranks}) == 1  # the same experts' slice

@@ -62,27 +62,33 @@ def _engine(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
         if cfg.allreduce == "hierarchical":  # dp's ranks on each node, and across the nodes
             dims = ParallelDims(**{a: mesh[a].size() for a in AXES})
             node = dp_per_node(dims, ranks_per_node(cfg.ranks_per_node, dims.world_size))
-            local, across = hsdp_groups(dataclasses.replace(dims, dp_shard=node))
+            local, across, _ = hsdp_groups(dataclasses.replace(dims, dp_shard=node))
             nodes = NodeGroups(local.group, across.group)
         return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
                             algorithm=AllReduceAlgorithm(cfg.allreduce), compression=compression,
                             overrides={n: a.group for n, a in overrides.items()}, nodes=nodes,
                             param_dtype=held, **classes)
-    shard, replicate = dp, None
+    shard, replicate, experts = dp, None, axes["dp"]
     dims = ParallelDims(**{a: mesh[a].size() for a in AXES}, dp_shard=cfg.dp_shard)
-    if dims.hybrid:  # groups of dp_shard dp ranks with their cp ranks, replicated across
-        shard, replicate = hsdp_groups(dims)
+    if dims.hybrid:  # groups of dp_shard dp ranks with their cp and ep ranks, replicated across
+        shard, replicate, by_experts = hsdp_groups(dims)
+        experts = by_experts or experts
+        overrides = {n: experts for n in overrides}
     precision = {
         "param_dtype": held,
         "reduce_dtype": HALF[cfg.reduce_dtype] if cfg.reduce_dtype != "fp32" else torch.float32,
     }
     if cfg.zero == 3:
-        return Zero3DataParallel(chunks, shard, **precision, offload=cfg.offload,
-                                        replicate=replicate,
-                                        reshard_after_forward=cfg.reshard_after_forward,
-                                        compression=compression, overrides=overrides,
-                                        wrap=wrap, max_live=cfg.max_live_params, fill=fill,
-                                        **classes)
-    return ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
-                            offload_optimizer=cfg.offload == "optimizer", replicate=replicate,
-                            compression=compression, overrides=overrides, **classes)
+        engine = Zero3DataParallel(chunks, shard, **precision, offload=cfg.offload,
+                                   replicate=replicate,
+                                   reshard_after_forward=cfg.reshard_after_forward,
+                                   compression=compression, overrides=overrides,
+                                   wrap=wrap, max_live=cfg.max_live_params, fill=fill,
+                                   **classes)
+    else:
+        engine = ZeroDataParallel(chunks, shard, cfg.zero, cfg.bucket_mb, **precision,
+                                  offload_optimizer=cfg.offload == "optimizer",
+                                  replicate=replicate, compression=compression,
+                                  overrides=overrides, **classes)
+    engine.expert_axis = experts
+    return engine

@@ -141,6 +141,9 @@ class SyncedReplicas(nn.Module):
     # The ranks over which the engine partitions the replicas' storage (ZeRO: its sharding
     # group), whose gradient pieces are disjoint parts of one whole; None for whole replicas.
     storage_axis = None
+    # Under expert parallelism with a storage axis over dp x ep: its dp part, the experts'
+    # sharding group (all of dp; under hybrid sharding the experts' dp_shard group).
+    expert_axis = None
     matrices: frozenset[str] = frozenset()  # what a matrix optimizer (Muon) steps, by name
     groups: dict[str, str] = {}  # noqa: RUF012 - name -> the user's parameter group (read only)
 
