@@ -54,6 +54,10 @@ def training_state(par, optimizer: torch.optim.Optimizer, step: int = 0,
     for piece in par.engine.held_pieces():
         pieces[piece.name].append(piece)
     sd: dict[str, Boxes | torch.Tensor] = {}
+    for piece in par.engine.frozen_pieces():  # the model's, which no optimizer steps
+        place = par.record.params[piece.name]
+        sd[f"model.{piece.name}"] = boxes_of([(piece, piece.tensor)], place.shape,
+                                             place.local_shape, place.origin)
     elementwise, whole = _split(optimizer)
     if with_optimizer and elementwise is not None:
         init_optimizer_state(elementwise)
@@ -159,6 +163,12 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
         if par.scaler is not None and "train.loss_scale" not in sizes:
             # A checkpoint of an fp32 or bf16 run: fp16 starts its scale afresh.
             sd = {k: v for k, v in sd.items() if k not in par.scaler.state_tensors()}
+    frozen = [k for k in (f"model.{p.name}" for p in par.engine.frozen_pieces())
+              if k not in saved]
+    if frozen:  # a checkpoint written before plait saved them: the job's own values stay
+        warnings.warn(f"{path} holds no {', '.join(k[6:] for k in frozen)} (frozen parameters "
+                      "plait did not save before): they keep this job's values", stacklevel=2)
+        sd = {k: v for k, v in sd.items() if k not in frozen}
     dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadBoxes(),
              process_group=group)
     if full:

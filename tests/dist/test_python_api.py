@@ -217,6 +217,49 @@ def test_accumulation_recomputation_and_a_resharded_checkpoint_equal_one_process
         _assert_same(got, one_process, "zero3 accum2 checkpointed -> save -> zero1 load")
 
 
+# Frozen parameters (`requires_grad=False`, a fine-tuning's): the first block whole (under
+# ZeRO-3 a unit with nothing to train) and the second block's convolution (a unit that trains
+# its norm alone). Every engine keeps them whole on every rank and steps nothing of them.
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    for p in [*model.blocks[0].parameters(), *model.blocks[1].conv.parameters()]:
+        p.requires_grad_(False)
+    return model
+
+
+def _frozen_resumed(parallel, wrap, tmp):
+    """2 steps, a checkpoint, then a job of other weights (the frozen ones too) on ZeRO-1 loads
+    it and trains 2 more."""
+    plait.init()
+    first = plait.prepare(_frozen(_model(False)), F.cross_entropy, parallel, wrap=wrap)
+    optimizer = torch.optim.AdamW(first.parameters(), lr=LR)
+    batches = _batches()
+    losses = [first.step(*first.local(x, y), optimizer, grad_clip=1.0) for x, y in batches[:2]]
+    first.save(tmp, optimizer, step=2)
+    torch.manual_seed(5)
+    second = plait.prepare(_frozen(digits.DigitsNet(width=8).eval()), F.cross_entropy,
+                           plait.ParallelConfig(zero=1))
+    optimizer = torch.optim.AdamW(second.parameters(), lr=LR)
+    assert second.load(tmp, optimizer) == 2
+    losses += [second.step(*second.local(x, y), optimizer, grad_clip=1.0) for x, y in batches[2:]]
+    return losses, second.full_state_dict()
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3 units by class"])
+def test_frozen_parameters_stay_whole_and_are_checkpointed(name, tmp_path):
+    """Equal to one process whose AdamW steps the trainable parameters alone (the frozen ones
+    end where they began), through a checkpoint that holds the frozen ones: the second job's
+    own draw of them is replaced. ZeRO-3 failed before, registering a gradient hook on them."""
+    parallel, wrap = WHOLE[name]
+    want = _one_process(lambda model: [torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=LR)],
+        build=lambda: _frozen(_model(False)))
+    for got in run_world(_frozen_resumed, 2, parallel, wrap, str(tmp_path)):
+        _assert_same(got, want, f"frozen, {name} -> save -> zero1 load")
+        start = _model(False).state_dict()
+        assert all(torch.equal(got[1][n], start[n]) for n in ("blocks.0.conv.weight",
+                                                               "blocks.1.conv.weight"))
+
+
 def _unused():
     plait.init()
     model = _model(False)

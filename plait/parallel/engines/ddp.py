@@ -141,6 +141,7 @@ class SyncedReplicas(nn.Module):
     # The ranks over which the engine partitions the replicas' storage (ZeRO: its sharding
     # group), whose gradient pieces are disjoint parts of one whole; None for whole replicas.
     storage_axis = None
+    _frozen_bytes: int | None = None  # `frozen_bytes`, once counted
     # Under expert parallelism with a storage axis over dp x ep: its dp part, the experts'
     # sharding group (all of dp; under hybrid sharding the experts' dp_shard group).
     expert_axis = None
@@ -171,6 +172,19 @@ class SyncedReplicas(nn.Module):
         """What the optimizer steps, by parameter (the checkpoint's layout): whole parameters."""
         return [Piece(name, p, 0, 0, p.numel()) for name, p in self.module.named_parameters()
                 if p.requires_grad]
+
+    def frozen_pieces(self) -> list[Piece]:
+        """The parameters no optimizer steps (`requires_grad=False`: a fine-tuning's frozen
+        layers): every engine keeps them whole on every rank (as tp and pp place them), reduces
+        nothing for them, and a checkpoint holds them with the model."""
+        return [Piece(name, p, 0, 0, p.numel()) for name, p in self.module.named_parameters()
+                if not p.requires_grad]
+
+    def frozen_bytes(self) -> int:
+        """Their bytes (counted once: what is frozen stays so)."""
+        if self._frozen_bytes is None:
+            self._frozen_bytes = nbytes(piece.tensor for piece in self.frozen_pieces())
+        return self._frozen_bytes
 
     def grad_pieces(self):
         """(name, this rank's averaged gradient of it) after `finish_gradients`."""
@@ -432,7 +446,7 @@ class BucketedDataParallel(SyncedReplicas):
         if not self.masters:
             return super().state_bytes(optimizer)
         return self._with_peak({
-            "params": nbytes(b.full for b in self.buckets),
+            "params": nbytes(b.full for b in self.buckets) + self.frozen_bytes(),
             "grads": nbytes(b.grad for b in self.buckets),
             "optimizer": optimizer_state_bytes(optimizer)
             + sum(b.slice.master_bytes for b in self.buckets),

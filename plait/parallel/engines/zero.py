@@ -156,7 +156,7 @@ class ShardedEngine(SyncedReplicas):
         self._note_peak()
 
     def _params_bytes(self) -> int:
-        return nbytes(f.full for f in self.flats)
+        return nbytes(f.full for f in self.flats) + self.frozen_bytes()
 
     def _note_peak(self) -> None:
         """Record the parameter and gradient bytes alive now (called where either grows: a
@@ -292,7 +292,7 @@ class ZeroDataParallel(ShardedEngine):
         else:
             grads = [b.grad_shard for b in self.buckets]
         return self._with_peak({
-            "params": nbytes(b.full for b in self.buckets),
+            "params": self._params_bytes(),
             "grads": nbytes(grads),
             "optimizer": optimizer_state_bytes(optimizer)
             + sum(b.slice.master_bytes for b in self.buckets),

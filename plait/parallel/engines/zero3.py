@@ -46,7 +46,7 @@ from plait.comm import Pending, all_gather
 from plait.comm.compression import Compression
 from plait.host_memory import give_back_freed
 from plait.mesh import Axis
-from plait.model.materialize import swap_parameters
+from plait.model.materialize import materialize, swap_parameters
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.batch import tensors_in
 from plait.parallel.engines.ddp import sync_classes
@@ -127,12 +127,18 @@ class Zero3DataParallel(ShardedEngine):
         for c, chunk in enumerate(chunks.values()):
             modules = unit_modules(chunk, wrap)
             for m, params in zip(modules, unit_params(modules), strict=True):
+                params = [p for p in params if p.requires_grad]  # frozen: whole, as elsewhere
+                if not params:
+                    continue
                 self.units.append(Unit(m, params, names, c, shard, self.overrides, flat_args,
                                        fill, matrices, groups))
                 if fill is not None:  # what drawing its slices freed goes back to the kernel
                     give_back_freed()
-        # A model built on `meta`: its parameters become views of the flat buffers.
+        # A model built on `meta`: its parameters become views of the flat buffers, the frozen
+        # ones what this rank holds of them, whole.
         swap_parameters(chunks, {k: v for f in self.flats for k, v in f.replaced.items()})
+        if fill is not None:
+            materialize(chunks, fill.record, fill.source)
         # A unit built from whole parameters starts gathered, and is freed just below.
         self.gathered_bytes = sum(f.full_bytes for u in self.units if u.gathered
                                   for f in u.flats)
@@ -340,8 +346,9 @@ class Zero3DataParallel(ShardedEngine):
         })
 
     def _params_bytes(self) -> int:
-        """The slices and the units gathered now."""
-        return nbytes(f.slice.shard for f in self.flats) + self.gathered_bytes
+        """The slices, the units gathered now and the frozen parameters (whole)."""
+        return nbytes(f.slice.shard for f in self.flats) + self.gathered_bytes + \
+            self.frozen_bytes()
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -355,4 +362,5 @@ class Zero3DataParallel(ShardedEngine):
                     out[name] = view.clone()
             if not was_gathered:
                 self._free(unit)
+        out.update({piece.name: piece.tensor.detach().clone() for piece in self.frozen_pieces()})
         return out
