@@ -258,10 +258,7 @@ def _check_moe(cfg: Config, dims: ParallelDims, shape: Shape) -> None:
     if e % dims.ep:
         raise ConfigError("parallel.ep", f"ep={dims.ep} must divide model.moe_experts={e}")
     why = None
-    if par.compression != "none":
-        why = ("parallel.compression", "compressing reductions under ep > 1 is not supported; "
-               "set it to 'none'")
-    elif dims.pp > 1 and par.pp_schedule == "zb1":
+    if dims.pp > 1 and par.pp_schedule == "zb1":
         why = ("parallel.pp_schedule", "zb1's weight pass would need the expert all-to-alls a "
                "second time; use 1f1b, gpipe or interleaved with ep > 1")
     if why:

@@ -1,13 +1,15 @@
 """Gradient compression through the trainer's step path, compared with a one-process simulation of
 the same algorithm on the same per-rank gradients (tests/compression_reference.py).
 
-Each row is a layout (DDP, ZeRO-1/2 at dp 2 and 4, ZeRO-3, pp x dp, with gradient accumulation); in one world it trains
-3 steps with every method in turn, with compression starting at step 1 (two compressed steps: the
-second reduces with what the first held back). A probe records, for every
-buffer each rank reduces, what went in (the rank's gradient / n) and what came out (what the
-optimizer reads). Then, per data-parallel group and in call order (which must be the same on
-every rank: deterministic collectives), the simulation plays the group's ranks, keeping their
-error feedback and PowerSGD's Q across steps, and every rank's output must equal its result.
+Each row is a layout (DDP, ZeRO-1/2 at dp 2 and 4, ZeRO-3, pp x dp, ep x dp, with gradient
+accumulation); in one world it trains 3 steps with every method in turn, with compression
+starting at step 1 (two compressed steps: the second reduces with what the first held back). A
+probe records, for every buffer each rank reduces, what went in (the rank's gradient / n), what
+came out (what the optimizer reads) and the ranks of the group it was reduced over (dp; under
+ep, dp x ep for the dense buffers and dp for the experts'). Then, per group and in call order
+(which must be the same on every rank: deterministic collectives), the simulation plays the
+group's ranks, keeping their error feedback and PowerSGD's Q across steps, and every rank's
+output must equal its result.
 
 Tolerances: int8, top-k and sign decode the same numbers and add them in rank order on every rank
 and in the simulation, so they must be equal exactly. fp16 and bf16 are summed by gloo in the
@@ -22,13 +24,19 @@ the compression state (error feedback, Q) equals its formula.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
+import torch.distributed as dist
 from compression_reference import Simulation
 from harness import run_world
+from test_expert_parallel import probe as expert_probe
 from training import run_steps, tiny_config
 
+from plait.comm import Op
 from plait.config.choices import COMPRESSIONS
+from plait.predict import cost
 from plait.train.checks import validate
 
 START = 1
@@ -47,6 +55,10 @@ LAYOUTS = [
     ("pp2-dp2-ddp", 4, ["parallel.pp=2"], COMPRESSED),
     ("pp2-dp2-zero2", 4, ["parallel.pp=2", "parallel.zero=2"], COMPRESSED),
     ("zero3-dp2-accum2", 2, ["parallel.zero=3", "parallel.microbatches=2"], STATELESS),
+    # Expert parallelism: the dense buffers reduced over dp x ep, the experts' over dp.
+    ("ep2-dp2-ddp", 4, ["model.preset='tiny-moe'", "parallel.ep=2"], COMPRESSED),
+    ("ep2-dp2-zero1", 4, ["model.preset='tiny-moe'", "parallel.ep=2", "parallel.zero=1"],
+     COMPRESSED),
 ]
 
 
@@ -66,27 +78,31 @@ class Recorder:
         return Recorded()
 
     def all_reduce(self, key, flat, segments, group):
-        entry = self._entry(key, flat, segments, sharded=False)
+        entry = self._entry(key, flat, segments, False, group)
         return self._record(self.method.all_reduce(key, flat, segments, group), entry, flat)
 
     def reduce_scatter(self, key, flat, out, segments, group):
-        entry = self._entry(key, flat, segments, sharded=True)
+        entry = self._entry(key, flat, segments, True, group)
         chain = self.method.reduce_scatter(key, flat, out, segments, group)
         return self._record(chain, entry, out)
 
-    def _entry(self, key, flat, segments, sharded):
+    def _entry(self, key, flat, segments, sharded, group):
         return {"step": self.compression.steps, "key": key, "input": flat.clone(),
-                "segments": segments, "sharded": sharded}
+                "segments": segments, "sharded": sharded,
+                "ranks": tuple(dist.get_process_group_ranks(group))}
 
     def __getattr__(self, name):
         return getattr(self.method, name)
 
 
 def record_compression(trainer):
+    """The compression's calls; under ep also the token rows the all-to-alls moved (their bytes
+    follow the routing: `test_expert_parallel.probe`)."""
     compression = trainer.parallelized.engine.compression
     recorder = Recorder(compression.method, compression)
     compression.method = recorder
-    return lambda: {"calls": recorder.calls, "state": compression.state_bytes()}
+    routed = expert_probe()(trainer) if trainer.dims.ep > 1 else lambda: {}
+    return lambda: {"calls": recorder.calls, "state": compression.state_bytes(), **routed()}
 
 
 def run_methods(overrides, methods):
@@ -95,13 +111,15 @@ def run_methods(overrides, methods):
             for m in methods}
 
 
-def check_against_simulation(method, results, dims, tolerance):
-    groups: dict[tuple, list] = {}
-    for r in results:  # by data-parallel group, in dp order
-        c = r["coords"]
-        groups.setdefault((c["pp"], c["tp"]), []).append((c["dp"], r["probe"]["calls"]))
-    for members in groups.values():
-        calls = [c for _, c in sorted(members, key=lambda m: m[0])]
+def check_against_simulation(method, results, dims, tolerance) -> set[int]:
+    """Per group of ranks a buffer was reduced over (dp; dp x ep for the dense buffers and dp
+    for the experts' under ep), its members in group order; returns the groups' sizes."""
+    groups: dict[tuple, dict] = {}
+    for r in results:
+        for call in r["probe"]["calls"]:
+            groups.setdefault(call["ranks"], {}).setdefault(r["rank"], []).append(call)
+    for ranks, members in groups.items():
+        calls = [members[rank] for rank in ranks]
         n = len(calls)
         # Same buffers in the same order on every rank; none before compression starts.
         order = [[(c["step"], c["key"]) for c in rank_calls] for rank_calls in calls]
@@ -116,6 +134,7 @@ def check_against_simulation(method, results, dims, tolerance):
                 got = rank_calls[i]["output"].float()
                 expected = want.chunk(n)[dp] if first["sharded"] else want
                 tolerance(method, got, expected, [c[i]["input"] for c in calls], dp)
+    return {len(ranks) for ranks in groups}
 
 
 def tolerance(method, got, expected, inputs, dp):
@@ -141,12 +160,27 @@ def test_compressed_reduction_equals_simulation(ranks, overrides, methods):
         per_rank = [r[method] for r in results]
         cfg = tiny_config(*BASE, *overrides, f"parallel.compression={method}")
         dims = validate(cfg, ranks)
-        check_against_simulation(method, per_rank, dims, tolerance)
+        sizes = check_against_simulation(method, per_rank, dims, tolerance)
+        assert sizes == {dims.dp * dims.ep, dims.dp} - {1}, sizes  # under ep: both kinds
         for r in per_rank:
-            assert r["ledger"] == r["traffic"], f"{method} rank {r['rank']}: bytes != formula"
+            assert _ledger(r, cfg, dims) == r["traffic"][1], \
+                f"{method} rank {r['rank']}: bytes != formula"
             assert r["state"] == r["state_formula"], f"{method} rank {r['rank']}"
             assert r["state"]["compression"] == r["probe"]["state"]
             assert (r["state"]["compression"] > 0) == (method not in STATELESS)
+
+
+def _ledger(r, cfg, dims) -> dict:
+    """The bytes the step moved per op, less (under ep) the token all-to-alls', which the
+    routing decides (`cost.all_to_all_bytes` of the rows moved: test_expert_parallel's check);
+    with dp alone also the calls, which must equal the formulas'."""
+    moved = dict(r["ledger"][1])
+    if dims.ep == 1:
+        assert r["ledger"][0] == r["traffic"][0], f"rank {r['rank']}: calls != formula"
+        return moved
+    moved[Op.ALL_TO_ALL] -= cost.all_to_all_bytes(r["probe"]["rows"], cfg.model.args().dim,
+                                                  Fraction(4), dims.ep)
+    return {op: b for op, b in moved.items() if b}
 
 
 def train_losses(methods, steps):

@@ -251,8 +251,6 @@ BAD_INPUT = [
     (["model.moe_experts=-2"], "model.moe_experts"),
     (["model.preset='tiny-moe'", "model.moe_every=0"], "model.moe_every"),
     (["model.preset='tiny-moe'", "model.moe_aux_loss_coef=-0.1"], "model.moe_aux_loss_coef"),
-    (["model.preset='tiny-moe'", "parallel.ep=2", "--nproc", "4", "parallel.compression='fp16'"],
-     "parallel.compression"),
     (["model.preset='tiny-moe'", "parallel.ep=2", "--nproc", "2", "train.global_batch=3"],
      "train.global_batch"),
     (["parallel.pp=2", "--nproc", "2", "parallel.pp_schedule=interleaved",
