@@ -235,9 +235,10 @@ def _check_compression(par: ParallelConfig, dims: ParallelDims) -> None:
     if method != "none" and par.zero == 3 and method in WITH_ERROR_FEEDBACK:
         why = (f"'{method}' keeps a full-size error-feedback copy of every gradient per rank, "
                "which ZeRO-3 exists not to hold; use parallel.zero <= 2, or fp16, bf16 or int8")
-    elif method != "none" and dims.shard < dims.dp:
-        why = ("hybrid sharding reduces twice (within and across dp_shard groups), compression "
-               "covers one reduction: leave parallel.dp_shard at 0")
+    elif method not in ("none", "fp16", "bf16", "int8") and dims.shard < dims.dp:
+        why = (f"hybrid sharding compresses the all-reduce of its slices across the replicas, "
+               f"elementwise: fp16, bf16 or int8, not '{method}' (or leave parallel.dp_shard "
+               "at 0)")
     elif method != "none" and par.allreduce != "backend":
         why = (f"a method chooses its own collectives; parallel.allreduce='{par.allreduce}' is "
                "for uncompressed all-reduces: set one")

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from plait.comm import Op, bus_bytes
-from plait.comm.compression import members_numel
+from plait.comm.compression import members_numel, replica_segment
 from plait.config.schema import Config, microbatches
 from plait.mesh import ParallelDims, dp_per_node, ranks_per_node
 from plait.model.plan import has_plan, plan_of
@@ -296,8 +296,7 @@ def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: Placement
     Summed per group and op first: bus bytes are linear in the bytes, and a 7B model has a
     thousand buckets."""
     par = cfg.parallel
-    method = compression_method(cfg) if dims.shard > 1 else None
-    R = dims.dp // dims.shard
+    method = compression_method(cfg)  # where a buffer's group has more than one rank
     buffers = {}  # (group, op, n) -> [calls, bytes]
 
     def add(group: str, op: Op, n: int, nbytes: int, times: int = 1) -> None:
@@ -315,23 +314,37 @@ def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: Placement
                 add("dp_nodes", Op.ALL_REDUCE, K // node, 4 * padded // node)
                 add("dp_node", Op.ALL_GATHER, node, 4 * padded)
                 continue
-            reduction = (method.messages(segments, numel, K, sharded=False) if method
+            reduction = (method.messages(segments, numel, K, sharded=False) if method and K > 1
                          else [(Op.ALL_REDUCE, 4 * numel)])
             for op, nbytes in reduction:
                 add(group, op, K, nbytes)
     else:
-        param_b, reduce_b = dtype_bytes(cfg)
-        gathers = 1 if par.zero < 3 else (2 * s.M if par.reshard_after_forward else 1)
-        for group, K, segments in flat_buffers(cfg, dims, record):
-            padded = padded_numel(members_numel(segments), K)
-            reduction = (method.messages(segments, padded, K, sharded=True) if method
-                         else [(Op.REDUCE_SCATTER, padded * reduce_b)])
-            for op, nbytes in reduction:
-                add(group, op, K, nbytes)
-            add(group, Op.ALL_GATHER, K, padded * param_b, gathers)
-            add("dp_replicate", Op.ALL_REDUCE, R, padded // K * reduce_b)
+        _sharded_traffic(add, cfg, dims, record, s, method)
     for (group, op, n), (calls, nbytes) in buffers.items():
         t.add(group, op, n, nbytes, calls=calls)
+
+
+def _sharded_traffic(add, cfg: Config, dims: ParallelDims, record: PlacementRecord, s: _Step,
+                     method) -> None:
+    """ZeRO's part of `_data_traffic`, per flat buffer: the reduce-scatter over its group
+    (compressed, but under hybrid sharding), the gathers and, hybrid, the all-reduce of the
+    slices across the replicas (compressed there)."""
+    par, R = cfg.parallel, dims.dp // dims.shard
+    param_b, reduce_b = dtype_bytes(cfg)
+    gathers = 1 if par.zero < 3 else (2 * s.M if par.reshard_after_forward else 1)
+    for group, K, segments in flat_buffers(cfg, dims, record):
+        padded = padded_numel(members_numel(segments), K)
+        reduction = (method.messages(segments, padded, K, sharded=True)
+                     if method and K > 1 and not dims.hybrid
+                     else [(Op.REDUCE_SCATTER, padded * reduce_b)])
+        for op, nbytes in reduction:
+            add(group, op, K, nbytes)
+        add(group, Op.ALL_GATHER, K, padded * param_b, gathers)
+        slice_numel = padded // K
+        replicas = (method.messages([replica_segment(slice_numel)], slice_numel, R, sharded=False)
+                    if method and R > 1 else [(Op.ALL_REDUCE, slice_numel * reduce_b)])
+        for op, nbytes in replicas:
+            add("dp_replicate", op, R, nbytes)
 
 
 def _norm_traffic(t: Traffic, cfg: Config, dims: ParallelDims) -> None:

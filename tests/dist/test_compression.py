@@ -1,12 +1,13 @@
 """Gradient compression through the trainer's step path, compared with a one-process simulation of
 the same algorithm on the same per-rank gradients (tests/compression_reference.py).
 
-Each row is a layout (DDP, ZeRO-1/2 at dp 2 and 4, ZeRO-3, pp x dp, ep x dp, with gradient
-accumulation); in one world it trains 3 steps with every method in turn, with compression
+Each row is a layout (DDP, ZeRO-1/2 at dp 2 and 4, ZeRO-3, pp x dp, ep x dp, hybrid sharding,
+with gradient accumulation); in one world it trains 3 steps with every method in turn, with compression
 starting at step 1 (two compressed steps: the second reduces with what the first held back). A
 probe records, for every buffer each rank reduces, what went in (the rank's gradient / n), what
 came out (what the optimizer reads) and the ranks of the group it was reduced over (dp; under
-ep, dp x ep for the dense buffers and dp for the experts'). Then, per group and in call order
+ep, dp x ep for the dense buffers and dp for the experts'; under hybrid sharding the replicas,
+whose all-reduce of the slices is what is compressed). Then, per group and in call order
 (which must be the same on every rank: deterministic collectives), the simulation plays the
 group's ranks, keeping their error feedback and PowerSGD's Q across steps, and every rank's
 output must equal its result.
@@ -55,6 +56,10 @@ LAYOUTS = [
     ("pp2-dp2-ddp", 4, ["parallel.pp=2"], COMPRESSED),
     ("pp2-dp2-zero2", 4, ["parallel.pp=2", "parallel.zero=2"], COMPRESSED),
     ("zero3-dp2-accum2", 2, ["parallel.zero=3", "parallel.microbatches=2"], STATELESS),
+    # Hybrid sharding: the reduce-scatter within the shard group exact, the all-reduce of the
+    # slices across the replicas compressed (elementwise methods only).
+    ("hsdp-zero2-dp4-shard2", 4, ["parallel.zero=2", "parallel.dp_shard=2"], STATELESS),
+    ("hsdp-zero3-dp4-shard2", 4, ["parallel.zero=3", "parallel.dp_shard=2"], STATELESS),
     # Expert parallelism: the dense buffers reduced over dp x ep, the experts' over dp.
     ("ep2-dp2-ddp", 4, ["model.preset='tiny-moe'", "parallel.ep=2"], COMPRESSED),
     ("ep2-dp2-zero1", 4, ["model.preset='tiny-moe'", "parallel.ep=2", "parallel.zero=1"],
@@ -161,7 +166,8 @@ def test_compressed_reduction_equals_simulation(ranks, overrides, methods):
         cfg = tiny_config(*BASE, *overrides, f"parallel.compression={method}")
         dims = validate(cfg, ranks)
         sizes = check_against_simulation(method, per_rank, dims, tolerance)
-        assert sizes == {dims.dp * dims.ep, dims.dp} - {1}, sizes  # under ep: both kinds
+        assert sizes == ({dims.dp // dims.shard} if dims.hybrid else  # the replicas
+                         {dims.dp * dims.ep, dims.dp} - {1}), sizes  # under ep: both kinds
         for r in per_rank:
             assert _ledger(r, cfg, dims) == r["traffic"][1], \
                 f"{method} rank {r['rank']}: bytes != formula"

@@ -46,6 +46,7 @@ from plait.comm.compression.base import (
     layout,
     members_numel,
     own_chunk,
+    replica_segment,
     sum_in_rank_order,
 )
 
@@ -69,4 +70,4 @@ def build_compression(method: str, ratio: float = 0.01, rank: int = 4,
 
 __all__ = ["Chain", "Compression", "GatheredWithFeedback",
            "Method", "Segment", "all_gather_sum", "build_compression", "layout", "members_numel",
-           "own_chunk", "sum_in_rank_order"]
+           "own_chunk", "replica_segment", "sum_in_rank_order"]

@@ -39,6 +39,12 @@ def layout(members) -> list[Segment]:
     return out
 
 
+def replica_segment(numel: int) -> Segment:
+    """A ZeRO slice as one segment: what hybrid sharding compresses across its replicas (the
+    stateless methods only, which read no parameter's shape)."""
+    return Segment("replicas", 0, (numel,))
+
+
 def members_numel(segments: list[Segment]) -> int:
     """Elements the parameters occupy (the buffer may have padding after them)."""
     return sum(s.numel for s in segments)

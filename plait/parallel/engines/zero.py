@@ -36,7 +36,7 @@ from torch import nn
 
 from plait.comm import all_gather, all_reduce, reduce_scatter
 from plait.comm.buckets import assign_buckets
-from plait.comm.compression import Compression
+from plait.comm.compression import Compression, replica_segment
 from plait.mesh import Axis
 from plait.parallel.engines.buffer_pool import BufferPool
 from plait.parallel.engines.ddp import (
@@ -105,7 +105,7 @@ class ShardedEngine(SyncedReplicas):
         if flat.grad_shard_memory is None:  # made once, reused every step
             flat.grad_shard_memory = torch.empty_like(flat.slice.shard, dtype=self.reduce_dtype)
         flat.grad_shard = flat.grad_shard_memory
-        if self._compressing(flat.size):
+        if self._compressing(flat.size) and self.replicate is None:  # hybrid: `_settle`'s
             return self.compression.method.reduce_scatter(
                 flat.key, flat.grad, flat.grad_shard, flat.segments, flat.group)
         return reduce_scatter(flat.grad_shard, flat.grad, flat.group, async_op=True,
@@ -125,7 +125,11 @@ class ShardedEngine(SyncedReplicas):
         let go of their full-size staging buffers."""
         for flat, pending in self._inflight:
             pending.wait()
-            if self.replicate is not None:
+            if self.replicate is not None and self._compressing(self.replicate.size):
+                self.compression.method.all_reduce(  # the slow links: compressed (hpZ's qgZ)
+                    flat.key, flat.grad_shard, [replica_segment(flat.grad_shard.numel())],
+                    self.replicate.group).wait()
+            elif self.replicate is not None:
                 all_reduce(flat.grad_shard, self.replicate.group)
             self.buffers.detach(flat.grad.untyped_storage())
             flat.grad = None  # the staging buffer
