@@ -51,9 +51,13 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
         raise ConfigError("data.document_mask", f"{arch} has no plait plan (planned: "
                           f"{', '.join(HF_PLANS)}), and its attention takes no document mask "
                           "from plait; set it to false")
-    if plan is None and cfg.train.activation_checkpointing != "none":
+    if plan is None and cfg.train.activation_checkpointing == "selective":
         raise ConfigError("train.activation_checkpointing", f"{arch} has no plait plan naming "
-                          "its blocks; set it to 'none'")
+                          "its attention core; 'full' recomputes each decoder layer")
+    if plan is None and cfg.train.activation_checkpointing == "full" and \
+            not _decoder_layers(arch, config.model_type):
+        raise ConfigError("train.activation_checkpointing", f"{arch} names no decoder layer "
+                          "(transformers' _no_split_modules) to recompute; set it to 'none'")
     # Pipeline stages put the embedding and the head apart (tp splits both by vocabulary rows
     # alike and keeps them one; ZeRO-3 makes them one unit).
     tied = getattr(config, "tie_word_embeddings", False)
@@ -85,6 +89,20 @@ def _check_wrap_classes(arch: str, model_type: str, wrap: str) -> None:
         layers = getattr(getattr(module, arch, None), "_no_split_modules", None) or []
         raise ConfigError("parallel.wrap", f"{arch} has no module class {', '.join(missing)}"
                           + (f"; its decoder layer is {', '.join(layers)}" if layers else ""))
+
+
+def _decoder_layers(arch: str, model_type: str) -> list[str]:
+    """The classes transformers names in `arch`'s `_no_split_modules` (its decoder layer: what
+    "full" recomputes and ZeRO-3 makes its units, `PlainCausalLM.unit_classes`); a module that
+    does not import is given the benefit of the doubt (the worker names what is missing)."""
+    # here, not at the top: transformers' modeling modules import torch, only for this key
+    import importlib
+
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return ["?"]
+    return list(getattr(getattr(module, arch, None), "_no_split_modules", None) or [])
 
 
 def _check_planned(dims: ParallelDims, arch: str, family: Family | None,

@@ -366,6 +366,8 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
     parameters' `groups` (`Options`)."""
     record = PlacementRecord({a: axes[a].rank for a in AXES}, {a: axes[a].size for a in AXES})
     wrap = unit_policy(model, cfg, wrap)  # before the model is cut
+    if not checkpoint and not has_plan(model):  # "full" recomputes the model's own units (a
+        checkpoint = policy_of(model)  # transformers family's decoder layer), if it has any
     if axes["ep"].size > 1 and not has_experts(model):
         raise ValueError(f"parallel.ep={axes['ep'].size}: {type(model).__name__} has no "
                          "mixture-of-experts layer its plan names (plan.moe); use ep = 1")

@@ -60,6 +60,9 @@ ROWS = [
                                              "parallel.sequence_parallel=true"]),
         (f"{family}-zero3", family, 2, ["parallel.zero=3"]))],
     ("bloom-dp2-alibi", "bloom", 2, []),
+    # A family with no plan recomputes each decoder layer (its _no_split_modules) under "full".
+    ("bloom-dp2-zero3-ac-full", "bloom", 2, ["parallel.zero=3",
+                                             "train.activation_checkpointing=full"]),
 ]
 # Document masking (`data.document_mask`) on a corpus of short documents, against transformers'
 # packed sequences (its mask made from the positions, which restart at each document).
@@ -121,7 +124,11 @@ def test_hf_model_in_bf16_tracks_transformers_in_one_process(folders):
 def test_hf_model_equals_transformers_in_one_process(folders, references, family, ranks,
                                                      overrides):
     cfg = hf_config(folders[family], *overrides)
-    _equals_reference(cfg, family, ranks, references[family])
+    results = _equals_reference(cfg, family, ranks, references[family])
+    if "train.activation_checkpointing=full" in overrides:  # recomputed: less is kept
+        plain = hf_config(folders[family], *(o for o in overrides if "activation" not in o))
+        kept = describe_rank(plain, validate(plain, ranks), 0)["activations"]
+        assert all(r["activation_bytes"] < kept for r in results), kept
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +155,7 @@ def test_hf_document_mask_equals_transformers_packed_sequences(
     _equals_reference(cfg, family, ranks, document_references[family])
 
 
-def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
+def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> list[dict]:
     """`cfg` trained on `ranks` ranks equals `ref` (losses, parameters), with its collectives,
     model state and activations as predicted."""
     results = run_world(run_steps, ranks, cfg, STEPS, timeout=240)
@@ -185,3 +192,4 @@ def _equals_reference(cfg, family: str, ranks: int, ref: dict) -> None:
     # Every parameter of the transformers model was trained somewhere (a tied head counts once).
     assert seen == set(ref["params"])
     assert measured == traced
+    return results

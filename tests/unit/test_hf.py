@@ -243,8 +243,9 @@ def test_what_a_layout_cannot_do_with_a_hf_model_is_refused_in_one_line(hf_folde
     assert _refusal(f"model.hf='{bloom}'", "parallel.tp=2").startswith(
         "parallel.tp: BloomForCausalLM has no plait plan (planned: LlamaForCausalLM, ")
     assert _refusal(f"model.hf='{bloom}'", "parallel.zero=1", "parallel.dp=2",
-                    "train.activation_checkpointing=full", nproc=2).startswith(
-        "train.activation_checkpointing: BloomForCausalLM has no plait plan naming its blocks")
+                    "train.activation_checkpointing=selective", nproc=2) == \
+        "train.activation_checkpointing: BloomForCausalLM has no plait plan naming its " \
+        "attention core; 'full' recomputes each decoder layer"
     assert _refusal(f"model.hf='{bloom}'", "parallel.zero=3", "parallel.wrap=BloomLayer") == \
         "parallel.wrap: BloomForCausalLM has no module class BloomLayer; its decoder layer is " \
         "BloomBlock"
