@@ -47,9 +47,9 @@ def _engine(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
                         wrap: WrapPolicy | None = None, fill: Filler | None = None,
                         matrices: frozenset[str] = frozenset()) -> SyncedReplicas:
     """The engine `parallel.zero` names, over the ranks that split the batch (dp x cp x ep; or,
-    hybrid, over groups of `parallel.dp_shard` dp ranks and their cp ranks, replicated across
-    the groups), the
-    experts over dp, reducing gradients with the `parallel.compression` method. With a `held`
+    hybrid, over groups of `parallel.dp_shard` dp ranks with their cp and ep ranks, replicated
+    across the groups), the experts over dp (hybrid: over their `dp_shard` dp ranks), reducing
+    gradients with the `parallel.compression` method. With a `held`
     dtype (half) the parameters are held in it, with fp32 masters; ZeRO reduces gradients in it
     where `parallel.reduce_dtype` names it, DDP in fp32."""
     dp = axes["batch"]
