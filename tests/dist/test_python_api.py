@@ -442,8 +442,8 @@ def _whole_resumed(tmp):
     """Adafactor over the whole matrices, AdamW over the rest, under ZeRO-3 (each matrix's
     state on its one owner, AdamW's in slices): 2 steps, a checkpoint, then a job under DDP
     loads it and trains 2 more. Loading it into an optimizer of another kind (SGD with
-    momentum, over the same matrices) is refused on every rank, the owners of none too, before
-    anything is read."""
+    momentum, over the same matrices) is refused on every rank before anything is read (a rank
+    owning no matrix too: the Muon test below)."""
     plait.init()
     first = plait.prepare(_model(False), F.cross_entropy, plait.ParallelConfig(zero=3),
                           wrap=plait.WrapPolicy(classes=(digits.ConvBlock,)), whole=_whole)
@@ -458,7 +458,7 @@ def _whole_resumed(tmp):
 def _refusals(tmp, job) -> list[str]:
     """What loading `tmp` (Adafactor over the whole matrices) refuses: into SGD with momentum
     over them; into a job that steps them elementwise; and an elementwise optimizer's checkpoint
-    into `job`'s Adafactor. Each before anything is read, on every rank (owners of none too)."""
+    into `job`'s Adafactor. Each before anything is read, on every rank."""
     out = []
     plain = plait.prepare(_model(False), F.cross_entropy)
     plain.save(f"{tmp}/plain", adamw := torch.optim.AdamW(plain.parameters(), lr=LR), step=1)
