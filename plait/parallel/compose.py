@@ -386,7 +386,9 @@ def place(model: nn.Module, axes: dict[str, Axis], cfg: ParallelConfig, microbat
         c = int(c)
         record.chunk_of.update({n: c for n, _ in chunk.named_parameters()})
         record.units += [ZeroUnit(names, c, k == 0 and first_unit_spans(chunk, wrap))
-                         for k, names in enumerate(unit_names(chunk, wrap))]
+                         for k, names in enumerate(unit_names(chunk, wrap)) if names]
+        record.frozen.update({n: p.element_size() for n, p in chunk.named_parameters()
+                              if not p.requires_grad})
     matrices = muon_matrices(model, chunks)
     if callable(whole):
         matrices = frozenset(n for n, p in chunks.named_parameters() if whole(n, p))

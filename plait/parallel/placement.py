@@ -106,6 +106,9 @@ class PlacementRecord:
         self.params: dict[str, ParamPlacement] = {}
         self.chunk_of: dict[str, int] = {}  # parameter name -> its pipeline chunk (global index)
         self.units: list[ZeroUnit] = []  # `place` sets them, the formulas read them
+        # Parameters no optimizer steps (`requires_grad=False`): name -> bytes per element.
+        # Every engine keeps them whole, in no flat buffer (`SyncedReplicas.frozen_pieces`).
+        self.frozen: dict[str, int] = {}
         # Norms over a tp-split width (`ModelPlan.tp_norms`), each summing its squares over tp
         # in forward and its gradient's in backward: `apply_tp` notes them, the formulas count.
         self.split_norms: list[str] = []

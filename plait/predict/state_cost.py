@@ -27,9 +27,16 @@ from plait.parallel.placement import PlacementRecord
 
 
 def _meta(record: PlacementRecord, dtype=torch.float32) -> list[tuple[str, torch.Tensor]]:
-    """The held parameters as shapes only, in the engines' order."""
+    """The held parameters an optimizer steps as shapes only, in the engines' order (the frozen
+    ones are in no flat buffer)."""
     return [(n, torch.empty(p.local_shape, dtype=dtype, device="meta"))
-            for n, p in record.params.items()]
+            for n, p in record.params.items() if n not in record.frozen]
+
+
+def frozen_bytes(record: PlacementRecord) -> tuple[int, int]:
+    """(elements, bytes) of the frozen parameters this rank holds, whole."""
+    return (sum(record.params[n].local_numel for n in record.frozen),
+            sum(record.params[n].local_numel * size for n, size in record.frozen.items()))
 
 
 def padded_numel(numel: int, k: int) -> int:
@@ -124,18 +131,19 @@ def state_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> dic
     par = cfg.parallel
     param_b, reduce_b = dtype_bytes(cfg)
     bf16 = param_b == 2
-    held = record.held_numel()
+    frozen, frozen_b = frozen_bytes(record)
+    held = record.held_numel() - frozen  # what an optimizer steps
     flats = [(s, K, padded_numel(members_numel(s), K if par.zero else 1))
              for _, K, s in flat_buffers(cfg, dims, record)]
     muon = matrices(cfg, record)
     if par.zero == 0:
-        state = {"params": param_b * held, "grads": 4 * held,
+        state = {"params": param_b * held + frozen_b, "grads": 4 * held,
                  "optimizer": sum((optimizer_bytes(cfg, n in muon) + 4 * bf16) * p.local_numel
-                                  for n, p in record.params.items())}
+                                  for n, p in record.params.items() if n not in record.frozen)}
     else:
         padded = sum(numel for _, _, numel in flats)
         sliced = sum(numel // K for _, K, numel in flats)
-        state = {"params": param_b * (sliced if par.zero == 3 else padded),
+        state = {"params": param_b * (sliced if par.zero == 3 else padded) + frozen_b,
                  "grads": param_b * held if par.zero == 1 else reduce_b * sliced,
                  "optimizer": sum((optimizer_bytes(cfg, s[0].name in muon) + 4 * bf16)
                                   * (numel // K) for s, K, numel in flats)}
@@ -189,9 +197,10 @@ def startup_bytes(cfg: Config, dims: ParallelDims, record: PlacementRecord) -> i
     # Offload keeps the masters (and, "params", the slices) in host memory: not on the device.
     masters = 4 * sliced if bf16 and par.offload == "none" else 0
     blocks = 2 * 4 * min(BLOCK, largest)  # whole draw blocks at a slice's two ends
-    if par.zero == 3:
+    if par.zero == 3:  # (and the frozen parameters, whole)
         slices = 0 if par.offload == "params" else param_b * sliced
-        return slices + masters + 16 * max(n // K for K, n in flats) + blocks
+        return slices + masters + 16 * max(n // K for K, n in flats) + blocks + \
+            frozen_bytes(record)[1]
     return 4 * record.held_numel() + masters + blocks + max(
         8 * largest, (4 + param_b) * max(n for _, n in flats))
 
@@ -310,7 +319,8 @@ def _grads_peak(record: PlacementRecord, flats, groups: list[int], zero: int,
     final = {c: k for k, c in enumerate(passes)}  # the last pass of each chunk
     by_chunk = {}
     for n in record.params:
-        by_chunk.setdefault(record.chunk_of[n], []).append(n)
+        if n not in record.frozen:  # no gradient
+            by_chunk.setdefault(record.chunk_of[n], []).append(n)
     for k, chunk in enumerate(passes):
         names = by_chunk.get(chunk, [])
         if k != final[chunk]:  # gradients accumulate in the parameters

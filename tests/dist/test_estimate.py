@@ -72,7 +72,16 @@ class SmallTransformer(nn.Module):
 
 
 def _case(name: str):
-    """(model, global batch, loss_fn) of a named case."""
+    """(model, global batch, loss_fn) of a named case; "-frozen": with frozen parameters (the
+    digits' first block; the transformer's embeddings and first block: under ZeRO-3 by blocks,
+    a unit with nothing to gather, and a leftover unit half frozen)."""
+    if name.endswith("-frozen"):
+        model, batch, loss_fn = _case(name.removesuffix("-frozen"))
+        frozen = [model.blocks[0]] + ([model.tokens, model.positions]
+                                      if hasattr(model, "tokens") else [])
+        for p in (p for m in frozen for p in m.parameters()):
+            p.requires_grad_(False)
+        return model, batch, loss_fn
     torch.manual_seed(0)
     if name == "digits":
         x = torch.randn(BATCH * 2, 1, 8, 8)
@@ -83,7 +92,7 @@ def _case(name: str):
 
 
 def _policies(name: str, policy: str) -> dict:
-    unit = _digits_module().ConvBlock if name == "digits" else Block
+    unit = _digits_module().ConvBlock if name.startswith("digits") else Block
     return {"none": {}, "units": {"wrap": plait.WrapPolicy(classes=(unit,))},
             "by-size": {"wrap": plait.WrapPolicy(min_params=5000)},
             "checkpoint": {"wrap": plait.WrapPolicy(classes=(unit,)),
@@ -119,6 +128,10 @@ CASES = [
     ("transformer-zero2", "transformer", 2, {"zero": 2}, "none", "fp32"),
     ("transformer-zero3-by-size", "transformer", 2, {"zero": 3}, "by-size", "fp32"),
     ("transformer-zero3-checkpoint-bf16", "transformer", 2, {"zero": 3}, "checkpoint", "bf16"),
+    # Frozen parameters: whole on every rank, in no flat buffer, no gradient, no state.
+    ("digits-zero1-frozen", "digits-frozen", 2, {"zero": 1}, "none", "fp32"),
+    ("transformer-ddp-frozen", "transformer-frozen", 2, {}, "none", "fp32"),
+    ("transformer-zero3-units-frozen", "transformer-frozen", 2, {"zero": 3}, "units", "fp32"),
 ]
 
 

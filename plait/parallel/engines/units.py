@@ -98,10 +98,12 @@ def unit_params(units: list[list[nn.Module]]) -> list[list[nn.Parameter]]:
 
 
 def unit_names(chunk: nn.Module, wrap: WrapPolicy | None = None) -> list[tuple[str, ...]]:
-    """The parameter names of each unit of `unit_modules(chunk, wrap)`, in its order."""
+    """The names of the parameters each unit of `unit_modules(chunk, wrap)` gathers, in its
+    order: the trainable ones (a unit of frozen ones alone is empty: the engine makes none)."""
     names = {id(p): n for n, p in chunk.named_parameters()}
     modules = unit_modules(chunk, wrap)
-    return [tuple(names[id(p)] for p in params) for params in unit_params(modules)]
+    return [tuple(names[id(p)] for p in params if p.requires_grad)
+            for params in unit_params(modules)]
 
 
 def block_of(name: str) -> str | None:
