@@ -291,6 +291,9 @@ def _check_arguments(model: nn.Module, precision: str, param_dtype: str,
                      parallel: ParallelConfig) -> None:
     if next(model.parameters(), None) is None:
         raise ValueError(f"model: {type(model).__name__} has no parameters; nothing to train")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"model: every parameter of {type(model).__name__} has "
+                         "requires_grad=False; nothing to train (unfreeze what should learn)")
     if precision not in ("fp32", *HALF):
         raise ValueError(f"precision: 'fp32', 'bf16' or 'fp16', got {precision!r}")
     if param_dtype not in ("auto", "fp32", precision):

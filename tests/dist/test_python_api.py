@@ -173,15 +173,21 @@ def _refused_compile():
 
 
 def _refused(parallel):
+    """What `prepare` refuses: `parallel` on the model, and a model with nothing to train."""
     plait.init()
     with pytest.raises(ValueError) as caught:
         plait.prepare(_model(True), F.cross_entropy, parallel)
-    return str(caught.value)
+    frozen = _model(True).requires_grad_(False)
+    with pytest.raises(ValueError) as nothing:
+        plait.prepare(frozen, F.cross_entropy, plait.ParallelConfig(zero=3))
+    return str(caught.value), str(nothing.value)
 
 
-def test_a_degree_that_needs_a_plan_is_refused_naming_the_module():
-    for message in run_world(_refused, 2, plait.ParallelConfig(tp=2)):
+def test_a_degree_that_needs_a_plan_and_a_model_with_nothing_to_train_are_refused():
+    for message, nothing in run_world(_refused, 2, plait.ParallelConfig(tp=2)):
         assert message.startswith("parallel.tp=2 needs a model plan, and DigitsNet has none")
+        assert nothing == "model: every parameter of DigitsNet has requires_grad=False; " \
+            "nothing to train (unfreeze what should learn)"  # torch's error at backward before
 
 
 def _accumulated_checkpointed_resumed(tmp):
