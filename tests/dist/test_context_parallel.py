@@ -56,6 +56,9 @@ ROWS = [
                                            "parallel.dp_shard=1"]),
     ("ulysses-cp2-dp4-hsdp-zero1-shard2", 8, ["parallel.cp=2", "parallel.cp_method=ulysses",
                                               "parallel.zero=1", "parallel.dp_shard=2"]),
+    # DDP's hierarchical all-reduce: within a node of 2 dp x 2 cp ranks, across the 2 nodes.
+    ("ring-cp2-dp4-hierarchical", 8, ["parallel.cp=2", "parallel.allreduce='hierarchical'",
+                                      "parallel.ranks_per_node=4"]),
 ]
 
 
