@@ -52,6 +52,12 @@ ROWS = [
     ("llama-tied-tp2-sp", "llama-tied", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("qwen3-tp2-sp", "qwen3", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("mixtral-ep2-dp2", "mixtral", 4, ["parallel.ep=2"]),
+    # Hybrid sharding with cp (a shard group: a dp rank's 2 cp ranks) and with ep (the dense
+    # parameters over a dp rank's 2 ep ranks, each expert over its dp rank alone).
+    ("llama-dp2-cp2-hsdp-zero3-shard1", "llama", 4, ["parallel.cp=2", "parallel.zero=3",
+                                                     "parallel.dp_shard=1"]),
+    ("mixtral-ep2-dp2-hsdp-zero1-shard1", "mixtral", 4, ["parallel.ep=2", "parallel.zero=1",
+                                                         "parallel.dp_shard=1"]),
     ("mixtral-tp2", "mixtral", 2, ["parallel.tp=2"]),
     # The other planned families (`plait/model/families/`): each under tp2 + sp with pp2, and
     # under ZeRO-3 (Gemma2: soft-capped scores in its eager attention, soft-capped logits).
