@@ -212,10 +212,9 @@ def _check_nodes(par: ParallelConfig, dims: ParallelDims) -> None:
                           f"{dims.world_size}")
     if par.allreduce != "hierarchical":
         return
-    if par.zero or dims.ep > 1:
-        raise ConfigError("parallel.allreduce", "'hierarchical' reduces DDP's gradients over "
-                          "dp x cp (zero = 0, ep = 1); ZeRO's hierarchy is hybrid sharding "
-                          "(parallel.dp_shard)")
+    if par.zero:
+        raise ConfigError("parallel.allreduce", "'hierarchical' reduces DDP's gradients "
+                          "(zero = 0); ZeRO's hierarchy is hybrid sharding (parallel.dp_shard)")
     if node % (dims.cp * dims.ep * dims.tp) or dims.dp % dp_per_node(dims, node):
         raise ConfigError(key, f"'hierarchical' needs nodes of whole tensor-parallel groups "
                           f"whose dp ranks divide dp={dims.dp}: {node} ranks per node with "

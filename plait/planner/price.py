@@ -120,7 +120,8 @@ def _group_shape(dims: ParallelDims, group: str, node: int = 1) -> tuple[int, in
     K = dims.shard
     return {"dp_shard": (stride["ep"], dims.shard_ranks),  # K dp ranks x cp x ep, in a run
             "dp_shard_experts": (stride["dp"], K), "dp_replicate": (stride["dp"] * K, dims.dp // K),
-            "dp_node": (stride["cp"], node * dims.cp),  # a node's dp ranks x cp, in a run
+            "dp_node": (stride["ep"], node * dims.cp * dims.ep),  # its dp ranks x cp x ep
+            "dp_node_experts": (stride["dp"], node),
             "dp_nodes": (stride["dp"] * node, dims.dp // node),
             "batch": (stride["ep"], dims.batch)}.get(  # dp x cp x ep: one run of stride tp
         group, (stride.get(group, 1), getattr(dims, group, 1)))

@@ -308,12 +308,15 @@ def _data_traffic(t: Traffic, cfg: Config, dims: ParallelDims, record: Placement
     if par.zero == 0:
         for group, K, segments in flat_buffers(cfg, dims, record):
             numel = members_numel(segments)
-            if node:  # within the node (its dp ranks' cp ranks), across the nodes (1/local of
-                local = node * dims.cp  # it), within (allreduce.py)
+            if node:  # within the node (its dp ranks' cp and ep ranks; the experts' its dp
+                # ranks), across the nodes (1/local of it), within (allreduce.py)
+                experts = group == "dp" and dims.ep > 1
+                within, local = ("dp_node_experts", node) if experts else \
+                    ("dp_node", node * dims.cp * dims.ep)
                 padded = padded_numel(numel, local)
-                add("dp_node", Op.REDUCE_SCATTER, local, 4 * padded)
+                add(within, Op.REDUCE_SCATTER, local, 4 * padded)
                 add("dp_nodes", Op.ALL_REDUCE, dims.dp // node, 4 * padded // local)
-                add("dp_node", Op.ALL_GATHER, local, 4 * padded)
+                add(within, Op.ALL_GATHER, local, 4 * padded)
                 continue
             reduction = (method.messages(segments, numel, K, sharded=False) if method and K > 1
                          else [(Op.ALL_REDUCE, 4 * numel)])

@@ -184,6 +184,10 @@ ROWS = [
                                       "parallel.dp_shard=1"]),
     ("ep2-dp4-hsdp-zero3-shard2", 8, ["parallel.ep=2", "parallel.zero=3",
                                       "parallel.dp_shard=2"]),
+    # DDP's hierarchical all-reduce on 2 nodes of 2 dp x 2 ep ranks: the dense buckets within
+    # the node's 4 ranks, the experts' within its 2 dp ranks of their ep rank; across the nodes.
+    ("ep2-dp4-hierarchical", 8, ["parallel.ep=2", "parallel.allreduce='hierarchical'",
+                                 "parallel.ranks_per_node=4"]),
 ]
 
 

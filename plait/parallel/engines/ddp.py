@@ -277,7 +277,7 @@ class BucketedDataParallel(SyncedReplicas):
         algorithm: AllReduceAlgorithm = AllReduceAlgorithm.BACKEND,
         compression: Compression | None = None,
         overrides: dict[str, ProcessGroup] | None = None,
-        nodes: NodeGroups | None = None,
+        nodes: dict[ProcessGroup, NodeGroups] | None = None,
         matrices: frozenset[str] = frozenset(),
         groups: dict[str, str] | None = None,
         param_dtype: torch.dtype | None = None,
@@ -285,7 +285,7 @@ class BucketedDataParallel(SyncedReplicas):
         super().__init__()
         self.module, self.group, self.algorithm = module, group, algorithm
         self.matrices, self.groups = matrices, groups or {}
-        self.nodes = nodes  # the hierarchical all-reduce's view of `group`
+        self.nodes = nodes or {}  # the hierarchical all-reduce's view of each group
         self.compression = compression
         self.size = dist.get_world_size(group)  # the divisor: every rank's loss is a mean
         _broadcast_replicas(module, group, overrides)
@@ -348,7 +348,8 @@ class BucketedDataParallel(SyncedReplicas):
             pending = self.compression.method.all_reduce(bucket.key, bucket.grad,
                                                          bucket.segments, bucket.group)
         else:
-            pending = all_reduce_by(self.algorithm, bucket.grad, bucket.group, self.nodes)
+            pending = all_reduce_by(self.algorithm, bucket.grad, bucket.group,
+                                    self.nodes.get(bucket.group))
         self._in_flight.append((bucket, pending))
 
     @torch.no_grad()
