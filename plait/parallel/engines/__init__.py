@@ -59,11 +59,13 @@ def _engine(chunks: StageModules, mesh: DeviceMesh, cfg: ParallelConfig,
     classes = {"matrices": matrices, "groups": record.optimizer.groups}
     if cfg.zero == 0:
         nodes = None
-        if cfg.allreduce == "hierarchical":  # each group's ranks on a node, and across nodes:
-            dims = ParallelDims(**{a: mesh[a].size() for a in AXES})  # the batch's (dp x cp x
-            node = dp_per_node(dims, ranks_per_node(cfg.ranks_per_node, dims.world_size))  # ep)
+        if cfg.allreduce == "hierarchical":
+            # Each reduction group seen as nodes: the batch's (a node's dp x cp x ep ranks) and,
+            # under ep, the experts' (a node's dp ranks of one ep rank); the same groups across.
+            dims = ParallelDims(**{a: mesh[a].size() for a in AXES})
+            node = dp_per_node(dims, ranks_per_node(cfg.ranks_per_node, dims.world_size))
             local, across, experts = hsdp_groups(dataclasses.replace(dims, dp_shard=node))
-            nodes = {dp.group: NodeGroups(local.group, across.group)}  # and the experts' (dp)
+            nodes = {dp.group: NodeGroups(local.group, across.group)}
             if experts is not None:
                 nodes[axes["dp"].group] = NodeGroups(experts.group, across.group)
         return BucketedDataParallel(chunks, dp.group, bucket_mb=cfg.bucket_mb,
