@@ -45,7 +45,7 @@ from plait.parallel.context_parallel import ContextLayout, apply_cp
 from plait.parallel.dropout import seed_ranks
 from plait.parallel.embedding_grad import sum_embedding_grads_in_fp32
 from plait.parallel.engines import build_data_parallel
-from plait.parallel.engines.ddp import SyncedReplicas
+from plait.parallel.engines.replicas import SyncedReplicas
 from plait.parallel.engines.units import first_unit_spans, unit_names
 from plait.parallel.expert_parallel import apply_ep, has_experts, moe_layers
 from plait.parallel.grads import by_device_and_dtype, scale_grads_

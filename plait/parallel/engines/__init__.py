@@ -1,7 +1,8 @@
 """The data-parallel engines and the one they build for a layout (`parallel.zero` names it: DDP
 ddp.py | ZeRO-1/2 zero.py | ZeRO-3 zero3.py, its units cut by units.py), over this stage's
-chunks: the last step of `parallelize`'s straight line. They share one flat-parameter type
-(flat.py), the model-state accounting (state.py) and ZeRO's host staging (buffer_pool.py)."""
+chunks: the last step of `parallelize`'s straight line. They share one interface
+(replicas.py), one flat-parameter type (flat.py), the model-state accounting (state.py) and
+ZeRO's host staging (buffer_pool.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from plait.mesh import (
 )
 from plait.model.materialize import Filler
 from plait.optim.loss_scaling import HALF
-from plait.parallel.engines.ddp import BucketedDataParallel, SyncedReplicas
+from plait.parallel.engines.ddp import BucketedDataParallel
+from plait.parallel.engines.replicas import SyncedReplicas
 from plait.parallel.engines.zero import ZeroDataParallel
 from plait.parallel.engines.zero3 import Zero3DataParallel
 from plait.parallel.expert_parallel import expert_overrides

@@ -39,19 +39,19 @@ from plait.comm.buckets import assign_buckets
 from plait.comm.compression import Compression, replica_segment
 from plait.mesh import Axis
 from plait.parallel.engines.buffer_pool import BufferPool
-from plait.parallel.engines.ddp import (
+from plait.parallel.engines.flat import (
+    FlatParam,
+    optimizer_classes,
+    stepped_by_group,
+    stepped_classes,
+)
+from plait.parallel.engines.replicas import (
     SyncedReplicas,
     _broadcast_replicas,
     _check_all_have_grads,
     fill_unused,
     launch_ready,
     sync_classes,
-)
-from plait.parallel.engines.flat import (
-    FlatParam,
-    optimizer_classes,
-    stepped_by_group,
-    stepped_classes,
 )
 from plait.parallel.engines.state import Piece, nbytes, optimizer_state_bytes
 

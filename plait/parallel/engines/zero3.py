@@ -49,8 +49,8 @@ from plait.mesh import Axis
 from plait.model.materialize import materialize, swap_parameters
 from plait.parallel.activation_checkpoint import recomputing
 from plait.parallel.batch import tensors_in
-from plait.parallel.engines.ddp import sync_classes
 from plait.parallel.engines.flat import FlatParam, optimizer_classes
+from plait.parallel.engines.replicas import sync_classes
 from plait.parallel.engines.state import nbytes, optimizer_state_bytes
 from plait.parallel.engines.units import unit_modules, unit_params
 from plait.parallel.engines.zero import ShardedEngine
