@@ -73,15 +73,23 @@ def check_hf(cfg: Config, dims: ParallelDims) -> None:
                           f"do not apply; set cp = 1, or seq_len <= {window}")
 
 
-def _check_wrap_classes(arch: str, model_type: str, wrap: str) -> None:
-    """`parallel.wrap`'s class names against the family's modeling module, where transformers
-    keeps it under its model type's name (else the worker says it, building the model)."""
-    # here, not at the top: transformers' modeling modules import torch, only for this key
+def _modeling(model_type: str):
+    """The family's modeling module, where transformers keeps it under its model type's name;
+    None where it does not (then the worker says what is wrong, building the model)."""
+    # here, not at the top: transformers' modeling modules import torch, only for the keys
+    # that need them
     import importlib
 
     try:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     except ImportError:
+        return None
+
+
+def _check_wrap_classes(arch: str, model_type: str, wrap: str) -> None:
+    """`parallel.wrap`'s class names against the family's modeling module (`_modeling`)."""
+    module = _modeling(model_type)
+    if module is None:
         return
     missing = [n.strip() for n in wrap.split(",") if not isinstance(getattr(module, n.strip(),
                                                                             None), type)]
@@ -95,12 +103,8 @@ def _decoder_layers(arch: str, model_type: str) -> list[str]:
     """The classes transformers names in `arch`'s `_no_split_modules` (its decoder layer: what
     "full" recomputes and ZeRO-3 makes its units, `PlainCausalLM.unit_classes`); a module that
     does not import is given the benefit of the doubt (the worker names what is missing)."""
-    # here, not at the top: transformers' modeling modules import torch, only for this key
-    import importlib
-
-    try:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    except ImportError:
+    module = _modeling(model_type)
+    if module is None:
         return ["?"]
     return list(getattr(getattr(module, arch, None), "_no_split_modules", None) or [])
 
