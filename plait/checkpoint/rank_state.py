@@ -155,7 +155,7 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
     elementwise, whole = _split(optimizer)
     sd = training_state(par, optimizer, with_optimizer=full)
     if full:  # compression's entries as they were saved (see compression.py)
-        sizes = saved_sizes(path)
+        sizes = saved_sizes(saved)
         sd = {k: v for k, v in sd.items() if not k.startswith(("compression.", "whole."))}
         sd.update(_whole_entries(path, saved, whole, par, group))
         entries, compression_loaded = compression_state(par, sizes)
@@ -197,9 +197,9 @@ def one_process():
         yield
 
 
-def saved_sizes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """The size of every tensor a checkpoint holds, by key."""
-    saved = read_metadata(path).state_dict_metadata
+def saved_sizes(saved: dict) -> dict[str, tuple[int, ...]]:
+    """The size of every tensor a checkpoint holds, by key, from its metadata's
+    `state_dict_metadata` (`read_metadata`)."""
     return {k: tuple(v.size) for k, v in saved.items() if hasattr(v, "size")}
 
 
