@@ -63,6 +63,10 @@ class ParallelDims:
         the mean: dp x cp x ep (rows over dp x ep, each row's sequence over cp)."""
         return self.dp * self.cp * self.ep
 
+    def batch_index(self, coords: dict[str, int]) -> int:
+        """A rank's index on the batch axis (dp x cp x ep, row-major: `batch_axis`)."""
+        return (coords["dp"] * self.cp + coords["cp"]) * self.ep + coords["ep"]
+
     @property
     def shard(self) -> int:
         """The dp ranks of a model-state sharding group (dp unless hybrid)."""
@@ -187,7 +191,7 @@ def hsdp_groups(dims: ParallelDims) -> tuple[Axis, Axis, Axis | None]:
     import torch.distributed as dist
 
     S, K, c = dims.shard_ranks, dims.shard, dims.coords(dist.get_rank())
-    index = (c["dp"] * dims.cp + c["cp"]) * dims.ep + c["ep"]
+    index = dims.batch_index(c)
     shard_lists, replicate_lists, expert_lists = hsdp_rank_lists(dims)
     shard, _ = dist.new_subgroups_by_enumeration(shard_lists)
     replicate, _ = dist.new_subgroups_by_enumeration(replicate_lists)

@@ -180,7 +180,7 @@ def muon_routes(cfg: Config, dims: ParallelDims, record: PlacementRecord):
     if not names:
         return None
     c, zero = record.coords, cfg.parallel.zero
-    batch = (c["dp"] * dims.cp + c["cp"]) * dims.ep + c["ep"]
+    batch = dims.batch_index(c)
     index = {"dp": c["dp"], "dp_shard": batch % dims.shard_ranks,
              "dp_shard_experts": c["dp"] % dims.shard, "batch": batch}
     groups, buffers = {}, []
