@@ -61,6 +61,16 @@ def master_differences(r, ref) -> dict[str, torch.Tensor]:
     return out
 
 
+def routed_bytes(cfg, dims, r) -> Fraction:
+    """The bytes a rank's token all-to-alls moved in its last step, which follow the routing:
+    what the rows each dispatch moved (the expert probe's "rows") say, as in
+    test_expert_parallel. Rows go out in the residual's dtype and come back in the experts'
+    (half under autocast): the mean of the two per element."""
+    half = cfg.train.precision in HALF
+    elt = Fraction((2 if cost.half_params(cfg) else 4) + (2 if half else 4), 2)
+    return cost.all_to_all_bytes(r["probe"]["rows"], cfg.model.args().dim, elt, dims.ep)
+
+
 def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None):
     dims = validate(cfg, len(results))
     differences: dict[str, list[torch.Tensor]] = {}
@@ -69,15 +79,9 @@ def compare(cfg, results, ref, loss_rtol, param_atol=None, param_mean_atol=None)
         # formulas of plait.predict.cost, and so does what `plait train --dry-run` predicts for
         # this rank from one process, without a process group.
         dry = describe_rank(cfg, dims, r["rank"])
-        if dims.ep > 1:  # the token all-to-alls follow the routing: the bytes the rows each
-            # dispatch moved (the probe's "rows") say, as in test_expert_parallel
-            # Rows go out in the residual's dtype and come back in the experts' (half under
-            # autocast): the mean of the two per element.
-            half = cfg.train.precision in HALF
-            elt = Fraction((2 if cost.half_params(cfg) else 4) + (2 if half else 4), 2)
+        if dims.ep > 1:  # the token all-to-alls follow the routing (`routed_bytes`)
             moved = dict(r["traffic"][1])
-            moved[Op.ALL_TO_ALL] = moved.get(Op.ALL_TO_ALL, 0) + cost.all_to_all_bytes(
-                r["probe"]["rows"], cfg.model.args().dim, elt, dims.ep)
+            moved[Op.ALL_TO_ALL] = moved.get(Op.ALL_TO_ALL, 0) + routed_bytes(cfg, dims, r)
             assert r["ledger"][1] == moved, f"rank {r['rank']}"
         else:
             assert r["ledger"] == r["traffic"], f"rank {r['rank']}"

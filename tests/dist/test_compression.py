@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from compression_reference import Simulation
 from harness import run_world
+from matrix import routed_bytes
 from test_expert_parallel import probe as expert_probe
 from training import run_steps, tiny_config
 
@@ -178,14 +179,13 @@ def test_compressed_reduction_equals_simulation(ranks, overrides, methods):
 
 def _ledger(r, cfg, dims) -> dict:
     """The bytes the step moved per op, less (under ep) the token all-to-alls', which the
-    routing decides (`cost.all_to_all_bytes` of the rows moved: test_expert_parallel's check);
-    with dp alone also the calls, which must equal the formulas'."""
+    routing decides (`matrix.routed_bytes`); with dp alone also the calls, which must equal
+    the formulas'."""
     moved = dict(r["ledger"][1])
     if dims.ep == 1:
         assert r["ledger"][0] == r["traffic"][0], f"rank {r['rank']}: calls != formula"
         return moved
-    moved[Op.ALL_TO_ALL] -= cost.all_to_all_bytes(r["probe"]["rows"], cfg.model.args().dim,
-                                                  Fraction(4), dims.ep)
+    moved[Op.ALL_TO_ALL] -= routed_bytes(cfg, dims, r)
     return {op: b for op, b in moved.items() if b}
 
 
