@@ -109,6 +109,12 @@ def whole_state(whole: WholeMatrices | None) -> dict[str, torch.Tensor]:
     return {f"whole.{kind}.{key}.{m}": t for (m, key), t in whole.matrix_state().items()}
 
 
+def _whole_key(key: str) -> tuple[str, str, str]:
+    """(optimizer class, state key, matrix) of a `whole_state` checkpoint key."""
+    _, kind, state_key, matrix = key.split(".", 3)
+    return kind, state_key, matrix
+
+
 def _whole_entries(path, saved: dict, whole: WholeMatrices | None, par,
                    group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Tensors to read the saved whole-matrix state of the matrices this rank owns into, as the
@@ -122,20 +128,21 @@ def _whole_entries(path, saved: dict, whole: WholeMatrices | None, par,
         return {}
     stepped_whole = {m.name for m in whole.exchange.matrices}
     for k in saved:
-        if k.startswith("optim.") and k.split(".", 2)[-1] in stepped_whole:
-            raise ValueError(f"{path} holds an elementwise optimizer's state of "
-                             f"{k.split('.', 2)[-1]}, which this optimizer steps whole: load it "
-                             "into the optimizer it was saved with")
+        name = k.split(".", 2)[-1]
+        if k.startswith("optim.") and name in stepped_whole:
+            raise ValueError(f"{path} holds an elementwise optimizer's state of {name}, which "
+                             "this optimizer steps whole: load it into the optimizer it was "
+                             "saved with")
     kind, out, kinds = type(whole.matrix_optimizer).__name__, {}, set()
     for k, v in saved.items():
         if not k.startswith("whole."):
             continue
-        _, saved_kind, _, matrix = k.split(".", 3)
+        saved_kind, _, matrix = _whole_key(k)
         kinds.add(saved_kind)
         if matrix in whole.matrices:
             out[k] = torch.empty(v.size, dtype=v.properties.dtype,
                                  device=whole.matrices[matrix].device)
-    other = torch.tensor([any(k.split(".")[1] != kind for k in out)], dtype=torch.int32,
+    other = torch.tensor([any(_whole_key(k)[0] != kind for k in out)], dtype=torch.int32,
                          device=next(par.module.parameters()).device)
     all_reduce(other, group, dist.ReduceOp.MAX)
     if other.item():
@@ -166,8 +173,9 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
     frozen = [k for k in (f"model.{p.name}" for p in par.engine.frozen_pieces())
               if k not in saved]
     if frozen:  # a checkpoint written before plait saved them: the job's own values stay
-        warnings.warn(f"{path} holds no {', '.join(k[6:] for k in frozen)} (frozen parameters "
-                      "plait did not save before): they keep this job's values", stacklevel=2)
+        warnings.warn(f"{path} holds no {', '.join(k.removeprefix('model.') for k in frozen)} "
+                      "(frozen parameters plait did not save before): they keep this job's "
+                      "values", stacklevel=2)
         sd = {k: v for k, v in sd.items() if k not in frozen}
     dcp.load(sd, storage_reader=CheckpointReader(str(path)), planner=LoadBoxes(),
              process_group=group)
@@ -184,7 +192,7 @@ def load(path: str | Path, par, optimizer: torch.optim.Optimizer,
     # Masters into the bf16 parameters; ZeRO-1/2 gather every slice back into each replica.
     par.finish_step()
     if whole is not None:  # its matrices from the pieces just read, its state as saved
-        whole.load_matrix_state({tuple(k.split(".", 3)[:1:-1]): t for k, t in sd.items()
+        whole.load_matrix_state({_whole_key(k)[:0:-1]: t for k, t in sd.items()
                                  if k.startswith("whole.")})  # (matrix, state key)
     return int(sd["train.step"]) if full else 0
 
